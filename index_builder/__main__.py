@@ -1,0 +1,5 @@
+import sys
+
+from index_builder.cli import main
+
+sys.exit(main())

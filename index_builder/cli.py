@@ -1,0 +1,118 @@
+"""`python -m index_builder {build,eval,convert-cranfield}`; bad input exits 2 with a one-line reason."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from index_builder.build import BuildError, BuildOptions, build_index
+from index_builder.evaluate import (
+    CONSISTENCY_DEPTHS,
+    EvalInputError,
+    consistency_factor,
+    format_table,
+    metrics,
+    read_qrels,
+    read_queries,
+    read_run,
+    run_queries,
+    write_run,
+)
+from index_builder.smart import convert_cranfield
+from models.encoder import BiEncoder
+from retrieval.index_format import IndexFormatError
+from retrieval.searcher import MAX_K, EncoderMismatch, Searcher, encoder_for
+
+USAGE_ERRORS = (BuildError, EvalInputError, IndexFormatError, EncoderMismatch, FileNotFoundError, ValueError)
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m index_builder", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    build = commands.add_parser("build", help="encode a TSV/JSONL corpus into an index directory")
+    build.add_argument("--corpus", type=Path, required=True, help="TSV id<TAB>text, or JSONL {id|_id, [title], text}")
+    build.add_argument("--out", type=Path, required=True, help="index directory to create")
+    build.add_argument("--model", type=Path, help="Hugging Face checkpoint directory (default: packaged MiniLM)")
+    build.add_argument("--batch-size", type=_positive, default=64)
+    build.add_argument("--chunk-size", type=_positive, default=2048, help="passages per resumable chunk")
+    build.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    build.add_argument("--query-max-tokens", type=_positive, default=20)
+    build.add_argument("--passage-max-tokens", type=_positive, default=256)
+    build.add_argument("--passage-segment-id", type=int, choices=(0, 1),
+                       help="default: 1 (RepBERT), 0 for sentence-transformers models")
+    build.add_argument("--skip-bad", action="store_true", help="skip and count malformed lines instead of stopping")
+    build.add_argument("--overwrite", action="store_true", help="replace an existing --out (atomically)")
+    build.add_argument("--restart", action="store_true", help="discard an interrupted build instead of resuming")
+
+    evaluate = commands.add_parser("eval", help="run queries through an index and score them against qrels")
+    evaluate.add_argument("--index", type=Path, required=True)
+    evaluate.add_argument("--queries", type=Path, required=True, help="TSV qid<TAB>query or BEIR JSONL")
+    evaluate.add_argument("--qrels", type=Path, required=True, help="TREC qrels or BEIR TSV")
+    evaluate.add_argument("--run-out", type=Path, help="where to write the TREC run file")
+    evaluate.add_argument("--compare", type=Path, help="a second run (e.g. BM25) for the consistency factor C(f,n)")
+    evaluate.add_argument("--k", type=_positive, default=MAX_K)
+    evaluate.add_argument("--query-max-tokens", type=_positive, help="override the index's query token limit")
+    evaluate.add_argument("--device", default="auto")
+
+    cranfield = commands.add_parser("convert-cranfield", help="SMART-format Cranfield to corpus/queries/qrels files")
+    cranfield.add_argument("--data", type=Path, required=True, help="folder with cran.all.1400, cran.qry, cranqrel")
+    cranfield.add_argument("--out", type=Path, required=True)
+    return parser
+
+
+def _build(args: argparse.Namespace) -> None:
+    encoder = BiEncoder(
+        args.model,
+        device=args.device,
+        batch_size=args.batch_size,
+        query_max_tokens=args.query_max_tokens,
+        passage_max_tokens=args.passage_max_tokens,
+        passage_segment_id=args.passage_segment_id,
+    )
+    options = BuildOptions(args.corpus, args.out, args.chunk_size, args.skip_bad, args.overwrite, args.restart)
+    print(build_index(options, encoder).summary())
+
+
+def _eval(args: argparse.Namespace) -> None:
+    queries = read_queries(args.queries)
+    qrels = read_qrels(args.qrels)
+    reference = read_run(args.compare) if args.compare else None
+    searcher = Searcher(args.index, device=args.device)
+    if args.query_max_tokens:
+        searcher = Searcher(args.index, encoder_for(searcher.manifest, args.device, args.query_max_tokens))
+    started = time.perf_counter()
+    run = run_queries(searcher, queries, args.k)
+    seconds = time.perf_counter() - started
+    if args.run_out:
+        write_run(args.run_out, run, tag="dense")
+    print(format_table({"dense": metrics(qrels, run)}))
+    if reference is not None:
+        for depth in CONSISTENCY_DEPTHS:
+            print(f"C(dense, {depth}) against {args.compare.name}: {consistency_factor(run, reference, depth):.4f}")
+    print(f"evaluated {len(run)} queries at k={args.k} in {seconds:.1f} s = {1000 * seconds / len(run):.1f} ms/query")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "build":
+            _build(args)
+        elif args.command == "eval":
+            _eval(args)
+        else:
+            counts = convert_cranfield(args.data, args.out)
+            print(f"wrote {args.out}: " + ", ".join(f"{v} {k}" for k, v in counts.items()))
+    except USAGE_ERRORS as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,126 @@
+"""The index directory: the contract between the index builder and the service.
+
+    DIR/manifest.json     what was built, with what encoder, and checksums
+    DIR/index.faiss       a flat inner-product FAISS index, row i = passage row i
+    DIR/passages.sqlite   row -> (id, text), read on demand (see passage_store)
+
+Readers go through this module only; a manifest is written last, atomically,
+so a directory with a manifest is a finished index.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ValidationError
+
+FORMAT_VERSION = 1
+MANIFEST_FILE = "manifest.json"
+INDEX_FILE = "index.faiss"
+PASSAGES_FILE = "passages.sqlite"
+
+
+class IndexFormatError(Exception):
+    """The directory is not a readable index of this format version."""
+
+
+class EncoderRecord(BaseModel):
+    name: str
+    path: str | None  # None: the packaged default encoder
+    dimension: int
+    pooling: Literal["mean", "cls"]
+    similarity: Literal["ip", "cosine"]
+    query_segment_id: int
+    passage_segment_id: int
+    query_max_tokens: int
+    passage_max_tokens: int
+    weights_sha256: str
+
+
+class FileRecord(BaseModel):
+    bytes: int
+    sha256: str
+
+
+class CorpusRecord(BaseModel):
+    path: str
+    format: Literal["tsv", "jsonl"]
+    passages: int
+    skipped: int
+
+
+class Manifest(BaseModel):
+    format_version: int = FORMAT_VERSION
+    encoder: EncoderRecord
+    dimension: int
+    similarity: Literal["ip", "cosine"]
+    count: int
+    built_at: str
+    corpus: CorpusRecord
+    files: dict[str, FileRecord]
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def file_record(path: Path) -> FileRecord:
+    return FileRecord(bytes=path.stat().st_size, sha256=file_sha256(path))
+
+
+def read_json(path: Path) -> dict | None:
+    """The JSON object in `path`, or None where there is no such file."""
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def write_json_atomic(path: Path, payload: dict) -> None:
+    """Write, fsync, rename: a reader sees the old file or the new one, never half of one."""
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("w") as handle:
+        json.dump(payload, handle, indent=2)
+        handle.write("\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
+
+def write_manifest(directory: Path, manifest: Manifest) -> None:
+    write_json_atomic(directory / MANIFEST_FILE, manifest.model_dump())
+
+
+def read_manifest(directory: str | Path, *, verify_checksums: bool = False) -> Manifest:
+    """The manifest of a finished index; IndexFormatError says what is wrong otherwise."""
+    directory = Path(directory)
+    path = directory / MANIFEST_FILE
+    if not path.is_file():
+        raise IndexFormatError(f"{directory}: not an index directory (no {MANIFEST_FILE})")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise IndexFormatError(f"{path}: not valid JSON ({error})") from error
+    if raw.get("format_version") != FORMAT_VERSION:
+        raise IndexFormatError(
+            f"{path}: format_version {raw.get('format_version')!r}, this code reads {FORMAT_VERSION}"
+        )
+    try:
+        manifest = Manifest.model_validate(raw)
+    except ValidationError as error:
+        raise IndexFormatError(f"{path}: {error}") from error
+    for name in (INDEX_FILE, PASSAGES_FILE):
+        record = manifest.files.get(name)
+        file = directory / name
+        if record is None or not file.is_file():
+            raise IndexFormatError(f"{directory}: {name} missing")
+        if file.stat().st_size != record.bytes:
+            raise IndexFormatError(f"{file}: {file.stat().st_size} bytes, manifest says {record.bytes}")
+        if verify_checksums and file_sha256(file) != record.sha256:
+            raise IndexFormatError(f"{file}: sha256 differs from the manifest's")
+    return manifest

@@ -1,0 +1,56 @@
+"""Row -> (id, text) on disk in SQLite, so the passage text never has to fit in RAM."""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+from pathlib import Path
+from typing import Sequence
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS passages (
+    row  INTEGER PRIMARY KEY,   -- the FAISS row
+    id   TEXT NOT NULL UNIQUE,  -- the collection's own passage id
+    text TEXT NOT NULL,
+    line INTEGER NOT NULL       -- line of the corpus file it came from
+);
+"""
+
+
+class PassageStore:
+    """Read-only access; one SQLite connection per thread (connections are not thread-safe)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise FileNotFoundError(f"{self.path}: passage store missing")
+        self._local = threading.local()
+
+    def _connection(self) -> sqlite3.Connection:
+        connection = getattr(self._local, "connection", None)
+        if connection is None:
+            connection = sqlite3.connect(f"{self.path.resolve().as_uri()}?mode=ro", uri=True)
+            self._local.connection = connection
+        return connection
+
+    def __len__(self) -> int:
+        return self._connection().execute("SELECT COUNT(*) FROM passages").fetchone()[0]
+
+    def get(self, rows: Sequence[int]) -> list[tuple[str, str]]:
+        """(id, text) for each row, in the order asked."""
+        if not rows:
+            return []
+        wanted = sorted(set(int(r) for r in rows))
+        found: dict[int, tuple[str, str]] = {}
+        connection = self._connection()
+        for start in range(0, len(wanted), 900):  # SQLite caps bound parameters
+            part = wanted[start : start + 900]
+            marks = ",".join("?" * len(part))
+            for row, pid, text in connection.execute(
+                f"SELECT row, id, text FROM passages WHERE row IN ({marks})", part
+            ):
+                found[row] = (pid, text)
+        missing = [r for r in wanted if r not in found]
+        if missing:
+            raise KeyError(f"{self.path}: rows {missing[:5]} not in the passage store")
+        return [found[int(r)] for r in rows]

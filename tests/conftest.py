@@ -1,0 +1,68 @@
+"""Shared fixtures: one real MiniLM encoder and one small real index per test session."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from index_builder.build import BuildOptions, build_index
+from models.encoder import BiEncoder
+from retrieval.searcher import Searcher
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO = ROOT / "data" / "demo"
+CRANFIELD = ROOT.parent / "shared" / "data" / "cranfield"
+# The demo corpus keeps the relevant passages of q0001..q0100 within its first 300 lines.
+SMALL_CORPUS_LINES = 300
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def head(path: Path, lines: int) -> str:
+    with path.open(encoding="utf-8") as handle:
+        return "".join(next(handle) for _ in range(lines))
+
+
+def read_tsv(path: Path) -> dict[str, str]:
+    return dict(line.rstrip("\n").split("\t", 1) for line in path.open(encoding="utf-8") if line.strip())
+
+
+def read_qrels_map(path: Path) -> dict[str, str]:
+    """query id -> its one relevant passage id (the demo collection judges one passage per query)."""
+    return {fields[0]: fields[2] for fields in (line.split() for line in path.open()) if fields}
+
+
+@pytest.fixture(scope="session")
+def encoder() -> BiEncoder:
+    return BiEncoder(device="cpu")
+
+
+@pytest.fixture(scope="session")
+def small_corpus(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("corpus") / "small.tsv"
+    path.write_text(head(DEMO / "corpus.tsv", SMALL_CORPUS_LINES), encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="session")
+def small_index(tmp_path_factory, small_corpus, encoder) -> Path:
+    out = tmp_path_factory.mktemp("indexes") / "small"
+    build_index(BuildOptions(small_corpus, out, chunk_size=128), encoder)
+    return out
+
+
+@pytest.fixture(scope="session")
+def searcher(small_index, encoder) -> Searcher:
+    return Searcher(small_index, encoder, device="cpu")
+
+
+@pytest.fixture(scope="session")
+def demo_queries() -> dict[str, str]:
+    return read_tsv(DEMO / "queries.tsv")
+
+
+@pytest.fixture(scope="session")
+def demo_qrels() -> dict[str, str]:
+    return read_qrels_map(DEMO / "qrels.txt")

@@ -1,0 +1,64 @@
+"""The RepBERT bi-encoder on the packaged MiniLM weights."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from models.encoder import length_sorted_batches
+
+TEXTS = [
+    "Return the absolute version of a path.",
+    "A very long passage " * 40,
+    "short",
+    "Evaluate an expression node or a string containing only a Python expression.",
+]
+
+
+def test_embeddings_equal_sentence_transformers_reference(encoder):
+    from sentence_transformers import SentenceTransformer
+
+    reference = SentenceTransformer(str(encoder.path), device="cpu")
+    reference.max_seq_length = encoder.spec.passage_max_tokens
+    np.testing.assert_allclose(encoder.encode_passages(TEXTS), reference.encode(TEXTS), atol=1e-5)
+
+
+def test_embedding_is_the_masked_mean_of_token_vectors(encoder):
+    tokens = encoder.tokenizer(["Return the absolute version of a path."], return_tensors="pt")
+    with torch.inference_mode():
+        hidden = encoder.model(**tokens).last_hidden_state[0]
+    mean = hidden.mean(dim=0)  # no padding in a batch of one: the plain mean is eq. 2
+    expected = torch.nn.functional.normalize(mean, dim=0).numpy()
+    np.testing.assert_allclose(encoder.encode_passages(TEXTS[:1])[0], expected, atol=1e-5)
+
+
+def test_padding_in_a_batch_never_changes_an_embedding(encoder):
+    together = encoder.encode_passages(TEXTS)
+    alone = np.stack([encoder.encode_passages([text])[0] for text in TEXTS])
+    np.testing.assert_allclose(together, alone, atol=1e-5)
+
+
+def test_queries_are_truncated_to_their_token_limit(encoder):
+    assert encoder.spec.query_max_tokens == 20
+    long_query = "aerodynamic heating of a wing " * 20
+    truncated = encoder.tokenizer.decode(encoder.tokenizer(long_query, truncation=True, max_length=20)["input_ids"])
+    np.testing.assert_allclose(
+        encoder.encode_queries([long_query]),
+        encoder.encode_queries([truncated.removeprefix("[CLS] ").removesuffix(" [SEP]")]),
+        atol=1e-5,
+    )
+
+
+def test_sentence_transformers_folder_settings_are_honoured(encoder):
+    spec = encoder.spec
+    assert (spec.pooling, spec.similarity, spec.passage_segment_id) == ("mean", "cosine", 0)
+    norms = np.linalg.norm(encoder.encode_queries(["what is a hash table"]), axis=1)
+    np.testing.assert_allclose(norms, 1.0, atol=1e-5)
+
+
+def test_length_sorted_batches_cover_every_position_once_longest_first():
+    lengths = [3, 9, 1, 7, 7, 2]
+    batches = list(length_sorted_batches(lengths, 4))
+    assert sorted(i for batch in batches for i in batch) == list(range(6))
+    assert [lengths[i] for batch in batches for i in batch] == sorted(lengths, reverse=True)
+    assert [len(b) for b in batches] == [4, 2]
