@@ -1,0 +1,83 @@
+"""Dynamic micro-batching: /search requests that arrive within a short window share one encoder
+forward pass and one FAISS search (text-embeddings-inference's queue, in miniature)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import Executor
+from dataclasses import dataclass, replace
+from typing import Callable, Sequence
+
+from service.engine import SearchResult
+
+RunBatch = Callable[[Sequence[str], int], list[SearchResult]]
+
+
+@dataclass
+class _Pending:
+    query: str
+    k: int
+    future: asyncio.Future
+    arrived: float
+
+
+class MicroBatcher:
+    """Collects requests for up to `window_s` (or until `max_batch`), runs them as one batch on
+    `executor`, and hands each caller its own top-k."""
+
+    def __init__(
+        self, run_batch: RunBatch, executor: Executor, window_s: float, max_batch: int,
+        on_batch: Callable[[int], None] = lambda size: None,
+    ) -> None:
+        self._run_batch, self._executor = run_batch, executor
+        self._window_s, self._max_batch, self._on_batch = window_s, max_batch, on_batch
+        self._queue: asyncio.Queue[_Pending] | None = None
+        self._worker: asyncio.Task | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def search(self, query: str, k: int) -> SearchResult:
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop:  # first use, or a new event loop (test clients start one per session)
+            self._loop, self._queue = loop, asyncio.Queue()
+            self._worker = loop.create_task(self._serve())
+        future = asyncio.get_running_loop().create_future()
+        await self._queue.put(_Pending(query, k, future, time.perf_counter()))
+        return await future
+
+    async def close(self) -> None:
+        if self._worker is not None:
+            self._worker.cancel()
+            await asyncio.gather(self._worker, return_exceptions=True)
+            self._worker = None
+
+    async def _collect(self) -> list[_Pending]:
+        """The first waiting request, plus whatever arrives within the window (up to max_batch).
+        Sleeping then draining, rather than a timed get, can never drop a request on a timeout race."""
+        batch = [await self._queue.get()]
+        if self._window_s > 0 and self._queue.qsize() < self._max_batch - 1:
+            await asyncio.sleep(self._window_s)
+        while len(batch) < self._max_batch and not self._queue.empty():
+            batch.append(self._queue.get_nowait())
+        return batch
+
+    async def _serve(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            batch = await self._collect()
+            started = time.perf_counter()
+            k = max(item.k for item in batch)  # the top-k of an exact top-K (K >= k) is the exact top-k
+            try:
+                results = await loop.run_in_executor(self._executor, self._run_batch, [i.query for i in batch], k)
+            except Exception as error:  # noqa: BLE001 - every waiting caller gets the error
+                for item in batch:
+                    if not item.future.done():
+                        item.future.set_exception(error)
+                continue
+            self._on_batch(len(batch))
+            finished = time.perf_counter()
+            for item, result in zip(batch, results):
+                queued = 1000 * (started - item.arrived)
+                timings = replace(result.timings, queue=queued, total=1000 * (finished - item.arrived))
+                if not item.future.done():
+                    item.future.set_result(SearchResult(result.query, result.hits[: item.k], timings))

@@ -1,0 +1,62 @@
+"""Prometheus metrics and sliding-window percentiles for /metrics and /stats."""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+
+import numpy as np
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+
+from service.engine import STAGES, StageTimings
+
+STAGE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+class Monitor:
+    """One per app: its own registry, so several apps (tests, reloads) never share counters."""
+
+    def __init__(self, window: int) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "search_http_requests", "HTTP requests by route and status", ["route", "status"], registry=self.registry
+        )
+        self.stage_seconds = Histogram(
+            "search_stage_seconds", "Time per search stage", ["stage"], buckets=STAGE_BUCKETS, registry=self.registry
+        )
+        self.batch_size = Histogram(
+            "search_batch_size", "Queries per encoder forward pass", buckets=BATCH_BUCKETS, registry=self.registry
+        )
+        self._window = {stage: deque(maxlen=window) for stage in STAGES}
+        self._served = 0
+        self._lock = threading.Lock()
+
+    def observe_request(self, route: str, status: int) -> None:
+        self.requests.labels(route=route, status=str(status)).inc()
+
+    def observe_search(self, timings: StageTimings) -> None:
+        values = timings.as_dict()
+        with self._lock:
+            self._served += 1
+            for stage, ms in values.items():
+                self._window[stage].append(ms)
+        for stage, ms in values.items():
+            self.stage_seconds.labels(stage=stage).observe(ms / 1000)
+
+    def observe_batch(self, size: int) -> None:
+        self.batch_size.observe(size)
+
+    def stats(self) -> dict:
+        """Queries served, and p50/p90/p99 ms per stage over the last `window` queries."""
+        with self._lock:
+            windows = {stage: list(values) for stage, values in self._window.items()}
+            served = self._served
+        percentiles = {}
+        for stage, values in windows.items():
+            p50, p90, p99 = np.percentile(values, [50, 90, 99]) if values else (0.0, 0.0, 0.0)
+            percentiles[stage] = {"p50": round(float(p50), 3), "p90": round(float(p90), 3), "p99": round(float(p99), 3)}
+        return {"queries_served": served, "window": len(windows["total"]), "latency_ms": percentiles}
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

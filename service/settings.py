@@ -1,0 +1,40 @@
+"""Every knob of the service in one typed object, read from `SEARCH_*` environment variables."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class ServiceSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="SEARCH_", extra="ignore")
+
+    index_dir: Path = Field(Path("indexes/demo"), description="index directory served at start-up")
+    index_root: Path | None = Field(None, description="folder /admin/reload may load from (default: index_dir's parent)")
+    device: str = Field("auto", description="auto, cpu, cuda or cuda:N, for the encoder and FAISS")
+    query_max_tokens: int | None = Field(None, ge=1, description="override the index's query token limit")
+    verify_checksums: bool = Field(True, description="check the index files' sha256 against the manifest on load")
+
+    max_query_chars: int = Field(1000, ge=1, description="longest query accepted, in characters")
+    max_k: int = Field(1000, ge=1, le=1000, description="largest k accepted")
+    max_batch_queries: int = Field(64, ge=1, description="most queries in one /search/batch request")
+    max_body_bytes: int = Field(65536, ge=1, description="largest request body accepted, in bytes")
+    api_key: SecretStr | None = Field(None, description="bearer key for every route but /health and /ready")
+
+    microbatch: bool = Field(True, description="fuse concurrent /search requests into one forward pass")
+    microbatch_window_ms: float = Field(2.0, ge=0, description="how long a request waits for others to join")
+    microbatch_max: int = Field(64, ge=1, description="most requests fused into one batch")
+    stats_window: int = Field(1000, ge=1, description="requests kept for /stats percentiles")
+
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=1, le=65535)
+
+    @property
+    def reload_root(self) -> Path:
+        return (self.index_root or self.index_dir.parent).resolve()
+
+    def describe(self) -> str:
+        """One line for the start-up log; the API key shows as '**********'."""
+        return " ".join(f"{name}={value}" for name, value in self.model_dump().items())
