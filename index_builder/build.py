@@ -27,6 +27,7 @@ import faiss
 from tqdm import tqdm
 
 from index_builder.corpus import BadLine, CorpusFormat, Passage, detect_format, read_corpus
+from index_builder.shard import Shard
 from models.encoder import BiEncoder
 from retrieval import dense_index
 from retrieval.index_format import (
@@ -40,6 +41,7 @@ from retrieval.index_format import (
     write_json_atomic,
     write_manifest,
 )
+from retrieval.bm25_index import BM25_DIR, bm25_record, build_bm25
 from retrieval.passage_store import SCHEMA
 
 STATE_FILE = "state.json"
@@ -58,6 +60,8 @@ class BuildOptions:
     skip_bad: bool = False
     overwrite: bool = False
     restart: bool = False
+    bm25: bool = False  # also build a BM25 index over the same passages
+    shard: Shard | None = None  # keep only this shard's records (see index_builder.shard)
 
 
 @dataclass
@@ -88,6 +92,7 @@ class _Chunk:
     end_offset: int  # byte just past the chunk's last line
     end_line: int
     sha256: str  # of the corpus bytes [0, end_offset)
+    records: int  # corpus records (passages and bad lines) in [0, end_offset): where --shard resumes counting
 
 
 @dataclass
@@ -182,10 +187,12 @@ def build_index(options: BuildOptions, encoder: BiEncoder) -> BuildReport:
         "skip_bad": options.skip_bad,
         "encoder": encoder.spec.to_dict(),
     }
+    if options.shard is not None:  # only then, so builds interrupted before --shard existed still resume
+        identity["shard"] = str(options.shard)
     work = _work_dir(out)
     state = _open_state(work, identity, options.restart)
     resumed_chunks = len(state.chunks)
-    last = state.chunks[-1] if state.chunks else {"end_offset": 0, "end_line": 0, "sha256": None}
+    last = state.chunks[-1] if state.chunks else {"end_offset": 0, "end_line": 0, "sha256": None, "records": 0}
     digest = hashlib.sha256()
     with corpus.open("rb") as handle:
         digest.update(handle.read(last["end_offset"]))
@@ -199,7 +206,8 @@ def build_index(options: BuildOptions, encoder: BiEncoder) -> BuildReport:
         encoded = 0
         size = max(corpus.stat().st_size, 1)
         with tqdm(desc="encoding", unit=" passages", initial=state.rows) as progress:
-            chunks = _read_chunks(handle, fmt, last["end_offset"], last["end_line"], digest, options.chunk_size)
+            chunks = _read_chunks(handle, fmt, last["end_offset"], last["end_line"], digest, options.chunk_size,
+                                  options.shard, last.get("records", 0))
             for chunk in chunks:
                 bad = sorted(chunk.bad + _check_duplicates(connection, chunk.passages), key=lambda b: b.line)
                 for line in bad:
@@ -210,9 +218,9 @@ def build_index(options: BuildOptions, encoder: BiEncoder) -> BuildReport:
                 encoded += len(passages)
                 progress.set_postfix(read=f"{100 * chunk.end_offset / size:.0f}%")
         connection.close()
-    if state.rows == 0:
+    if state.rows == 0 and options.shard is None:  # a shard of a tiny corpus may rightly be empty
         raise BuildError(f"{corpus}: no passages to index")
-    _finish(work, state, encoder, corpus, fmt)
+    _finish(work, state, encoder, corpus, fmt, options.bm25, options.shard)
     _move_into_place(work, out)
     return BuildReport(
         out=out,
@@ -225,24 +233,30 @@ def build_index(options: BuildOptions, encoder: BiEncoder) -> BuildReport:
 
 
 def _read_chunks(
-    handle: BinaryIO, fmt: CorpusFormat, offset: int, line: int, digest, chunk_size: int
+    handle: BinaryIO, fmt: CorpusFormat, offset: int, line: int, digest, chunk_size: int,
+    shard: Shard | None = None, records: int = 0,
 ) -> Iterator[_Chunk]:
-    """Group the corpus from `offset` into chunks of `chunk_size` well-formed passages."""
+    """Group the corpus from `offset` into chunks of `chunk_size` well-formed passages (of `shard`'s
+    records only; `records` counts those before `offset`)."""
     passages: list[Passage] = []
     bad: list[BadLine] = []
     for item, raw in read_corpus(handle, fmt, first_line=line + 1):
         offset += len(raw)
         line += 1
         digest.update(raw)
+        if item is not None:
+            records += 1
+            if shard is not None and not shard.keeps(records - 1):
+                continue
         if isinstance(item, BadLine):
             bad.append(item)
         elif item is not None:
             passages.append(item)
         if len(passages) == chunk_size:
-            yield _Chunk(passages, bad, offset, line, digest.hexdigest())
+            yield _Chunk(passages, bad, offset, line, digest.hexdigest(), records)
             passages, bad = [], []
     if passages or bad:
-        yield _Chunk(passages, bad, offset, line, digest.hexdigest())
+        yield _Chunk(passages, bad, offset, line, digest.hexdigest(), records)
 
 
 def _commit_chunk(work, state: _State, connection, encoder: BiEncoder, passages, chunk: _Chunk, skipped, progress):
@@ -269,19 +283,24 @@ def _commit_chunk(work, state: _State, connection, encoder: BiEncoder, passages,
             "rows": len(passages),
             "skipped": skipped,
             "sha256": chunk.sha256,
+            "records": chunk.records,
         }
     )
     state.save(work)
 
 
-def _finish(work: Path, state: _State, encoder: BiEncoder, corpus: Path, fmt: CorpusFormat) -> None:
-    """FAISS index from the chunks, then the manifest (last: it marks the directory finished)."""
+def _finish(
+    work: Path, state: _State, encoder: BiEncoder, corpus: Path, fmt: CorpusFormat, bm25: bool, shard: Shard | None
+) -> None:
+    """FAISS index from the chunks (and BM25 from the stored passages), then the manifest (last:
+    it marks the directory finished)."""
     index = dense_index.new_flat_index(encoder.dimension)
     for number in range(len(state.chunks)):
         index.add(np.load(work / "chunks" / f"{number:06d}.npy"))
     tmp = work / (INDEX_FILE + ".tmp")
     faiss.write_index(index, str(tmp))
     os.replace(tmp, work / INDEX_FILE)
+    files = [INDEX_FILE, PASSAGES_FILE] + (add_bm25(work, state.rows) if bm25 else [])
     manifest = Manifest(
         encoder=EncoderRecord(path=encoder.source, **encoder.spec.to_dict()),
         dimension=encoder.dimension,
@@ -294,9 +313,25 @@ def _finish(work: Path, state: _State, encoder: BiEncoder, corpus: Path, fmt: Co
             passages=state.rows,
             skipped=sum(chunk["skipped"] for chunk in state.chunks),
         ),
-        files={name: file_record(work / name) for name in (INDEX_FILE, PASSAGES_FILE)},
+        files={name: file_record(work / name) for name in files},
+        bm25=bm25_record() if bm25 else None,
+        shard=str(shard) if shard is not None else None,
     )
     write_manifest(work, manifest)
+
+
+def add_bm25(work: Path, rows: int) -> list[str]:
+    """BM25 over the passages stored in `work` (row order); returns its files relative to `work`.
+    Built from the final store, never merged, because BM25's statistics belong to the whole corpus."""
+    folder = work / BM25_DIR
+    if folder.exists():
+        shutil.rmtree(folder)
+    connection = sqlite3.connect(work / PASSAGES_FILE)
+    try:
+        build_bm25((text for (text,) in connection.execute("SELECT text FROM passages ORDER BY row")), rows, folder)
+    finally:
+        connection.close()
+    return sorted(str(path.relative_to(work)) for path in folder.iterdir())
 
 
 def _move_into_place(work: Path, out: Path) -> None:
@@ -307,7 +342,8 @@ def _move_into_place(work: Path, out: Path) -> None:
     if out.exists():
         os.replace(out, old)
     os.replace(work, out)
-    shutil.rmtree(out / "chunks")
-    (out / STATE_FILE).unlink()
+    if (out / "chunks").exists():  # a build's scratch files; a merge (index_builder.merge) has none
+        shutil.rmtree(out / "chunks")
+    (out / STATE_FILE).unlink(missing_ok=True)
     if old.exists():
         shutil.rmtree(old)

@@ -1,4 +1,4 @@
-"""`python -m index_builder {build,eval,convert-cranfield}`; bad input exits 2 with a one-line reason."""
+"""`python -m index_builder {build,merge,eval,convert-cranfield}`; bad input exits 2 with a one-line reason."""
 
 from __future__ import annotations
 
@@ -8,8 +8,11 @@ import time
 from pathlib import Path
 
 from index_builder.build import BuildError, BuildOptions, build_index
+from index_builder.merge import merge_shards
+from index_builder.shard import Shard
 from index_builder.evaluate import (
     CONSISTENCY_DEPTHS,
+    EVAL_MODES,
     EvalInputError,
     consistency_factor,
     format_table,
@@ -22,7 +25,7 @@ from index_builder.evaluate import (
 )
 from index_builder.smart import convert_cranfield
 from models.encoder import BiEncoder
-from retrieval.index_format import IndexFormatError
+from retrieval.index_format import IndexFormatError, read_manifest
 from retrieval.searcher import MAX_K, EncoderMismatch, Searcher, encoder_for
 
 USAGE_ERRORS = (BuildError, EvalInputError, IndexFormatError, EncoderMismatch, FileNotFoundError, ValueError)
@@ -33,6 +36,13 @@ def _positive(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
+
+
+def _shard(text: str) -> Shard:
+    try:
+        return Shard.parse(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -53,12 +63,24 @@ def _parser() -> argparse.ArgumentParser:
     build.add_argument("--skip-bad", action="store_true", help="skip and count malformed lines instead of stopping")
     build.add_argument("--overwrite", action="store_true", help="replace an existing --out (atomically)")
     build.add_argument("--restart", action="store_true", help="discard an interrupted build instead of resuming")
+    build.add_argument("--bm25", action="store_true", help="also build a BM25 index (bm25s) over the same passages")
+    build.add_argument("--shard", type=_shard, metavar="i/N",
+                       help="keep only records i, i+N, i+2N, ... (0-based) of the corpus; combine with `merge`")
+    build.add_argument("--if-missing", action="store_true",
+                       help="if --out already holds an index, keep it and exit 0 (for one-shot deploy jobs)")
+
+    merge = commands.add_parser("merge", help="merge the indexes of `build --shard i/N` jobs into one index")
+    merge.add_argument("--shards", type=Path, nargs="+", required=True, help="all N shard index directories")
+    merge.add_argument("--out", type=Path, required=True, help="index directory to create")
+    merge.add_argument("--overwrite", action="store_true", help="replace an existing --out (atomically)")
 
     evaluate = commands.add_parser("eval", help="run queries through an index and score them against qrels")
     evaluate.add_argument("--index", type=Path, required=True)
     evaluate.add_argument("--queries", type=Path, required=True, help="TSV qid<TAB>query or BEIR JSONL")
     evaluate.add_argument("--qrels", type=Path, required=True, help="TREC qrels or BEIR TSV")
-    evaluate.add_argument("--run-out", type=Path, help="where to write the TREC run file")
+    evaluate.add_argument("--modes", nargs="+", choices=list(EVAL_MODES),
+                          help="retrieval set-ups to compare (default: all the index supports)")
+    evaluate.add_argument("--runs-dir", type=Path, help="write one TREC run file per mode here (MODE.run)")
     evaluate.add_argument("--compare", type=Path, help="a second run (e.g. BM25) for the consistency factor C(f,n)")
     evaluate.add_argument("--k", type=_positive, default=MAX_K)
     evaluate.add_argument("--query-max-tokens", type=_positive, help="override the index's query token limit")
@@ -71,6 +93,10 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _build(args: argparse.Namespace) -> None:
+    if args.if_missing and args.out.exists():
+        manifest = read_manifest(args.out)  # a broken folder stops the job rather than being served
+        print(f"kept {args.out}: it already holds an index of {manifest.count} passages (--if-missing)")
+        return
     encoder = BiEncoder(
         args.model,
         device=args.device,
@@ -79,7 +105,10 @@ def _build(args: argparse.Namespace) -> None:
         passage_max_tokens=args.passage_max_tokens,
         passage_segment_id=args.passage_segment_id,
     )
-    options = BuildOptions(args.corpus, args.out, args.chunk_size, args.skip_bad, args.overwrite, args.restart)
+    options = BuildOptions(
+        args.corpus, args.out, args.chunk_size, args.skip_bad, args.overwrite, args.restart, bm25=args.bm25,
+        shard=args.shard,
+    )
     print(build_index(options, encoder).summary())
 
 
@@ -87,19 +116,26 @@ def _eval(args: argparse.Namespace) -> None:
     queries = read_queries(args.queries)
     qrels = read_qrels(args.qrels)
     reference = read_run(args.compare) if args.compare else None
-    searcher = Searcher(args.index, device=args.device)
-    if args.query_max_tokens:
-        searcher = Searcher(args.index, encoder_for(searcher.manifest, args.device, args.query_max_tokens))
-    started = time.perf_counter()
-    run = run_queries(searcher, queries, args.k)
-    seconds = time.perf_counter() - started
-    if args.run_out:
-        write_run(args.run_out, run, tag="dense")
-    print(format_table({"dense": metrics(qrels, run)}))
+    searcher = Searcher(args.index, encoder_for(read_manifest(args.index), args.device, args.query_max_tokens),
+                        device=args.device)
+    modes = args.modes or (list(EVAL_MODES) if searcher.bm25 is not None else ["dense"])
+    runs, table = {}, {}
+    for mode in modes:
+        started = time.perf_counter()
+        runs[mode] = run_queries(searcher, queries, args.k, **EVAL_MODES[mode])
+        seconds = time.perf_counter() - started
+        table[mode] = {**metrics(qrels, runs[mode]), "ms/query": 1000 * seconds / len(queries)}
+        if args.runs_dir:
+            args.runs_dir.mkdir(parents=True, exist_ok=True)
+            write_run(args.runs_dir / f"{mode}.run", runs[mode], tag=mode)
+    print(format_table(table))
+    comparisons = {"bm25": runs["bm25"]} if "dense" in runs and "bm25" in runs else {}
     if reference is not None:
-        for depth in CONSISTENCY_DEPTHS:
-            print(f"C(dense, {depth}) against {args.compare.name}: {consistency_factor(run, reference, depth):.4f}")
-    print(f"evaluated {len(run)} queries at k={args.k} in {seconds:.1f} s = {1000 * seconds / len(run):.1f} ms/query")
+        comparisons[args.compare.name] = reference
+    for name, other in comparisons.items():
+        values = ", ".join(f"C(dense, {n}) = {consistency_factor(runs['dense'], other, n):.4f}" for n in CONSISTENCY_DEPTHS)
+        print(f"consistency of dense with {name}'s top 1000: {values}")
+    print(f"evaluated {len(queries)} queries x {len(modes)} modes at k={args.k}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -107,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "build":
             _build(args)
+        elif args.command == "merge":
+            print(merge_shards(args.shards, args.out, args.overwrite).summary())
         elif args.command == "eval":
             _eval(args)
         else:

@@ -18,6 +18,14 @@ from retrieval.searcher import Searcher
 
 MEASURES = {"MRR@10": RR @ 10, "nDCG@10": nDCG @ 10, "Recall@100": R @ 100, "Recall@1000": R @ 1000, "MAP": AP}
 CONSISTENCY_DEPTHS = (10, 100, 1000)
+# The retrieval set-ups `eval --modes` can compare; hybrid interleaving in both orders (paper 000 eq. 6).
+EVAL_MODES = {
+    "dense": {"mode": "dense"},
+    "bm25": {"mode": "bm25"},
+    "hybrid-interleave": {"mode": "hybrid", "fusion": "interleave", "lead": "dense"},
+    "hybrid-interleave-bm25-first": {"mode": "hybrid", "fusion": "interleave", "lead": "bm25"},
+    "hybrid-rrf": {"mode": "hybrid", "fusion": "rrf"},
+}
 Run = dict[str, list[tuple[str, float]]]  # query id -> [(passage id, score)] best first
 
 
@@ -66,12 +74,13 @@ def read_qrels(path: Path) -> list[ir_measures.Qrel]:
     return qrels
 
 
-def run_queries(searcher: Searcher, queries: Mapping[str, str], k: int, batch_size: int = 64) -> Run:
+def run_queries(searcher: Searcher, queries: Mapping[str, str], k: int, batch_size: int = 64, **retrieval) -> Run:
+    """`retrieval`: the Searcher's mode, fusion and lead (see EVAL_MODES)."""
     run: Run = {}
     ids = list(queries)
     for start in range(0, len(ids), batch_size):
         part = ids[start : start + batch_size]
-        for qid, hits in zip(part, searcher.batch_search([queries[q] for q in part], k)):
+        for qid, hits in zip(part, searcher.batch_search([queries[q] for q in part], k, **retrieval)):
             run[qid] = [(hit.id, hit.score) for hit in hits]
     return run
 
@@ -118,6 +127,7 @@ def format_table(rows: Mapping[str, Mapping[str, float]]) -> str:
     width = max(len(name) for name in rows) + 2
     lines = [" " * width + "  ".join(f"{c:>11}" for c in columns)]
     for name, values in rows.items():
-        lines.append(f"{name:<{width}}" + "  ".join(f"{values[c]:>11.4f}" for c in columns))
+        lines.append(f"{name:<{width}}" + "  ".join(
+            f"{values[c]:>11.1f}" if c.startswith("ms") else f"{values[c]:>11.4f}" for c in columns))
     return "\n".join(lines)
 

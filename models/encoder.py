@@ -184,6 +184,13 @@ class BiEncoder:
         return out
 
     def _embed(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, segment_id: int) -> np.ndarray:
+        return self.embed_tensor(input_ids, attention_mask, segment_id).cpu().numpy()
+
+    def embed_tensor(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, segment_id: int) -> torch.Tensor:
+        """(batch, dimension) float32 embeddings on the model's device, pooled and normalised as `spec` says.
+
+        Differentiable when called outside `torch.inference_mode`, which fine-tuning relies on.
+        """
         input_ids = input_ids.to(self.device)
         attention_mask = attention_mask.to(self.device)
         token_type_ids = torch.full_like(input_ids, segment_id)
@@ -197,4 +204,4 @@ class BiEncoder:
             pooled = (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1.0)
         if self.spec.similarity == "cosine":
             pooled = torch.nn.functional.normalize(pooled, dim=-1)
-        return pooled.cpu().numpy()
+        return pooled

@@ -53,6 +53,14 @@ class CorpusRecord(BaseModel):
     skipped: int
 
 
+class Bm25Record(BaseModel):
+    library: str  # "bm25s <version>"
+    k1: float
+    b: float
+    stemmer: str
+    stopwords: str
+
+
 class Manifest(BaseModel):
     format_version: int = FORMAT_VERSION
     encoder: EncoderRecord
@@ -61,7 +69,9 @@ class Manifest(BaseModel):
     count: int
     built_at: str
     corpus: CorpusRecord
-    files: dict[str, FileRecord]
+    files: dict[str, FileRecord]  # every file of the index, by path relative to the directory
+    bm25: Bm25Record | None = None  # present when built with --bm25
+    shard: str | None = None  # "i/N" for one job of a sharded build (index_builder.shard); None for a whole index
 
 
 def file_sha256(path: Path) -> str:
@@ -115,9 +125,11 @@ def read_manifest(directory: str | Path, *, verify_checksums: bool = False) -> M
     except ValidationError as error:
         raise IndexFormatError(f"{path}: {error}") from error
     for name in (INDEX_FILE, PASSAGES_FILE):
-        record = manifest.files.get(name)
+        if name not in manifest.files:
+            raise IndexFormatError(f"{directory}: {name} missing from the manifest")
+    for name, record in manifest.files.items():
         file = directory / name
-        if record is None or not file.is_file():
+        if not file.is_file():
             raise IndexFormatError(f"{directory}: {name} missing")
         if file.stat().st_size != record.bytes:
             raise IndexFormatError(f"{file}: {file.stat().st_size} bytes, manifest says {record.bytes}")

@@ -4,16 +4,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Literal, Sequence, get_args
 
 import numpy as np
 
 from models.encoder import BiEncoder
 from retrieval import dense_index
+from retrieval.bm25_index import BM25_DIR, Bm25Index
+from retrieval.fusion import interleave, reciprocal_rank_fusion
 from retrieval.index_format import INDEX_FILE, PASSAGES_FILE, Manifest, read_manifest
 from retrieval.passage_store import PassageStore
 
 MAX_K = 1000
+Mode = Literal["dense", "bm25", "hybrid"]
+Fusion = Literal["interleave", "rrf"]
+MODES: tuple[str, ...] = get_args(Mode)
+FUSIONS: tuple[str, ...] = get_args(Fusion)
 # The fields an encoder must share with the index it searches; names and token limits may differ.
 MATCHED_FIELDS = ("dimension", "pooling", "similarity", "query_segment_id", "passage_segment_id", "weights_sha256")
 
@@ -24,6 +30,11 @@ class Hit:
     text: str
     score: float
     rank: int  # 1-based
+    retrieval_score: float | None = None  # set when a reranker rescored the hit: its first-stage score
+
+
+class NoBm25Index(ValueError):
+    """BM25 or hybrid retrieval asked of an index built without --bm25."""
 
 
 class EncoderMismatch(ValueError):
@@ -59,7 +70,12 @@ def validate_k(k: int) -> None:
 
 
 class Searcher:
-    """Encode -> exact inner-product search -> passages, sorted by score (ties by row)."""
+    """Encode -> exact inner-product search (and/or BM25, fused) -> passages, sorted by score.
+
+    `mode` picks the retriever: "dense" (the bi-encoder), "bm25" (exact match, when the index
+    was built with --bm25) or "hybrid" (both, combined by `fusion`: "interleave", paper 000
+    eq. 6, with `lead` deciding which list goes first; or "rrf", reciprocal rank fusion over
+    each list's top `fusion_depth`)."""
 
     def __init__(
         self,
@@ -75,30 +91,70 @@ class Searcher:
         check_encoder(self.manifest, self.encoder)
         self.index = dense_index.load_index(self.index_dir / INDEX_FILE, device)
         self.passages = PassageStore(self.index_dir / PASSAGES_FILE)
+        self.bm25 = Bm25Index(self.index_dir / BM25_DIR) if self.manifest.bm25 is not None else None
 
     @property
     def count(self) -> int:
         return self.manifest.count
 
-    def search(self, query: str, k: int = 10) -> list[Hit]:
-        return self.batch_search([query], k)[0]
+    def search(self, query: str, k: int = 10, **retrieval) -> list[Hit]:
+        return self.batch_search([query], k, **retrieval)[0]
 
-    def batch_search(self, queries: Sequence[str], k: int = 10) -> list[list[Hit]]:
-        validate_k(k)
-        return self.retrieve(self.encoder.encode_queries(queries), k)
+    def batch_search(self, queries: Sequence[str], k: int = 10, **retrieval) -> list[list[Hit]]:
+        """One list of at most k hits per query; `retrieval`: mode, fusion, lead, fusion_depth."""
+        self.check(k, **retrieval)
+        vectors = self.encode(queries) if retrieval.get("mode", "dense") != "bm25" else None
+        return self.hits(self.rank(queries, vectors, k, **retrieval))
 
-    def retrieve(self, query_vectors: np.ndarray, k: int) -> list[list[Hit]]:
-        """Search already-encoded queries; one list of at most k hits per vector."""
+    def check(self, k: int, mode: str = "dense", fusion: str = "interleave", lead: str = "dense", **_) -> None:
+        """ValueError (NoBm25Index for a missing BM25) unless this index can serve the request."""
         validate_k(k)
-        scores, rows = dense_index.search(self.index, query_vectors, min(k, self.count))
+        if mode not in MODES or fusion not in FUSIONS or lead not in ("dense", "bm25"):
+            raise ValueError(f"mode must be one of {MODES}, fusion one of {FUSIONS}, lead dense or bm25")
+        if mode != "dense" and self.bm25 is None:
+            raise NoBm25Index(f"mode {mode!r} needs a BM25 index; {self.index_dir} was built without --bm25")
+
+    def encode(self, queries: Sequence[str]) -> np.ndarray:
+        return self.encoder.encode_queries(queries)
+
+    def rank(
+        self,
+        queries: Sequence[str],
+        vectors: np.ndarray | None,
+        k: int,
+        mode: Mode = "dense",
+        fusion: Fusion = "interleave",
+        lead: Literal["dense", "bm25"] = "dense",
+        fusion_depth: int = MAX_K,
+    ) -> list[list[tuple[int, float]]]:
+        """(row, score) lists, best first; `vectors` are the encoded queries (unused for bm25)."""
+        self.check(k, mode, fusion, lead)
+        if mode == "dense":
+            return self._dense(vectors, k)
+        if mode == "bm25":
+            return self.bm25.search(queries, k)
+        depth = k if fusion == "interleave" else max(k, min(fusion_depth, MAX_K))
+        fused = []
+        for dense, exact in zip(self._dense(vectors, depth), self.bm25.search(queries, depth)):
+            lists = [[row for row, _ in dense], [row for row, _ in exact]]
+            if fusion == "rrf":
+                fused.append(reciprocal_rank_fusion(lists, k))
+            else:
+                first, second = lists if lead == "dense" else lists[::-1]
+                fused.append(interleave(first, second, k))
+        return fused
+
+    def _dense(self, vectors: np.ndarray, k: int) -> list[list[tuple[int, float]]]:
+        scores, rows = dense_index.search(self.index, vectors, min(k, self.count))
+        return [[(int(r), float(s)) for r, s in zip(row, score) if r >= 0] for row, score in zip(rows, scores)]
+
+    def hits(self, ranked: list[list[tuple[int, float]]]) -> list[list[Hit]]:
+        """Attach ids and texts to ranked rows."""
         results = []
-        for score_row, index_row in zip(scores, rows):
-            keep = index_row >= 0
-            found = self.passages.get(index_row[keep].tolist())
+        for ranking in ranked:
+            found = self.passages.get([row for row, _ in ranking])
             results.append(
-                [
-                    Hit(id=pid, text=text, score=float(score), rank=rank)
-                    for rank, ((pid, text), score) in enumerate(zip(found, score_row[keep]), start=1)
-                ]
+                [Hit(id=pid, text=text, score=score, rank=rank)
+                 for rank, ((pid, text), (_, score)) in enumerate(zip(found, ranking), start=1)]
             )
         return results

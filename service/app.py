@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import logging
 from concurrent.futures import ThreadPoolExecutor
@@ -51,8 +52,8 @@ class _Runtime:
         )
         self.reload_lock = asyncio.Lock()
 
-    def _search_batch(self, queries, k):
-        return self.engine.search_batch(queries, k)
+    def _search_batch(self, queries, k, **retrieval):
+        return self.engine.search_batch(queries, k, **retrieval)
 
     def ready_engine(self) -> SearchEngine:
         if self.engine is None:
@@ -64,7 +65,7 @@ class _Runtime:
         try:
             engine = SearchEngine.open(
                 settings.index_dir, device=settings.device, query_max_tokens=settings.query_max_tokens,
-                verify_checksums=settings.verify_checksums,
+                verify_checksums=settings.verify_checksums, reranker=settings.reranker,
             )
             engine.warm_up()
             self.engine = engine
@@ -99,8 +100,30 @@ class _RequestCounter:
             self.monitor.observe_request(path if path in self.paths else "unmatched", status)
 
 
+def plan(settings: ServiceSettings, engine: SearchEngine, request: SearchRequest | BatchSearchRequest) -> dict:
+    """The engine's keyword arguments for a request: retrieval options and the rerank depth.
+    Bad values are a 422 naming the field; what this service or index cannot do is a 400."""
+    retrieval = request.retrieval()
+    if request.rerank:
+        if engine.reranker is None:
+            raise HTTPException(400, "rerank: no reranker is configured on this service (set SEARCH_RERANKER)")
+        depth = request.depth or max(settings.rerank_depth, request.k)
+        if depth > settings.max_rerank_depth:
+            raise limits.refuse(("depth",), f"depth={depth} is over the max_rerank_depth limit of "
+                                f"{settings.max_rerank_depth} (SEARCH_MAX_RERANK_DEPTH)", depth)
+        if depth < request.k:
+            raise limits.refuse(("depth",), f"depth={depth} is smaller than k={request.k}: rescore at least k", depth)
+        retrieval["rerank_depth"] = depth
+    try:
+        engine.searcher.check(retrieval.get("rerank_depth", request.k), **retrieval)
+    except ValueError as error:
+        raise HTTPException(400, f"mode: {error}") from None
+    return retrieval
+
+
 def _passages(result: SearchResult) -> list[Passage]:
-    return [Passage(id=h.id, text=h.text, score=h.score, rank=h.rank) for h in result.hits]
+    return [Passage(id=h.id, text=h.text, score=h.score, rank=h.rank, retrieval_score=h.retrieval_score)
+            for h in result.hits]
 
 
 def create_app(settings: ServiceSettings | None = None, engine: SearchEngine | None = None) -> FastAPI:
@@ -148,29 +171,30 @@ def create_app(settings: ServiceSettings | None = None, engine: SearchEngine | N
         return Status(status="ready", index=IndexInfo(**runtime.engine.describe()))
 
     @app.post("/search", response_model=SearchResponse, dependencies=protected,
-              responses={400: {"description": "rerank asked for without a reranker"}, 503: {"description": "loading"}})
+              responses={400: {"description": "rerank without a reranker, or a mode the index lacks"},
+                         503: {"description": "loading"}})
     async def search(request: SearchRequest) -> SearchResponse:
         limits.check_query(settings, request.query)
         limits.check_k(settings, request.k)
-        if request.rerank:
-            raise HTTPException(400, "rerank: no reranker is configured on this service")
         engine = runtime.ready_engine()
+        retrieval = plan(settings, engine, request)
         if settings.microbatch:
-            result = await runtime.batcher.search(request.query, request.k)
+            result = await runtime.batcher.search(request.query, request.k, **retrieval)
         else:
-            result = await asyncio.get_running_loop().run_in_executor(runtime.executor, engine.search, request.query, request.k)
+            call = functools.partial(engine.search, request.query, request.k, **retrieval)
+            result = await asyncio.get_running_loop().run_in_executor(runtime.executor, call)
         runtime.monitor.observe_search(result.timings)
         return SearchResponse(query=request.query, results=_passages(result), latency_ms=result.timings.as_dict())
 
     @app.post("/search/batch", response_model=BatchSearchResponse, dependencies=protected,
-              responses={503: {"description": "loading"}})
+              responses={400: {"description": "a mode the index lacks"}, 503: {"description": "loading"}})
     async def search_batch(request: BatchSearchRequest) -> BatchSearchResponse:
         limits.check_batch(settings, request.queries)
         limits.check_k(settings, request.k)
         engine = runtime.ready_engine()
-        results = await asyncio.get_running_loop().run_in_executor(
-            runtime.executor, engine.search_batch, request.queries, request.k
-        )
+        retrieval = plan(settings, engine, request)
+        call = functools.partial(engine.search_batch, request.queries, request.k, **retrieval)
+        results = await asyncio.get_running_loop().run_in_executor(runtime.executor, call)
         runtime.monitor.observe_batch(len(results))
         for result in results:
             runtime.monitor.observe_search(result.timings)

@@ -4,6 +4,7 @@ forward pass and one FAISS search (text-embeddings-inference's queue, in miniatu
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from concurrent.futures import Executor
 from dataclasses import dataclass, replace
@@ -11,13 +12,14 @@ from typing import Callable, Sequence
 
 from service.engine import SearchResult
 
-RunBatch = Callable[[Sequence[str], int], list[SearchResult]]
+RunBatch = Callable[..., list[SearchResult]]  # (queries, k, **retrieval) -> one result per query
 
 
 @dataclass
 class _Pending:
     query: str
     k: int
+    retrieval: tuple[tuple[str, str], ...]  # sorted (name, value) pairs: requests fuse only with their like
     future: asyncio.Future
     arrived: float
 
@@ -36,13 +38,13 @@ class MicroBatcher:
         self._worker: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
-    async def search(self, query: str, k: int) -> SearchResult:
+    async def search(self, query: str, k: int, **retrieval: str) -> SearchResult:
         loop = asyncio.get_running_loop()
         if self._loop is not loop:  # first use, or a new event loop (test clients start one per session)
             self._loop, self._queue = loop, asyncio.Queue()
             self._worker = loop.create_task(self._serve())
         future = asyncio.get_running_loop().create_future()
-        await self._queue.put(_Pending(query, k, future, time.perf_counter()))
+        await self._queue.put(_Pending(query, k, tuple(sorted(retrieval.items())), future, time.perf_counter()))
         return await future
 
     async def close(self) -> None:
@@ -62,22 +64,28 @@ class MicroBatcher:
         return batch
 
     async def _serve(self) -> None:
-        loop = asyncio.get_running_loop()
         while True:
             batch = await self._collect()
-            started = time.perf_counter()
-            k = max(item.k for item in batch)  # the top-k of an exact top-K (K >= k) is the exact top-k
-            try:
-                results = await loop.run_in_executor(self._executor, self._run_batch, [i.query for i in batch], k)
-            except Exception as error:  # noqa: BLE001 - every waiting caller gets the error
-                for item in batch:
-                    if not item.future.done():
-                        item.future.set_exception(error)
-                continue
-            self._on_batch(len(batch))
-            finished = time.perf_counter()
-            for item, result in zip(batch, results):
-                queued = 1000 * (started - item.arrived)
-                timings = replace(result.timings, queue=queued, total=1000 * (finished - item.arrived))
+            groups: dict[tuple, list[_Pending]] = {}
+            for item in batch:
+                groups.setdefault(item.retrieval, []).append(item)
+            for retrieval, group in groups.items():
+                await self._run(group, dict(retrieval))
+
+    async def _run(self, batch: list[_Pending], retrieval: dict[str, str]) -> None:
+        started = time.perf_counter()
+        k = max(item.k for item in batch)  # the top-k of an exact top-K (K >= k) is the exact top-k
+        call = functools.partial(self._run_batch, [item.query for item in batch], k, **retrieval)
+        try:
+            results = await asyncio.get_running_loop().run_in_executor(self._executor, call)
+        except Exception as error:  # noqa: BLE001 - every waiting caller gets the error
+            for item in batch:
                 if not item.future.done():
-                    item.future.set_result(SearchResult(result.query, result.hits[: item.k], timings))
+                    item.future.set_exception(error)
+            return
+        self._on_batch(len(batch))
+        finished = time.perf_counter()
+        for item, result in zip(batch, results):
+            timings = replace(result.timings, queue=1000 * (started - item.arrived), total=1000 * (finished - item.arrived))
+            if not item.future.done():
+                item.future.set_result(SearchResult(result.query, result.hits[: item.k], timings))

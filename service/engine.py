@@ -4,10 +4,11 @@ timings. Plain Python: the HTTP layer, tests and benchmarks all drive this same 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Sequence
 
+from models.cross_encoder import CrossEncoder
 from retrieval.index_format import INDEX_FILE, PASSAGES_FILE, read_manifest
 from retrieval.searcher import EncoderMismatch, Hit, Searcher, encoder_for
 
@@ -40,44 +41,78 @@ class ReloadError(Exception):
 
 
 class SearchEngine:
-    """Owns the current Searcher; `reload` swaps in another atomically (a search in flight keeps the one it took)."""
+    """Owns the current Searcher; `reload` swaps in another atomically (a search in flight keeps the one it took).
+    With a reranker, `rerank_depth` rescoring (monoBERT, paper 004) follows retrieval."""
 
-    def __init__(self, searcher: Searcher) -> None:
+    def __init__(self, searcher: Searcher, reranker: CrossEncoder | None = None) -> None:
         self._searcher = searcher
+        self.reranker = reranker
 
     @classmethod
     def open(
-        cls, index_dir: Path, *, device: str = "auto", query_max_tokens: int | None = None, verify_checksums: bool = True
+        cls, index_dir: Path, *, device: str = "auto", query_max_tokens: int | None = None,
+        verify_checksums: bool = True, reranker: Path | None = None,
     ) -> "SearchEngine":
         manifest = read_manifest(index_dir, verify_checksums=verify_checksums)
         encoder = encoder_for(manifest, device, query_max_tokens)
-        return cls(Searcher(index_dir, encoder, device=device))
+        cross_encoder = CrossEncoder(reranker, device=device) if reranker is not None else None
+        return cls(Searcher(index_dir, encoder, device=device), cross_encoder)
 
     @property
     def searcher(self) -> Searcher:
         return self._searcher
 
-    def search(self, query: str, k: int) -> SearchResult:
-        return self.search_batch([query], k)[0]
+    def search(self, query: str, k: int, **retrieval) -> SearchResult:
+        return self.search_batch([query], k, **retrieval)[0]
 
-    def search_batch(self, queries: Sequence[str], k: int) -> list[SearchResult]:
-        """All queries through one encoder forward pass and one FAISS search."""
+    def search_batch(
+        self, queries: Sequence[str], k: int, rerank_depth: int | None = None, **retrieval
+    ) -> list[SearchResult]:
+        """All queries through one encoder forward pass and one search of each index; with
+        `rerank_depth`, the top `rerank_depth` (>= k) are rescored by the reranker and the best k kept.
+        `retrieval`: mode, fusion, lead (see Searcher); ValueError for what cannot be served."""
         searcher = self._searcher
+        depth = self.check_rerank(k, rerank_depth)
+        searcher.check(depth, **retrieval)
         started = time.perf_counter()
-        vectors = searcher.encoder.encode_queries(queries)
+        vectors = searcher.encode(queries) if retrieval.get("mode", "dense") != "bm25" else None
         encoded = time.perf_counter()
-        hits = searcher.retrieve(vectors, k)
+        hits = searcher.hits(searcher.rank(queries, vectors, depth, **retrieval))
         retrieved = time.perf_counter()
+        if rerank_depth is not None:
+            hits = [self._rerank(query, found, k) for query, found in zip(queries, hits)]
+        reranked = time.perf_counter()
         timings = StageTimings(
             encode=1000 * (encoded - started),
             retrieve=1000 * (retrieved - encoded),
-            total=1000 * (retrieved - started),
+            rerank=1000 * (reranked - retrieved) if rerank_depth is not None else 0.0,
+            total=1000 * (reranked - started),
         )
         return [SearchResult(query, found, timings) for query, found in zip(queries, hits)]
 
+    def check_rerank(self, k: int, rerank_depth: int | None) -> int:
+        """The retrieval depth for a request; ValueError when it asks a reranker that is absent or
+        a depth smaller than k."""
+        if rerank_depth is None:
+            return k
+        if self.reranker is None:
+            raise ValueError("rerank: no reranker is configured on this service")
+        if rerank_depth < k:
+            raise ValueError(f"rerank: depth {rerank_depth} is smaller than k {k}; rescore at least k passages")
+        return rerank_depth
+
+    def _rerank(self, query: str, hits: list[Hit], k: int) -> list[Hit]:
+        """Rescore with the cross-encoder; its P(relevant) becomes the score, the old one is kept."""
+        scores = self.reranker.score(query, [hit.text for hit in hits])
+        order = sorted(range(len(hits)), key=lambda i: (-scores[i], i))[:k]
+        return [
+            replace(hits[i], score=float(scores[i]), rank=rank, retrieval_score=hits[i].score)
+            for rank, i in enumerate(order, start=1)
+        ]
+
     def warm_up(self) -> None:
         """A real query through every stage, so the first user request pays no lazy initialisation."""
-        self.search("warm-up query", 1)
+        self.search("warm-up query", 1, rerank_depth=2 if self.reranker is not None else None)
 
     def prepare(self, index_dir: Path, *, verify_checksums: bool = True) -> Searcher:
         """Load `index_dir` beside the serving one (reusing the current encoder where it matches).
@@ -96,7 +131,7 @@ class SearchEngine:
     def install(self, candidate: Searcher) -> None:
         """Warm `candidate` up with a real query, then make it the serving searcher in one assignment."""
         try:
-            SearchEngine(candidate).warm_up()
+            SearchEngine(candidate, self.reranker).warm_up()
         except Exception as error:  # noqa: BLE001
             raise ReloadError(f"{candidate.index_dir}: warm-up query failed: {error}") from error
         self._searcher = candidate
@@ -116,4 +151,6 @@ class SearchEngine:
             "similarity": manifest.similarity,
             "dimension": manifest.dimension,
             "built_at": manifest.built_at,
+            "bm25": manifest.bm25 is not None,
+            "reranker": self.reranker.name if self.reranker is not None else None,
         }

@@ -3,28 +3,44 @@ settings (query length, batch size, k) are checked against the settings in `limi
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, Field
 
-from retrieval.searcher import MAX_K
+from retrieval.searcher import MAX_K, Fusion, Mode
 
 
-class SearchRequest(BaseModel):
+class RetrievalOptions(BaseModel):
+    mode: Mode = Field("dense", description="dense (bi-encoder), bm25 (exact match) or hybrid (both, fused)")
+    fusion: Fusion = Field("interleave", description="hybrid only: interleave (paper 000 eq. 6) or rrf")
+    lead: Literal["dense", "bm25"] = Field("dense", description="hybrid interleave only: which list goes first")
+
+    def retrieval(self) -> dict[str, str]:
+        return {"mode": self.mode, "fusion": self.fusion, "lead": self.lead}
+
+
+class SearchRequest(RetrievalOptions):
     query: str = Field(description="free text; not empty, at most SEARCH_MAX_QUERY_CHARS characters")
     k: int = Field(10, ge=1, le=MAX_K, description="passages to return")
     rerank: bool = Field(False, description="rescore the top `depth` passages with the configured reranker")
-    depth: int | None = Field(None, ge=1, le=MAX_K, description="passages the reranker rescores")
+    depth: int | None = Field(
+        None, ge=1, le=MAX_K, description="passages the reranker rescores (>= k; default SEARCH_RERANK_DEPTH or k)"
+    )
 
 
-class BatchSearchRequest(BaseModel):
+class BatchSearchRequest(RetrievalOptions):
     queries: list[str] = Field(min_length=1, description="at most SEARCH_MAX_BATCH_QUERIES queries")
     k: int = Field(10, ge=1, le=MAX_K)
+    rerank: bool = False
+    depth: int | None = Field(None, ge=1, le=MAX_K)
 
 
 class Passage(BaseModel):
     id: str
     text: str
-    score: float
+    score: float = Field(description="the reranker's P(relevant) when reranked, else the retrieval score")
     rank: int
+    retrieval_score: float | None = Field(None, description="when reranked: the first-stage score")
 
 
 class Latency(BaseModel):
@@ -65,6 +81,8 @@ class IndexInfo(BaseModel):
     similarity: str
     dimension: int
     built_at: str
+    bm25: bool
+    reranker: str | None
 
 
 class Status(BaseModel):

@@ -10,6 +10,7 @@ import pytest
 from index_builder.build import BuildOptions, build_index
 from models.encoder import BiEncoder
 from retrieval.searcher import Searcher
+from service.engine import SearchEngine
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "data" / "demo"
@@ -49,13 +50,18 @@ def small_corpus(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def small_index(tmp_path_factory, small_corpus, encoder) -> Path:
     out = tmp_path_factory.mktemp("indexes") / "small"
-    build_index(BuildOptions(small_corpus, out, chunk_size=128), encoder)
+    build_index(BuildOptions(small_corpus, out, chunk_size=128, bm25=True), encoder)
     return out
 
 
 @pytest.fixture(scope="session")
 def searcher(small_index, encoder) -> Searcher:
     return Searcher(small_index, encoder, device="cpu")
+
+
+@pytest.fixture(scope="session")
+def engine(searcher) -> SearchEngine:
+    return SearchEngine(searcher)
 
 
 @pytest.fixture(scope="session")

@@ -35,7 +35,10 @@ def test_index_directory_holds_manifest_faiss_index_and_passages(small_index, en
     assert manifest.dimension == encoder.dimension == 384
     assert manifest.similarity == "cosine"  # MiniLM's modules.json declares Normalize
     assert manifest.encoder.weights_sha256 == encoder.spec.weights_sha256
-    assert sorted(os.listdir(small_index)) == sorted([MANIFEST_FILE, INDEX_FILE, PASSAGES_FILE])
+    assert sorted(os.listdir(small_index)) == sorted([MANIFEST_FILE, INDEX_FILE, PASSAGES_FILE, "bm25"])
+    assert manifest.bm25 is not None and manifest.bm25.library.startswith("bm25s")
+    assert {name for name in manifest.files if name.startswith("bm25/")} == {
+        f"bm25/{name}" for name in os.listdir(small_index / "bm25")}
     vectors, rows = index_contents(small_index)
     assert [row[0] for row in rows] == list(range(SMALL_CORPUS_LINES))
     assert rows[0][1] == head(DEMO / "corpus.tsv", 1).split("\t")[0]

@@ -72,12 +72,16 @@ def test_eval_cli_writes_a_run_and_prints_the_measures(small_index, tmp_path, ca
     (tmp_path / "q.tsv").write_text("q0001\tEvaluate an expression node or a string containing only a Python expression.\n")
     (tmp_path / "qrels").write_text("q0001 0 p00154 1\n")
     args = ["eval", "--index", str(small_index), "--queries", str(tmp_path / "q.tsv"), "--qrels", str(tmp_path / "qrels"),
-            "--run-out", str(tmp_path / "run"), "--k", "100", "--compare", str(tmp_path / "reference")]
-    write_run(tmp_path / "reference", {"q0001": [("p00154", 1.0)]}, tag="bm25")
+            "--runs-dir", str(tmp_path / "runs"), "--k", "100", "--compare", str(tmp_path / "reference")]
+    write_run(tmp_path / "reference", {"q0001": [("p00154", 1.0)]}, tag="external")
     assert cli_main(args + ["--device", "cpu"]) == 0
     printed = capsys.readouterr().out
-    assert "MRR@10" in printed and "C(dense, 10)" in printed
-    assert len(read_run(tmp_path / "run")["q0001"]) == 100
+    for mode in ("dense", "bm25", "hybrid-interleave", "hybrid-interleave-bm25-first", "hybrid-rrf"):
+        assert f"\n{mode} " in printed
+        assert len(read_run(tmp_path / "runs" / f"{mode}.run")["q0001"]) <= 100
+    assert len(read_run(tmp_path / "runs" / "dense.run")["q0001"]) == 100
+    assert "consistency of dense with bm25's top 1000: C(dense, 10) = " in printed
+    assert "consistency of dense with reference's top 1000" in printed
 
 
 @needs_cranfield

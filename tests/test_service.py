@@ -26,11 +26,6 @@ from tests.conftest import ROOT
 KEY = "s3cret-key"
 
 
-@pytest.fixture(scope="session")
-def engine(searcher) -> SearchEngine:
-    return SearchEngine(searcher)
-
-
 def settings_for(index_dir: Path, **overrides) -> ServiceSettings:
     return ServiceSettings(index_dir=index_dir, device="cpu", **overrides)
 

@@ -1,0 +1,200 @@
+"""Merge the indexes of `build --shard i/N` jobs into the index one unsharded build makes.
+
+Each shard holds its rows in corpus line order (a build streams the file), so a
+k-way merge on the corpus line stored in `passages.sqlite` restores the order
+an unsharded build stores them in: the merged index equals it row for row.
+The merge runs in a sibling folder `.NAME.merging/` that is renamed into place
+at the end, like a build, so `--out` is always a whole index. Shards built
+with --bm25 give a merged index whose BM25 is rebuilt over all the passages
+(its statistics are corpus-wide, so shard BM25 indexes cannot simply be joined).
+"""
+
+from __future__ import annotations
+
+import heapq
+import shutil
+import sqlite3
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import faiss
+import numpy as np
+from tqdm import tqdm
+
+from index_builder.build import BuildError, _move_into_place, _store, add_bm25
+from index_builder.shard import Shard
+from retrieval import dense_index
+from retrieval.bm25_index import bm25_record
+from retrieval.index_format import INDEX_FILE, PASSAGES_FILE, Manifest, file_record, read_manifest, write_manifest
+
+INSERT_BATCH = 2048
+
+
+@dataclass
+class MergeReport:
+    out: Path
+    shards: int
+    passages: int
+    skipped: int
+    seconds: float
+
+    def summary(self) -> str:
+        return (
+            f"merged {self.shards} shards into {self.out}: {self.passages} passages "
+            f"({self.skipped} bad lines skipped) in {self.seconds:.1f} s"
+        )
+
+
+def merge_shards(directories: Sequence[Path], out: Path, overwrite: bool = False) -> MergeReport:
+    """Merge shard index directories (any order) into `out`; BuildError says why they cannot be merged."""
+    started = time.perf_counter()
+    if out.exists() and not overwrite:
+        raise BuildError(f"{out} already exists; pass --overwrite to replace it")
+    shards = _check_shards(directories)
+    work = out.parent / f".{out.name}.merging"
+    if work.exists():  # left by a merge that crashed; a merge does not resume
+        shutil.rmtree(work)
+    work.mkdir(parents=True)
+    try:
+        count = sum(manifest.count for _, manifest in shards)
+        if count == 0:
+            raise BuildError("the shards hold no passages")
+        with tqdm(total=count, desc="merging", unit=" passages") as progress:
+            destinations = _merge_passages([directory for directory, _ in shards], work, progress)
+        _merge_vectors(shards, destinations, work)
+        _write_manifest(shards, count, work)
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+    _move_into_place(work, out)
+    return MergeReport(out, len(shards), count, sum(m.corpus.skipped for _, m in shards), time.perf_counter() - started)
+
+
+def _agreement(manifest: Manifest) -> dict:
+    """What every shard of one build must share. The encoder's path may differ from job to job; its weights may not."""
+    encoder = manifest.encoder.model_dump(exclude={"path"})
+    return {
+        **{f"encoder {name}": value for name, value in encoder.items()},
+        "dimension": manifest.dimension,
+        "similarity": manifest.similarity,
+        "corpus format": manifest.corpus.format,
+        "--bm25": manifest.bm25 is not None,
+    }
+
+
+def _check_shards(directories: Sequence[Path]) -> list[tuple[Path, Manifest]]:
+    """(directory, manifest) of each shard, ordered by shard index, once they are known to fit together."""
+    if not directories:
+        raise BuildError("no shard directories given")
+    found: list[tuple[Shard, Path, Manifest]] = []
+    for directory in directories:
+        manifest = read_manifest(directory, verify_checksums=True)
+        if manifest.shard is None:
+            raise BuildError(f"{directory}: not a shard (its manifest names none; build shards with --shard i/N)")
+        found.append((Shard.parse(manifest.shard), directory, manifest))
+    first_shard, first_directory, first = found[0]
+    expected = _agreement(first)
+    by_index: dict[int, Path] = {}
+    for shard, directory, manifest in found:
+        if shard.count != first_shard.count:
+            raise BuildError(f"{directory} is shard {shard} but {first_directory} is shard {first_shard}: N differs")
+        for name, value in _agreement(manifest).items():
+            if value != expected[name]:
+                raise BuildError(f"{directory}: {name} {value!r} differs from {first_directory}'s {expected[name]!r}")
+        if shard.index in by_index:
+            raise BuildError(f"{by_index[shard.index]} and {directory} are both shard {shard}")
+        by_index[shard.index] = directory
+    missing = [f"{i}/{first_shard.count}" for i in range(first_shard.count) if i not in by_index]
+    if missing:
+        raise BuildError(f"shard {', '.join(missing)} missing (given {len(found)} of {first_shard.count})")
+    manifests = {shard.index: manifest for shard, _, manifest in found}
+    return [(by_index[i], manifests[i]) for i in range(first_shard.count)]
+
+
+def _rows(connection: sqlite3.Connection, number: int) -> Iterator[tuple[int, int, int, str, str]]:
+    """(line, shard number, row, id, text) of one shard, in row order, which a build makes line order."""
+    for row, pid, text, line in connection.execute("SELECT row, id, text, line FROM passages ORDER BY row"):
+        yield line, number, row, pid, text
+
+
+def _merge_passages(directories: list[Path], work: Path, progress: tqdm) -> list[np.ndarray]:
+    """Every shard's passages into `work`'s store in corpus line order; per shard, the merged row of each of its rows."""
+    connections = [sqlite3.connect(f"{(d / PASSAGES_FILE).resolve().as_uri()}?mode=ro", uri=True) for d in directories]
+    store = _store(work)
+    try:
+        sizes = [c.execute("SELECT COUNT(*) FROM passages").fetchone()[0] for c in connections]
+        destinations = [np.empty(size, dtype=np.int64) for size in sizes]
+        merged = heapq.merge(*(_rows(connection, number) for number, connection in enumerate(connections)))
+        batch: list[tuple[int, str, str, int]] = []
+        previous = (0, 0)
+        for merged_row, (line, number, row, pid, text) in enumerate(merged):
+            if line == previous[0]:
+                raise BuildError(
+                    f"line {line} is in both {directories[previous[1]]} and {directories[number]}: "
+                    "shards built from different corpora?"
+                )
+            destinations[number][row] = merged_row
+            batch.append((merged_row, pid, text, line))
+            previous = (line, number)
+            if len(batch) == INSERT_BATCH:
+                _insert(store, batch, directories, connections)
+                progress.update(len(batch))
+                batch = []
+        _insert(store, batch, directories, connections)
+        progress.update(len(batch))
+        return destinations
+    finally:
+        store.close()
+        for connection in connections:
+            connection.close()
+
+
+def _insert(store: sqlite3.Connection, batch: list, directories: list[Path], connections: list) -> None:
+    """Add a batch of merged rows; a passage id already stored is a duplicate across shards, named with both."""
+    try:
+        with store:
+            store.executemany("INSERT INTO passages (row, id, text, line) VALUES (?, ?, ?, ?)", batch)
+    except sqlite3.IntegrityError:
+        for _, pid, _, _ in batch:
+            holders = [
+                f"{directory} (line {found[0]})"
+                for directory, connection in zip(directories, connections)
+                if (found := connection.execute("SELECT line FROM passages WHERE id = ?", (pid,)).fetchone())
+            ]
+            if len(holders) > 1:
+                raise BuildError(f"duplicate passage id {pid!r} in {' and '.join(holders[:2])}") from None
+        raise
+
+
+def _merge_vectors(shards: list[tuple[Path, Manifest]], destinations: list[np.ndarray], work: Path) -> None:
+    """Scatter each shard's vectors to their merged rows (one shard in memory at a time beside the result)."""
+    dimension = shards[0][1].dimension
+    vectors = np.empty((sum(len(d) for d in destinations), dimension), dtype=np.float32)
+    for (directory, _), destination in zip(shards, destinations):
+        shard_index = faiss.read_index(str(directory / INDEX_FILE))
+        if shard_index.ntotal != len(destination):
+            raise BuildError(f"{directory}: {shard_index.ntotal} vectors but {len(destination)} passages")
+        vectors[destination] = shard_index.reconstruct_n(0, shard_index.ntotal)
+    index = dense_index.new_flat_index(dimension)
+    index.add(vectors)
+    faiss.write_index(index, str(work / INDEX_FILE))  # the folder is renamed into place whole, so no tmp file
+
+
+def _write_manifest(shards: list[tuple[Path, Manifest]], count: int, work: Path) -> None:
+    first = shards[0][1]
+    files = [INDEX_FILE, PASSAGES_FILE] + (add_bm25(work, count) if first.bm25 is not None else [])
+    corpus = first.corpus.model_copy(update={"passages": count, "skipped": sum(m.corpus.skipped for _, m in shards)})
+    manifest = Manifest(
+        encoder=first.encoder,
+        dimension=first.dimension,
+        similarity=first.similarity,
+        count=count,
+        built_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        corpus=corpus,
+        files={name: file_record(work / name) for name in files},
+        bm25=bm25_record() if first.bm25 is not None else None,
+    )
+    write_manifest(work, manifest)

@@ -1,0 +1,64 @@
+"""BM25 over the same passages as the dense index (bm25s; row i = FAISS row i), for exact-match
+retrieval beside the dense one (paper 000 section 4.5).
+
+Stored in DIR/bm25/: bm25s's sparse index plus the tokenizer's vocabulary and stopwords, so
+queries are tokenized exactly as the passages were (lower-cased, English stopwords, Snowball
+English stemming).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import bm25s
+import numpy as np
+import Stemmer
+from bm25s.tokenization import Tokenizer
+
+from retrieval.index_format import Bm25Record
+
+BM25_DIR = "bm25"
+K1, B = 1.5, 0.75
+STEMMER = "english"
+
+
+def new_tokenizer() -> Tokenizer:
+    return Tokenizer(stopwords="en", stemmer=Stemmer.Stemmer(STEMMER))
+
+
+def bm25_record() -> Bm25Record:
+    return Bm25Record(library=f"bm25s {bm25s.__version__}", k1=K1, b=B, stemmer=STEMMER, stopwords="en")
+
+
+def build_bm25(texts: Iterable[str], count: int, out: Path) -> None:
+    """Index `count` passage texts (streamed, in row order) into `out`."""
+    tokenizer = new_tokenizer()
+    tokens = tokenizer.tokenize(texts, length=count, return_as="tuple", show_progress=True)
+    retriever = bm25s.BM25(k1=K1, b=B)
+    retriever.index(tokens, show_progress=False)
+    retriever.save(str(out), show_progress=False)
+    tokenizer.save_vocab(str(out))
+    tokenizer.save_stopwords(str(out))
+
+
+class Bm25Index:
+    """Reads DIR/bm25; `search` gives rows and scores of matching passages only (score > 0)."""
+
+    def __init__(self, folder: Path) -> None:
+        if not folder.is_dir():
+            raise FileNotFoundError(f"{folder}: no BM25 index (build with --bm25)")
+        self.retriever = bm25s.BM25.load(str(folder), show_progress=False)
+        self.tokenizer = Tokenizer(stopwords=[], stemmer=Stemmer.Stemmer(STEMMER))
+        self.tokenizer.load_vocab(str(folder))
+        self.tokenizer.load_stopwords(str(folder))
+        self.count = int(self.retriever.scores["num_docs"])
+
+    def search(self, queries: Sequence[str], k: int) -> list[list[tuple[int, float]]]:
+        """Best first, at most k (row, score) per query; no list ever holds a passage sharing no term."""
+        tokens = self.tokenizer.tokenize(list(queries), update_vocab=False, return_as="ids", show_progress=False)
+        rows, scores = self.retriever.retrieve(tokens, k=min(k, self.count), show_progress=False, n_threads=1)
+        return [
+            [(int(row), float(score)) for row, score in zip(row_list, score_list) if score > 0]
+            for row_list, score_list in zip(np.asarray(rows), np.asarray(scores))
+        ]

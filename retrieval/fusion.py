@@ -1,0 +1,36 @@
+"""Combining two rankings: the interleaving of paper 000 (eq. 6) and reciprocal rank fusion.
+
+Both take ranked lists of hashable keys (passage rows or ids), best first, and return a fused
+list of (key, score), best first, truncated to `depth`.
+"""
+
+from __future__ import annotations
+
+from typing import Hashable, Sequence
+
+RRF_K = 60
+
+
+def interleave(first: Sequence[Hashable], second: Sequence[Hashable], depth: int) -> list[tuple[Hashable, float]]:
+    """Eq. 6: alternate first[0], second[0], first[1], second[1], ...; keep each key at its first
+    position; truncate. Order matters: `first` leads. The score is 1/position, only to sort by."""
+    merged: list[Hashable] = []
+    seen: set[Hashable] = set()
+    for position in range(max(len(first), len(second))):
+        for ranking in (first, second):
+            if position < len(ranking) and ranking[position] not in seen:
+                seen.add(ranking[position])
+                merged.append(ranking[position])
+    return [(key, 1.0 / position) for position, key in enumerate(merged[:depth], start=1)]
+
+
+def reciprocal_rank_fusion(
+    rankings: Sequence[Sequence[Hashable]], depth: int, k: int = RRF_K
+) -> list[tuple[Hashable, float]]:
+    """RRF (Cormack et al. 2009): score(d) = sum over rankings of 1 / (k + rank of d), rank from 1.
+    Ties keep the order in which keys were first met, so the result is deterministic."""
+    scores: dict[Hashable, float] = {}
+    for ranking in rankings:
+        for rank, key in enumerate(ranking, start=1):
+            scores[key] = scores.get(key, 0.0) + 1.0 / (k + rank)
+    return sorted(scores.items(), key=lambda item: -item[1])[:depth]

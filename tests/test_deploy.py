@@ -1,0 +1,206 @@
+"""Deployment files, checked without a Docker engine (these machines have none): the compose files
+parse and wire the services, volumes, health checks and GPU reservation together, and the images'
+command serves an index outside a container and passes the images' own health check."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import yaml
+
+from service.settings import ServiceSettings
+from tests.conftest import ROOT
+
+COMPOSE = ROOT / "docker-compose.yml"
+CPU_OVERRIDE = ROOT / "docker-compose.cpu.yml"
+DOCKERFILES = {"cpu": ROOT / "docker" / "Dockerfile.cpu", "gpu": ROOT / "docker" / "Dockerfile.gpu"}
+VARIABLE = re.compile(r"\$\{(\w+)(?::-([^}]*))?\}")
+RESET = object()  # what compose's `!reset` tag stands for in an override file
+
+
+class ComposeLoader(yaml.SafeLoader):
+    """PyYAML plus compose's `!reset` tag."""
+
+
+ComposeLoader.add_constructor("!reset", lambda loader, node: RESET)
+
+
+def load(path: Path) -> dict:
+    return yaml.load(path.read_text(), Loader=ComposeLoader)
+
+
+def merge(base: dict, override: dict) -> dict:
+    """Compose's merge rules as far as the override uses them: mappings merge, `!reset` removes, values replace."""
+    merged = dict(base)
+    for key, value in override.items():
+        if value is RESET:
+            merged.pop(key, None)
+        elif isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def defaults(text: str) -> str:
+    """`${VAR:-default}` with nothing set in the environment, as compose interpolates it."""
+    return VARIABLE.sub(lambda match: match.group(2) or "", text)
+
+
+def instructions(path: Path) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) of a Dockerfile, continuation lines joined, comments dropped."""
+    found, current = [], ""
+    for line in path.read_text().splitlines():
+        if line.lstrip().startswith("#"):
+            continue
+        if line.rstrip().endswith("\\"):
+            current += line.rstrip()[:-1] + " "
+            continue
+        current = (current + line).strip()
+        if current:
+            keyword, _, arguments = current.partition(" ")
+            found.append((keyword.upper(), arguments.strip()))
+        current = ""
+    return found
+
+
+def instruction(path: Path, keyword: str) -> list[str]:
+    return [arguments for name, arguments in instructions(path) if name == keyword]
+
+
+def command(path: Path) -> list[str]:
+    (cmd,) = instruction(path, "CMD")
+    return json.loads(cmd)  # exec form
+
+
+def healthcheck(path: Path) -> tuple[str, list[str]]:
+    """(options, exec-form command) of the HEALTHCHECK."""
+    (check,) = instruction(path, "HEALTHCHECK")
+    options, _, cmd = check.partition(" CMD ")
+    return options, json.loads(cmd)
+
+
+def environment(path: Path) -> dict[str, str]:
+    return dict(token.split("=", 1) for env in instruction(path, "ENV") for token in shlex.split(env))
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_compose_builds_the_index_into_a_named_volume_then_serves_it():
+    compose = load(COMPOSE)
+    assert set(compose["services"]) == {"index-builder", "search"}
+    assert "indexes" in compose["volumes"]
+    builder, search = compose["services"]["index-builder"], compose["services"]["search"]
+    assert builder["command"][:4] == ["python", "-m", "index_builder", "build"]
+    arguments = builder["command"][4:]
+    out = defaults(arguments[arguments.index("--out") + 1])
+    assert out == "/indexes/main" and "--if-missing" in arguments
+    assert "indexes:/indexes" in builder["volumes"] and "indexes:/indexes" in search["volumes"]
+    corpus_mount = next(v for v in builder["volumes"] if ":/corpus" in v)
+    assert defaults(corpus_mount) == "./data/demo:/corpus:ro"
+    assert (ROOT / "data" / "demo" / defaults(arguments[arguments.index("--corpus") + 1]).split("/")[-1]).is_file()
+    assert search["depends_on"] == {"index-builder": {"condition": "service_completed_successfully"}}
+    assert defaults(search["environment"]["SEARCH_INDEX_DIR"]) == out
+    assert search["environment"]["SEARCH_INDEX_ROOT"] == "/indexes"
+    assert [defaults(p) for p in search["ports"]] == ["8000:8000"]
+    assert builder["image"] == search["image"] and builder["build"] == search["build"]
+    assert (ROOT / builder["build"]["context"] / builder["build"]["dockerfile"]) == DOCKERFILES["gpu"]
+
+
+def test_both_services_reserve_gpus_and_the_cpu_override_drops_that():
+    compose, override = load(COMPOSE), load(CPU_OVERRIDE)
+    for name, service in compose["services"].items():
+        (device,) = service["deploy"]["resources"]["reservations"]["devices"]
+        assert device == {"driver": "nvidia", "count": "all", "capabilities": ["gpu"]}, name
+        cpu = merge(service, override["services"][name])
+        assert "deploy" not in cpu
+        assert (ROOT / cpu["build"]["context"] / cpu["build"]["dockerfile"]) == DOCKERFILES["cpu"]
+        assert defaults(cpu["image"]) == "dense-search:cpu"
+
+
+def test_search_health_check_is_the_images_check_of_ready():
+    services = load(COMPOSE)["services"]
+    check = services["search"]["healthcheck"]
+    _, image_check = healthcheck(DOCKERFILES["cpu"])
+    assert check["test"] == ["CMD", *image_check]
+    assert "/ready" in image_check[-1]
+    assert services["index-builder"]["healthcheck"] == {"disable": True}
+
+
+def test_every_service_setting_can_reach_the_search_container():
+    given = set(load(COMPOSE)["services"]["search"]["environment"])
+    fixed_by_the_image = {"SEARCH_HOST", "SEARCH_PORT"}
+    missing = {f"SEARCH_{name.upper()}" for name in ServiceSettings.model_fields} - fixed_by_the_image - given
+    assert not missing, f"pass {sorted(missing)} through in the search service's environment (docker-compose.yml)"
+
+
+def test_every_compose_variable_is_documented_in_the_readme():
+    readme = (ROOT / "README.md").read_text()
+    variables = {match.group(1) for path in (COMPOSE, CPU_OVERRIDE) for match in VARIABLE.finditer(path.read_text())}
+    assert variables
+    assert [v for v in sorted(variables) if f"`{v}`" not in readme] == []
+
+
+def test_images_run_as_a_user_with_model_and_index_volumes_and_check_ready():
+    ignored = {line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()}
+    for kind, path in DOCKERFILES.items():
+        user = instruction(path, "USER")
+        assert user and user[-1] not in ("root", "0"), kind
+        assert {"/models", "/indexes"} <= set(json.loads(instruction(path, "VOLUME")[0])), kind
+        options, check = healthcheck(path)
+        assert "--start-period" in options and "/ready" in check[-1], kind
+        assert environment(path)["SEARCH_HOST"] == "0.0.0.0", kind
+        for copy in instruction(path, "COPY"):
+            for source in copy.split()[:-1]:
+                assert (ROOT / source).exists() and source not in ignored, (kind, source)
+    assert instruction(DOCKERFILES["cpu"], "FROM") == ["python:3.11-slim"]
+    assert any("download.pytorch.org/whl/cpu" in run for run in instruction(DOCKERFILES["cpu"], "RUN"))
+    assert any(arg.startswith("CUDA_IMAGE=nvidia/cuda:") for arg in instruction(DOCKERFILES["gpu"], "ARG"))
+    assert any('".[gpu]"' in run and "uninstall -y faiss-cpu" in run for run in instruction(DOCKERFILES["gpu"], "RUN"))
+
+
+def test_the_images_command_serves_an_index_and_passes_the_images_health_check(small_index):
+    cpu, gpu = DOCKERFILES["cpu"], DOCKERFILES["gpu"]
+    assert command(cpu) == command(gpu) == ["python", "-m", "service"]  # the README's entry point
+    assert healthcheck(cpu) == healthcheck(gpu)
+    # "python" in the image is the interpreter the project is installed into: here, this one.
+    argv = [sys.executable, *command(cpu)[1:]]
+    _, check = healthcheck(cpu)
+    check = [sys.executable, *check[1:]]
+    env = {
+        **os.environ,
+        **environment(cpu),
+        "SEARCH_INDEX_DIR": str(small_index),
+        "SEARCH_INDEX_ROOT": str(small_index.parent),
+        "SEARCH_HOST": "127.0.0.1",
+        "SEARCH_PORT": str(free_port()),
+        "SEARCH_DEVICE": "cpu",
+    }
+    server = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 90
+        while subprocess.run(check, env=env, capture_output=True).returncode != 0:
+            assert server.poll() is None, "the server exited"
+            assert time.monotonic() < deadline, "not ready within 90 s"
+            time.sleep(0.5)
+        base = f"http://127.0.0.1:{env['SEARCH_PORT']}"
+        response = httpx.post(f"{base}/search", json={"query": "join two paths", "k": 2}, timeout=30)
+        assert response.status_code == 200 and len(response.json()["results"]) == 2
+    finally:
+        server.terminate()
+        output = server.communicate(timeout=30)[0]
+    assert f"index_dir={small_index}" in output
+    assert subprocess.run(check, env=env, capture_output=True).returncode == 1  # nothing serves now

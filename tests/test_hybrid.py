@@ -1,0 +1,104 @@
+"""BM25 beside the dense index, and the two fusions of paper 000 section 4.5: interleaving (eq. 6)
+and reciprocal rank fusion."""
+
+from __future__ import annotations
+
+import bm25s
+import pytest
+
+from retrieval.bm25_index import Bm25Index, new_tokenizer
+from retrieval.fusion import interleave, reciprocal_rank_fusion
+from retrieval.passage_store import PassageStore
+from service.app import create_app
+from service.engine import SearchEngine
+from service.settings import ServiceSettings
+from tests.test_service import one
+
+
+def test_interleave_gives_the_paper_example():
+    fused = interleave(["a", "c", "d"], ["b", "a", "c"], depth=1000)
+    assert [key for key, _ in fused] == ["a", "b", "c", "d"]
+
+
+def test_interleave_order_matters_and_truncates():
+    assert [k for k, _ in interleave(["b", "a", "c"], ["a", "c", "d"], depth=1000)] == ["b", "a", "c", "d"]
+    assert [k for k, _ in interleave(["a", "c", "d"], ["b", "a", "c"], depth=3)] == ["a", "b", "c"]
+    assert [k for k, _ in interleave(["x"], ["y", "z", "w"], depth=10)] == ["x", "y", "z", "w"]
+    scores = [s for _, s in interleave(["a", "c"], ["b"], depth=10)]
+    assert scores == sorted(scores, reverse=True)
+
+
+def test_rrf_matches_a_hand_computed_list():
+    fused = reciprocal_rank_fusion([["a", "b", "c"], ["c", "a", "d"]], depth=10, k=60)
+    expected = {
+        "a": 1 / 61 + 1 / 62,
+        "c": 1 / 63 + 1 / 61,
+        "b": 1 / 62,
+        "d": 1 / 63,
+    }
+    assert [key for key, _ in fused] == ["a", "c", "b", "d"]
+    assert dict(fused) == pytest.approx(expected)
+    assert len(reciprocal_rank_fusion([["a", "b", "c"], ["c", "a", "d"]], depth=2)) == 2
+
+
+def test_bm25_survives_save_and_load_with_equal_results(small_index):
+    store = PassageStore(small_index / "passages.sqlite")
+    texts = [text for _, text in store.get(range(len(store)))]
+    tokenizer = new_tokenizer()
+    fresh = bm25s.BM25(k1=1.5, b=0.75)
+    fresh.index(tokenizer.tokenize(texts, return_as="tuple", show_progress=False), show_progress=False)
+    loaded = Bm25Index(small_index / "bm25")
+    queries = ["join two paths", "Return the absolute version of a path.", "parse an expression node"]
+    query_tokens = tokenizer.tokenize(queries, update_vocab=False, return_as="ids", show_progress=False)
+    rows, scores = fresh.retrieve(query_tokens, k=20, show_progress=False)
+    for query_rows, query_scores, found in zip(rows, scores, loaded.search(queries, 20)):
+        expected = [(int(r), float(s)) for r, s in zip(query_rows, query_scores) if s > 0]
+        assert [r for r, _ in found] == [r for r, _ in expected]
+        assert [s for _, s in found] == pytest.approx([s for _, s in expected], rel=1e-5)
+
+
+def test_bm25_only_returns_passages_sharing_a_term(searcher):
+    hits = searcher.search("zzzunknownword", k=10, mode="bm25")
+    assert hits == []
+    hits = searcher.search("socket", k=10, mode="bm25")
+    assert hits and all("socket" in hit.text.lower() for hit in hits)
+
+
+@pytest.mark.parametrize("fusion,lead", [("interleave", "dense"), ("interleave", "bm25"), ("rrf", "dense")])
+def test_hybrid_fuses_the_dense_and_bm25_lists(searcher, demo_queries, fusion, lead):
+    query = demo_queries["q0007"]
+    dense = [h.id for h in searcher.search(query, 1000, mode="dense")]
+    exact = [h.id for h in searcher.search(query, 1000, mode="bm25")]
+    hybrid = [h.id for h in searcher.search(query, 10, mode="hybrid", fusion=fusion, lead=lead)]
+    if fusion == "rrf":
+        expected = [key for key, _ in reciprocal_rank_fusion([dense, exact], 10)]
+    else:
+        first, second = (dense, exact) if lead == "dense" else (exact, dense)
+        expected = [key for key, _ in interleave(first, second, 10)]
+    assert hybrid == expected
+
+
+def test_hybrid_and_bm25_are_served_over_http(small_index, engine, demo_queries):
+    app = create_app(ServiceSettings(index_dir=small_index, device="cpu"), engine)
+    query = demo_queries["q0007"]
+    for body in ({"mode": "bm25"}, {"mode": "hybrid"}, {"mode": "hybrid", "fusion": "rrf"}):
+        response = one(app, "POST", "/search", {"query": query, "k": 5, **body})
+        assert response.status_code == 200, response.text
+        expected = engine.search(query, 5, **{"fusion": "interleave", "lead": "dense", **body})
+        assert [r["id"] for r in response.json()["results"]] == [h.id for h in expected.hits]
+    batch = one(app, "POST", "/search/batch", {"queries": [query, "socket"], "k": 3, "mode": "hybrid"})
+    assert batch.status_code == 200 and len(batch.json()["results"]) == 2
+    bad = one(app, "POST", "/search", {"query": query, "mode": "sparse"})
+    assert bad.status_code == 422 and bad.json()["detail"][0]["loc"] == ["body", "mode"]
+
+
+def test_bm25_on_an_index_built_without_it_is_a_clear_400(tmp_path, encoder):
+    from index_builder.build import BuildOptions, build_index
+    from retrieval.searcher import Searcher
+
+    (tmp_path / "c.tsv").write_text("a\tone passage\nb\tanother passage\n")
+    build_index(BuildOptions(tmp_path / "c.tsv", tmp_path / "dense-only"), encoder)
+    app = create_app(ServiceSettings(index_dir=tmp_path / "dense-only", device="cpu"),
+                     SearchEngine(Searcher(tmp_path / "dense-only", encoder)))
+    response = one(app, "POST", "/search", {"query": "passage", "mode": "hybrid"})
+    assert response.status_code == 400 and "built without --bm25" in response.json()["detail"]

@@ -1,0 +1,70 @@
+"""Reranking in the service: a cross-encoder rescoring the top `depth` retrieved passages."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import BertConfig, BertForSequenceClassification, BertTokenizerFast
+
+from models.cross_encoder import CrossEncoder
+from models.encoder import default_model_path
+from service.app import create_app
+from service.engine import SearchEngine
+from service.settings import ServiceSettings
+from tests.test_service import one
+
+
+@pytest.fixture(scope="session")
+def small_cross_encoder(tmp_path_factory) -> CrossEncoder:
+    """A 2-layer BERT with a random head: real mechanics, meaningless but deterministic scores."""
+    folder = tmp_path_factory.mktemp("models") / "tiny-monobert"
+    config = BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128, num_labels=2)
+    BertForSequenceClassification(config).save_pretrained(folder)
+    BertTokenizerFast.from_pretrained(default_model_path()).save_pretrained(folder)
+    return CrossEncoder(folder, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def rerank_app(small_index, searcher, small_cross_encoder):
+    settings = ServiceSettings(index_dir=small_index, device="cpu", reranker=small_cross_encoder.path,
+                               rerank_depth=30, max_rerank_depth=50)
+    return create_app(settings, SearchEngine(searcher, small_cross_encoder))
+
+
+def test_rerank_reorders_the_top_depth_by_cross_encoder_scores(rerank_app, searcher, small_cross_encoder, demo_queries):
+    query = demo_queries["q0003"]
+    response = one(rerank_app, "POST", "/search", {"query": query, "k": 5, "rerank": True, "depth": 20})
+    assert response.status_code == 200
+    body = response.json()
+    retrieved = searcher.search(query, 20)
+    expected_scores = small_cross_encoder.score(query, [hit.text for hit in retrieved])
+    order = sorted(range(20), key=lambda i: -expected_scores[i])[:5]
+    assert [r["id"] for r in body["results"]] == [retrieved[i].id for i in order]
+    assert [r["score"] for r in body["results"]] == pytest.approx([float(expected_scores[i]) for i in order], abs=1e-5)
+    assert [r["retrieval_score"] for r in body["results"]] == pytest.approx([retrieved[i].score for i in order], abs=1e-5)
+    assert [r["rank"] for r in body["results"]] == [1, 2, 3, 4, 5]
+    assert body["latency_ms"]["rerank"] > 0
+
+
+def test_rerank_depth_defaults_to_the_setting_and_bounds_the_candidates(rerank_app, searcher, demo_queries):
+    query = demo_queries["q0004"]
+    hits = one(rerank_app, "POST", "/search", {"query": query, "k": 30, "rerank": True}).json()["results"]
+    assert {h["id"] for h in hits} == {hit.id for hit in searcher.search(query, 30)}  # depth 30 = k: a reordering
+
+
+def test_rerank_depth_limits_give_422(rerank_app):
+    over = one(rerank_app, "POST", "/search", {"query": "paths", "rerank": True, "depth": 60})
+    assert over.status_code == 422 and "max_rerank_depth limit of 50 (SEARCH_MAX_RERANK_DEPTH)" in over.text
+    under = one(rerank_app, "POST", "/search", {"query": "paths", "k": 10, "rerank": True, "depth": 5})
+    assert under.status_code == 422 and under.json()["detail"][0]["loc"] == ["body", "depth"]
+
+
+def test_rerank_applies_after_hybrid_fusion_and_in_batches(rerank_app, engine, demo_queries):
+    query = demo_queries["q0007"]
+    fused = engine.search(query, 10, mode="hybrid").hits
+    body = one(rerank_app, "POST", "/search/batch",
+               {"queries": [query], "k": 10, "mode": "hybrid", "rerank": True, "depth": 10}).json()
+    assert {r["id"] for r in body["results"][0]["results"]} == {h.id for h in fused}
+
+
+def test_ready_and_stats_name_the_reranker(rerank_app, small_cross_encoder):
+    assert one(rerank_app, "GET", "/ready").json()["index"]["reranker"] == small_cross_encoder.name
