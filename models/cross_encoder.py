@@ -54,7 +54,8 @@ class CrossEncoder:
             self.path, dtype=torch.float16 if use_fp16 else torch.float32
         )
         if self.model.config.num_labels not in (1, 2):
-            raise ValueError(f"{self.path}: expected a 1- or 2-label head, got num_labels={self.model.config.num_labels}")
+            labels = self.model.config.num_labels
+            raise ValueError(f"{self.path}: expected a 1- or 2-label head, got num_labels={labels}")
         self.model.to(self.device).eval()
         self.max_tokens = min(max_tokens, self.model.config.max_position_embeddings)
         self.query_max_tokens = query_max_tokens

@@ -1,0 +1,53 @@
+"""Training losses of the two BERT models.
+
+- `multilabel_margin_loss`: the bi-encoder's MultiLabelMarginLoss, paper 000 eq. 4.
+- `relevance_cross_entropy`: monoBERT's cross-entropy, paper 004 eq. 1.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def multilabel_margin_loss(scores: torch.Tensor, positive: torch.Tensor) -> torch.Tensor:
+    """Paper 000 eq. 4, averaged over the rows of a batch.
+
+    `scores` is (queries, candidates): Rel(q, d) for every query against every candidate
+    passage (with in-batch negatives, every passage of the batch). `positive` is a bool
+    mask of the same shape: True where the passage is relevant to the query. For one
+    row with n candidates, m of them positive:
+
+        L = (1/n) * sum over positive i, negative j of max(0, 1 - (s_i - s_j))
+
+    This is exactly `torch.nn.MultiLabelMarginLoss` (which also divides a row's sum by
+    its number of classes, n, and averages rows); the mask replaces torch's
+    -1-terminated index targets, so a passage relevant to two queries of the batch is
+    a positive in both rows. A row with no positive, or no negative, contributes 0.
+    """
+    if scores.shape != positive.shape:
+        raise ValueError(f"scores {tuple(scores.shape)} and positive mask {tuple(positive.shape)} differ in shape")
+    positive = positive.bool()
+    # margins[r, i, j] = 1 - (s_ri - s_rj); only (positive i, negative j) pairs count.
+    margins = 1.0 - (scores.unsqueeze(2) - scores.unsqueeze(1))
+    pairs = positive.unsqueeze(2) & ~positive.unsqueeze(1)
+    hinge = margins.clamp(min=0.0) * pairs
+    return (hinge.sum(dim=(1, 2)) / scores.shape[1]).mean()
+
+
+def relevance_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Paper 004 eq. 1, averaged over the query-passage pairs of a batch.
+
+    L = -sum_pos log s_j - sum_neg log(1 - s_j), divided by the number of pairs, where
+    s_j = P(relevant). `logits` is (pairs, 2) for a two-label head (s = softmax, label 1
+    is "relevant", as in monoBERT) or (pairs, 1) / (pairs,) for a one-logit head
+    (s = sigmoid). `labels` holds 1 for relevant and 0 for non-relevant pairs.
+    """
+    if logits.dim() == 2 and logits.shape[1] == 2:
+        return F.cross_entropy(logits.float(), labels.long())
+    if logits.dim() == 2 and logits.shape[1] == 1:
+        logits = logits.squeeze(1)
+    if logits.dim() != 1:
+        raise ValueError(f"expected logits of shape (pairs, 2), (pairs, 1) or (pairs,), got {tuple(logits.shape)}")
+    return F.binary_cross_entropy_with_logits(logits.float(), labels.float())
+

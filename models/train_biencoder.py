@@ -1,0 +1,123 @@
+"""Fine-tunes the RepBERT bi-encoder (paper 000, section 3.2) with in-batch negatives.
+
+Each micro-batch holds `--batch-size` (query, relevant passage) pairs. Every query is
+scored against every passage of the batch (Q @ P^T, eq. 3); the other pairs' passages
+are its negatives, except those judged relevant to it, which count as positives; the
+loss is MultiLabelMarginLoss (eq. 4).
+
+    python -m models.train_biencoder --corpus C.tsv --queries Q.tsv --qrels QRELS --output OUT
+    python -m models.train_biencoder --triples TRIPLES.tsv --output OUT   # positives only; see below
+
+A triples file contributes its (query, positive) pairs: RepBERT trains on in-batch
+negatives only, so the triples' negatives are not used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+from models.encoder import BiEncoder, default_model_path
+from models.losses import multilabel_margin_loss
+from models.trainer import add_data_arguments, add_training_arguments, run_cli
+from models.training_data import Collection, batch_positions, load_collection
+
+# sentence-transformers files that tell BiEncoder (and sentence-transformers) how to pool and normalise.
+SENTENCE_TRANSFORMERS_FILES = ("modules.json", "sentence_bert_config.json", "config_sentence_transformers.json")
+
+
+class BiEncoderTrainee:
+    """A BiEncoder whose weights are being fine-tuned; scores keep its pooling and normalisation."""
+
+    def __init__(self, encoder: BiEncoder, data: Collection, batch_size: int, seed: int) -> None:
+        self.encoder = encoder
+        self.model = encoder.model
+        self.data = data
+        self.batch_size = batch_size
+        self.seed = seed
+
+    def scores(self, queries: list[str], passages: list[str]) -> torch.Tensor:
+        """Rel(q, p) for every query and passage, eq. 3, with gradients."""
+        spec = self.encoder.spec
+        q = self._embed(queries, spec.query_max_tokens, spec.query_segment_id)
+        p = self._embed(passages, spec.passage_max_tokens, spec.passage_segment_id)
+        return q @ p.T
+
+    def _embed(self, texts: list[str], max_tokens: int, segment_id: int) -> torch.Tensor:
+        batch = self.encoder.tokenizer(texts, truncation=True, max_length=max_tokens, padding=True, return_tensors="pt")
+        return self.encoder.embed_tensor(batch["input_ids"], batch["attention_mask"], segment_id)
+
+    def loss(self, batch_index: int) -> torch.Tensor:
+        positions = batch_positions(len(self.data.pairs), self.batch_size, batch_index, self.seed)
+        pairs = [self.data.pairs[i] for i in positions]
+        positive = in_batch_positives(pairs, self.data.positives).to(self.encoder.device)
+        queries = [self.data.queries[qid] for qid, _ in pairs]
+        scores = self.scores(queries, [self.data.passages[pid] for _, pid in pairs])
+        return multilabel_margin_loss(scores, positive)
+
+    def save(self, folder: Path) -> None:
+        self.model.save_pretrained(folder)
+        self.encoder.tokenizer.save_pretrained(folder)
+        copy_sentence_transformers_layout(self.encoder.path, folder)
+
+
+def in_batch_positives(pairs: list[tuple[str, str]], positives: dict[str, set[str]]) -> torch.Tensor:
+    """mask[r, c]: the passage of pair c is relevant to the query of pair r. A passage judged relevant to
+    two queries of the batch is a positive in both rows, never a negative (paper 000 section 3.2)."""
+    return torch.tensor([[pid in positives[qid] for _, pid in pairs] for qid, _ in pairs])
+
+
+def copy_sentence_transformers_layout(source: Path, target: Path) -> None:
+    """Copies modules.json and the module folders it names (1_Pooling ...), so the saved model pools
+    and normalises as the one it started from."""
+    for name in SENTENCE_TRANSFORMERS_FILES:
+        if (source / name).is_file():
+            shutil.copy2(source / name, target / name)
+    modules = json.loads((source / "modules.json").read_text()) if (source / "modules.json").is_file() else []
+    for module in modules:
+        folder = module.get("path", "")
+        if folder and (source / folder).is_dir():
+            shutil.copytree(source / folder, target / folder, dirs_exist_ok=True)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m models.train_biencoder",
+        description="Fine-tune the RepBERT bi-encoder: in-batch negatives, MultiLabelMarginLoss (paper 000 eq. 4).",
+    )
+    parser.add_argument("--model", type=Path, default=None, help="starting checkpoint (default: the packaged MiniLM)")
+    parser.add_argument("--batch-size", type=int, default=32, help="(query, passage) pairs per micro-batch")
+    parser.add_argument("--query-max-tokens", type=int, default=20)
+    parser.add_argument("--passage-max-tokens", type=int, default=256)
+    add_data_arguments(parser)
+    add_training_arguments(parser, lr=3e-6)
+    return parser
+
+
+def _build(args: argparse.Namespace, start: Path | None):
+    data = load_collection(triples=args.triples, corpus=args.corpus, queries=args.queries, qrels=args.qrels)
+    model = start or args.model or default_model_path()
+    encoder = BiEncoder(
+        model,
+        device=args.device,
+        query_max_tokens=args.query_max_tokens,
+        passage_max_tokens=args.passage_max_tokens,
+        batch_size=args.batch_size,
+        fp16=False,
+    )
+    about = {"model": "biencoder", "started_from": str(args.model or default_model_path()), "pairs": len(data.pairs)}
+    return BiEncoderTrainee(encoder, data, args.batch_size, args.seed), about
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return run_cli("bi-encoder", args, _build)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,221 @@
+"""Training data for the two BERT models, read from plain files.
+
+Inputs are either qrels + queries + corpus files, or a triples TSV
+(`query<TAB>positive<TAB>negative`, MS MARCO's "Train Triples" layout). Both become
+one `Collection`: texts by id, the relevant passages of each query, and optionally
+a pool of hard negatives per query (from a triples file or a TREC run).
+
+Batches are a pure function of (seed, batch index), so a resumed run sees exactly
+the batches an uninterrupted run would have seen.
+
+This module reads files itself instead of importing `index_builder.evaluate`,
+because `models/` sits below the index builder and must not pull in FAISS.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+
+
+class TrainingDataError(ValueError):
+    """A training file that cannot be used; the CLIs exit 2 with this one-line message."""
+
+
+def _lines(path: Path):
+    try:
+        handle = path.open(encoding="utf-8")
+    except OSError as error:
+        raise TrainingDataError(f"{path}: cannot read ({error.strerror or error})") from None
+    with handle:
+        for number, line in enumerate(handle, start=1):
+            if line.strip():
+                yield number, line.rstrip("\r\n")
+
+
+def read_texts(path: Path) -> dict[str, str]:
+    """A corpus or queries TSV, `id<TAB>text` with no header, in file order."""
+    texts: dict[str, str] = {}
+    for number, line in _lines(path):
+        key, _, text = line.partition("\t")
+        if not key.strip() or not text.strip():
+            raise TrainingDataError(f"{path}: line {number}: expected 'id<TAB>text'")
+        texts[key.strip()] = text.strip()
+    if not texts:
+        raise TrainingDataError(f"{path}: no lines")
+    return texts
+
+
+def read_qrels(path: Path) -> dict[str, set[str]]:
+    """TREC qrels `qid 0 pid rel`: the passages judged relevant (rel > 0) to each query."""
+    relevant: dict[str, set[str]] = {}
+    for number, line in _lines(path):
+        fields = line.split()
+        if len(fields) != 4:
+            raise TrainingDataError(f"{path}: line {number}: expected 'qid 0 pid rel'")
+        try:
+            rel = int(fields[3])
+        except ValueError:
+            raise TrainingDataError(f"{path}: line {number}: relevance {fields[3]!r} is not an integer") from None
+        if rel > 0:
+            relevant.setdefault(fields[0], set()).add(fields[2])
+    if not relevant:
+        raise TrainingDataError(f"{path}: no relevant judgement (rel > 0)")
+    return relevant
+
+
+def read_run(path: Path, depth: int) -> dict[str, list[str]]:
+    """A TREC run `qid Q0 pid rank score tag`: each query's top-`depth` passage ids, best first."""
+    scored: dict[str, list[tuple[float, str]]] = {}
+    for number, line in _lines(path):
+        fields = line.split()
+        if len(fields) != 6:
+            raise TrainingDataError(f"{path}: line {number}: expected 'qid Q0 pid rank score tag'")
+        try:
+            scored.setdefault(fields[0], []).append((float(fields[4]), fields[2]))
+        except ValueError:
+            raise TrainingDataError(f"{path}: line {number}: score {fields[4]!r} is not a number") from None
+    if not scored:
+        raise TrainingDataError(f"{path}: empty run")
+    return {qid: [pid for _, pid in sorted(hits, key=lambda hit: -hit[0])[:depth]] for qid, hits in scored.items()}
+
+
+def read_triples(path: Path) -> list[tuple[str, str, str]]:
+    """A triples TSV, `query<TAB>positive passage<TAB>negative passage`."""
+    triples = []
+    for number, line in _lines(path):
+        fields = [text.strip() for text in line.split("\t")]
+        if len(fields) != 3 or not all(fields):
+            raise TrainingDataError(f"{path}: line {number}: expected 'query<TAB>positive<TAB>negative'")
+        triples.append((fields[0], fields[1], fields[2]))
+    if not triples:
+        raise TrainingDataError(f"{path}: no lines")
+    return triples
+
+
+@dataclass
+class Collection:
+    """What both trainers sample from. `pairs` lists every (query id, relevant passage id) once."""
+
+    queries: dict[str, str]
+    passages: dict[str, str]
+    positives: dict[str, set[str]]
+    pairs: list[tuple[str, str]]
+    negatives: dict[str, list[str]] = field(default_factory=dict)  # hard negatives; absent = sample at random
+    _passage_ids: list[str] = field(default_factory=list, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.pairs:
+            raise TrainingDataError("no (query, relevant passage) pair to train on")
+        self._passage_ids = list(self.passages)
+
+    def use_run_negatives(self, run: dict[str, list[str]]) -> int:
+        """Take each query's negatives from a run's top-k minus its judged positives (paper 000 section
+        4.4.3: train the reranker on the retriever it will rerank). Returns how many queries got a pool."""
+        covered = 0
+        for qid in self.positives:
+            pool = [pid for pid in run.get(qid, []) if pid not in self.positives[qid] and pid in self.passages]
+            if pool:
+                self.negatives[qid] = pool
+                covered += 1
+        return covered
+
+    def sample_negatives(self, qid: str, count: int, rng: np.random.Generator) -> list[str]:
+        """`count` passages not judged relevant to `qid`: from its hard-negative pool, else the whole corpus."""
+        pool = self.negatives.get(qid)
+        if pool:
+            return [pool[i] for i in rng.choice(len(pool), size=count, replace=len(pool) < count)]
+        positives = self.positives.get(qid, set())
+        if len(self._passage_ids) <= len(positives):
+            raise TrainingDataError(f"query {qid}: every passage of the corpus is relevant; no negative to sample")
+        sampled: list[str] = []
+        while len(sampled) < count:
+            pid = self._passage_ids[int(rng.integers(len(self._passage_ids)))]
+            if pid not in positives:
+                sampled.append(pid)
+        return sampled
+
+
+def load_judged(corpus: Path, queries: Path, qrels: Path) -> Collection:
+    """Qrels + queries + corpus. Judgements naming a query or passage absent from the files are skipped."""
+    passages = read_texts(corpus)
+    query_texts = read_texts(queries)
+    positives = {
+        qid: {pid for pid in pids if pid in passages}
+        for qid, pids in read_qrels(qrels).items()
+        if qid in query_texts
+    }
+    positives = {qid: pids for qid, pids in positives.items() if pids}
+    pairs = [(qid, pid) for qid in positives for pid in sorted(positives[qid])]
+    if not pairs:
+        raise TrainingDataError(f"{qrels}: no judgement names a query of {queries} and a passage of {corpus}")
+    return Collection(query_texts, passages, positives, pairs)
+
+
+def load_triples(path: Path) -> Collection:
+    """A triples TSV; texts get ids by first appearance, so a passage repeated across triples is one passage."""
+    queries: dict[str, str] = {}
+    passages: dict[str, str] = {}
+    query_ids: dict[str, str] = {}
+    passage_ids: dict[str, str] = {}
+
+    def passage_id(text: str) -> str:
+        if text not in passage_ids:
+            passage_ids[text] = f"p{len(passage_ids)}"
+            passages[passage_ids[text]] = text
+        return passage_ids[text]
+
+    positives: dict[str, set[str]] = {}
+    negatives: dict[str, list[str]] = {}
+    for query, positive, negative in read_triples(path):
+        if query not in query_ids:
+            query_ids[query] = f"q{len(query_ids)}"
+            queries[query_ids[query]] = query
+        qid = query_ids[query]
+        positives.setdefault(qid, set()).add(passage_id(positive))
+        negatives.setdefault(qid, []).append(passage_id(negative))
+    # A passage given as both positive and negative for one query is treated as relevant.
+    negatives = {
+        qid: [pid for pid in dict.fromkeys(pool) if pid not in positives[qid]] for qid, pool in negatives.items()
+    }
+    pairs = [(qid, pid) for qid in positives for pid in sorted(positives[qid])]
+    return Collection(queries, passages, positives, pairs, {qid: pool for qid, pool in negatives.items() if pool})
+
+
+def load_collection(
+    *, triples: Path | None, corpus: Path | None, queries: Path | None, qrels: Path | None
+) -> Collection:
+    """Exactly one of: `triples`, or all of `corpus`, `queries` and `qrels`."""
+    judged = (corpus, queries, qrels)
+    if triples is not None:
+        if any(judged):
+            raise TrainingDataError("give either --triples or --corpus/--queries/--qrels, not both")
+        return load_triples(triples)
+    if not all(judged):
+        raise TrainingDataError("training data: give --triples, or all three of --corpus, --queries and --qrels")
+    return load_judged(corpus, queries, qrels)
+
+
+@lru_cache(maxsize=4)
+def _epoch_order(count: int, seed: int, epoch: int) -> np.ndarray:
+    return np.random.default_rng([seed, epoch]).permutation(count)
+
+
+def batch_positions(count: int, batch_size: int, batch_index: int, seed: int) -> list[int]:
+    """Item positions of micro-batch `batch_index`: consecutive slices of one shuffle per epoch.
+
+    Depends only on its arguments, so resuming at any batch reproduces the uninterrupted order.
+    """
+    positions = []
+    for flat in range(batch_index * batch_size, (batch_index + 1) * batch_size):
+        epoch, offset = divmod(flat, count)
+        positions.append(int(_epoch_order(count, seed, epoch)[offset]))
+    return positions
+
+
+def batch_rng(seed: int, batch_index: int) -> np.random.Generator:
+    """The random source of one micro-batch (negative sampling), reproducible on resume."""
+    return np.random.default_rng([seed, batch_index, 1])

@@ -1,0 +1,276 @@
+"""Fine-tuning both BERT models through their CLIs: they learn (held-out MRR@10 rises), their
+checkpoints serve through the API, and an interrupted run resumes exactly where it stopped.
+
+The demo collection is split by query: q0001-q0300 train, q0301-q0400 are held out. Held-out
+queries are ranked over a candidate list each (their relevant passage and random others), so
+evaluation stays fast on a CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import ir_measures
+import numpy as np
+import pytest
+import torch
+from fastapi.testclient import TestClient
+from safetensors.torch import load_file
+
+from index_builder.build import BuildOptions, build_index
+
+from models.cross_encoder import CrossEncoder
+from models.encoder import BiEncoder, default_model_path
+from models.train_biencoder import in_batch_positives
+from models.train_biencoder import main as train_biencoder
+from models.train_cross_encoder import main as train_cross_encoder
+from models.training_data import Collection, TrainingDataError, load_judged, load_triples, read_run
+from service.app import create_app
+from service.settings import ServiceSettings
+from tests.conftest import DEMO, head
+from tests.test_cross_encoder import tiny_bert
+
+TRAIN_QUERIES = 300  # qrels.txt lists q0001... in order, one judgement each
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """These tests train for a minute on 2 cores shared with other jobs; with two intra-op threads each
+    op waits for a descheduled sibling, which measured 3-5x slower here than one thread."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def demo_split(tmp_path_factory) -> dict:
+    folder = tmp_path_factory.mktemp("split")
+    (folder / "train-qrels.txt").write_text(head(DEMO / "qrels.txt", TRAIN_QUERIES))
+    held_out = [line.split()[0] for line in (DEMO / "qrels.txt").read_text().splitlines()[TRAIN_QUERIES:]]
+    data = ["--corpus", str(DEMO / "corpus.tsv"), "--queries", str(DEMO / "queries.tsv")]
+    return {"train": data + ["--qrels", str(folder / "train-qrels.txt")], "held_out": held_out}
+
+
+@pytest.fixture(scope="module")
+def demo() -> Collection:
+    return load_judged(DEMO / "corpus.tsv", DEMO / "queries.tsv", DEMO / "qrels.txt")
+
+
+def candidate_lists(demo: Collection, queries: list[str], size: int) -> dict[str, list[str]]:
+    """Each query's relevant passage plus `size - 1` random others, fixed by a seed."""
+    rng = np.random.default_rng(7)
+    passages = list(demo.passages)
+    lists = {}
+    for qid in queries:
+        others = [pid for pid in rng.choice(passages, size + 5, replace=False) if pid not in demo.positives[qid]]
+        lists[qid] = sorted(demo.positives[qid]) + others[: size - 1]
+    return lists
+
+
+def mrr_at_10(demo: Collection, candidates: dict[str, list[str]], score) -> float:
+    """MRR@10 of ranking each candidate list by `score(query, passages)`, computed by ir-measures."""
+    run = [
+        ir_measures.ScoredDoc(qid, pid, float(value))
+        for qid, pids in candidates.items()
+        for pid, value in zip(pids, score(demo.queries[qid], [demo.passages[pid] for pid in pids]))
+    ]
+    qrels = [ir_measures.Qrel(qid, pid, 1) for qid in candidates for pid in demo.positives[qid]]
+    return ir_measures.calc_aggregate([ir_measures.RR @ 10], qrels, run)[ir_measures.RR @ 10]
+
+
+def biencoder_scorer(encoder: BiEncoder):
+    return lambda query, passages: encoder.encode_passages(passages) @ encoder.encode_queries([query])[0]
+
+
+@contextmanager
+def serving(settings: ServiceSettings):
+    """The real app, loading its index (and reranker) in the background as in production; yields once ready."""
+    with TestClient(create_app(settings)) as client:
+        deadline = time.monotonic() + 120
+        while client.get("/ready").json()["status"] == "loading" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert client.get("/ready").status_code == 200, client.get("/ready").json()
+        yield client
+
+
+def trainer_state(checkpoint: Path) -> dict:
+    return json.loads((checkpoint / "trainer_state.json").read_text())
+
+
+def test_biencoder_cli_learns_and_its_checkpoint_loads(tmp_path, demo_split, demo, capsys):
+    """MiniLM already ranks these candidates almost perfectly (0.99), so the test starts from a small
+    random BERT: held-out MRR@10 must rise far above the untrained model's."""
+    start = tiny_bert(tmp_path / "random-bert", num_labels=None, hidden=128, layers=2)
+    steps = 100
+    argv = ["--model", str(start), *demo_split["train"], "--output", str(tmp_path / "run"), "--max-steps", str(steps),
+            "--batch-size", "16", "--lr", "1e-3", "--passage-max-tokens", "64", "--save-every", str(steps)]
+    assert train_biencoder(argv) == 0
+    summary = capsys.readouterr().out.strip().splitlines()[-1]
+    checkpoint = tmp_path / "run" / f"checkpoint-{steps:07d}"
+    assert summary.startswith(f"bi-encoder: {steps} steps") and str(checkpoint) in summary
+
+    candidates = candidate_lists(demo, demo_split["held_out"], size=20)
+    untrained = mrr_at_10(demo, candidates, biencoder_scorer(BiEncoder(start, device="cpu", passage_max_tokens=64)))
+    trained_encoder = BiEncoder(checkpoint, device="cpu", passage_max_tokens=64)
+    trained = mrr_at_10(demo, candidates, biencoder_scorer(trained_encoder))
+    print(f"bi-encoder held-out MRR@10: untrained {untrained:.3f}, trained {trained:.3f} after {steps} steps")
+    assert trained > untrained + 0.2 and trained > 0.35  # random ranking of 20 candidates: about 0.18
+    assert trainer_state(checkpoint)["step"] == steps
+    assert trained_encoder.spec.weights_sha256 != BiEncoder(start, device="cpu").spec.weights_sha256
+
+    # The checkpoint serves: index the held-out queries' passages with it, then search over HTTP.
+    corpus = tmp_path / "corpus.tsv"
+    corpus.write_text("".join(f"{pid}\t{demo.passages[pid]}\n" for pid in sorted(set(sum(candidates.values(), [])))))
+    build_index(BuildOptions(corpus, tmp_path / "index"), trained_encoder)
+    with serving(ServiceSettings(index_dir=tmp_path / "index", device="cpu")) as client:
+        assert client.get("/ready").json()["index"]["model"] == checkpoint.name
+        qid = demo_split["held_out"][0]
+        response = client.post("/search", json={"query": demo.queries[qid], "k": 5})
+        assert response.status_code == 200 and len(response.json()["results"]) == 5
+
+
+def test_biencoder_checkpoint_keeps_the_start_models_normalisation(tmp_path, demo_split):
+    argv = [*demo_split["train"], "--output", str(tmp_path), "--max-steps", "1", "--batch-size", "2",
+            "--passage-max-tokens", "32", "--query-max-tokens", "16"]
+    assert train_biencoder(argv) == 0
+    trained = BiEncoder(tmp_path / "checkpoint-0000001", device="cpu")
+    assert (tmp_path / "checkpoint-0000001" / "1_Pooling" / "config.json").is_file()
+    assert (trained.spec.pooling, trained.spec.similarity) == ("mean", "cosine")
+    assert trained.spec.passage_segment_id == BiEncoder(default_model_path(), device="cpu").spec.passage_segment_id
+
+
+def test_cross_encoder_cli_learns_from_minilm_and_its_checkpoint_loads(tmp_path, demo_split, demo):
+    """Starts from the packaged MiniLM with a new random head; --max-steps 0 saves that starting point."""
+    common = [*demo_split["train"], "--batch-size", "2", "--negatives", "3", "--lr", "2e-4",
+              "--query-max-tokens", "32", "--max-tokens", "80"]
+    steps = 60  # held-out MRR@10 0.85-0.88 over seeds 1, 2, 13; 40 steps gave 0.51-0.80
+    assert train_cross_encoder([*common, "--output", str(tmp_path / "start"), "--max-steps", "0"]) == 0
+    assert train_cross_encoder([*common, "--output", str(tmp_path / "run"), "--max-steps", str(steps),
+                                "--save-every", str(steps)]) == 0
+
+    candidates = candidate_lists(demo, demo_split["held_out"][-40:], size=10)
+
+    def held_out_mrr(folder: Path) -> float:
+        return mrr_at_10(demo, candidates, CrossEncoder(folder, device="cpu", max_tokens=80, batch_size=10).score)
+
+    untrained = held_out_mrr(tmp_path / "start" / "checkpoint-0000000")
+    trained = held_out_mrr(tmp_path / "run" / f"checkpoint-{steps:07d}")
+    print(f"cross-encoder held-out MRR@10: untrained {untrained:.3f}, trained {trained:.3f} after {steps} steps")
+    assert trained > untrained + 0.3 and trained > 0.6  # random ranking of 10 candidates: about 0.29
+    assert (tmp_path / "run" / f"checkpoint-{steps:07d}" / "reranker.json").is_file()
+
+
+def test_a_trained_cross_encoder_serves_as_the_reranker(tmp_path, demo_split, small_index):
+    assert train_cross_encoder([*demo_split["train"], "--batch-size", "2", "--negatives", "1", "--max-tokens", "64", "--query-max-tokens", "16",
+                                "--output", str(tmp_path / "run"), "--max-steps", "2"]) == 0
+    checkpoint = tmp_path / "run" / "checkpoint-0000002"
+    with serving(ServiceSettings(index_dir=small_index, device="cpu", reranker=checkpoint, rerank_depth=10)) as client:
+        assert client.get("/ready").json()["index"]["reranker"] == checkpoint.name
+        body = client.post("/search", json={"query": "join two paths", "k": 3, "rerank": True}).json()
+        assert len(body["results"]) == 3 and body["latency_ms"]["rerank"] > 0
+        assert all(0 <= r["score"] <= 1 and r["retrieval_score"] is not None for r in body["results"])
+
+
+@pytest.mark.parametrize("cli", [train_biencoder, train_cross_encoder], ids=["biencoder", "cross_encoder"])
+def test_an_interrupted_run_resumes_exactly_where_it_stopped(tmp_path, demo_split, cli, capsys):
+    start = tiny_bert(tmp_path / "random-bert", num_labels=None, hidden=32, layers=1)
+    flag = "--model" if cli is train_biencoder else "--init"
+    out = tmp_path / "run"
+    argv = [flag, str(start), *demo_split["train"], "--output", str(out), "--batch-size", "2", "--accumulate", "2",
+            "--lr", "1e-3", "--save-every", "2", "--keep-checkpoints", "0", "--device", "cpu"]
+    assert cli([*argv, "--max-steps", "4"]) == 0
+    uninterrupted = load_file(out / "checkpoint-0000004" / "model.safetensors")
+
+    shutil.rmtree(out / "checkpoint-0000004")  # as if the run had died after step 2
+    capsys.readouterr()
+    assert cli([*argv, "--max-steps", "4"]) == 2
+    assert "--resume" in capsys.readouterr().err
+    assert cli([*argv, "--max-steps", "4", "--resume"]) == 0
+    assert "2 steps (now at step 4)" in capsys.readouterr().out
+    resumed = load_file(out / "checkpoint-0000004" / "model.safetensors")
+    for name, tensor in uninterrupted.items():
+        torch.testing.assert_close(resumed[name], tensor, rtol=0, atol=1e-6, msg=name)
+
+    assert cli([*argv, "--max-steps", "6", "--resume"]) == 0
+    assert "2 steps (now at step 6)" in capsys.readouterr().out
+    assert trainer_state(out / "checkpoint-0000006")["step"] == 6
+    optimizer = torch.load(out / "checkpoint-0000006" / "training_state.pt", weights_only=True)["optimizer"]
+    assert all(state["step"] == 6 for state in optimizer["state"].values())  # AdamW continued, not restarted
+    assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no temporary folder left behind
+
+    assert cli([*argv, "--max-steps", "8", "--resume", "--batch-size", "3"]) == 2
+    assert "batch_size=2" in capsys.readouterr().err
+
+
+def test_cross_encoder_trains_from_a_triples_file(tmp_path, capsys):
+    triples = tmp_path / "triples.tsv"
+    triples.write_text(
+        "what is a path\tos.path: Common pathname manipulations.\tjson: JSON encoder and decoder.\n"
+        "copy a tree\tshutil.copytree: Recursively copy a directory tree.\tos.path: Common pathname manipulations.\n"
+    )
+    start = tiny_bert(tmp_path / "random-bert", num_labels=None, hidden=32, layers=1)
+    argv = ["--init", str(start), "--triples", str(triples), "--output", str(tmp_path / "run"), "--max-steps", "2",
+            "--batch-size", "2"]
+    assert train_cross_encoder(argv) == 0
+    model = CrossEncoder(tmp_path / "run" / "checkpoint-0000002", device="cpu")
+    assert model.score("what is a path", ["os.path: Common pathname manipulations."]).shape == (1,)
+
+
+@pytest.mark.parametrize(
+    "change, reason",
+    [
+        (["--qrels", "missing-qrels.txt"], "missing-qrels.txt: cannot read"),
+        (["--triples", "t.tsv"], "either --triples or --corpus"),
+        (["--max-steps", "-1"], "--max-steps must be >= 0"),
+    ],
+)
+def test_bad_input_exits_2_with_a_one_line_reason(tmp_path, demo_split, capsys, change, reason):
+    argv = [*demo_split["train"], "--output", str(tmp_path / "run"), *change]
+    assert train_cross_encoder(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert reason in err and "\n" not in err
+
+
+def test_run_negatives_come_from_the_top_k_and_never_a_judged_positive(tmp_path):
+    run = tmp_path / "run.txt"
+    run.write_text("".join(f"q1 Q0 p{rank} {rank} {10 - rank} dense\n" for rank in range(1, 8)))
+    passages = {f"p{n}": f"passage {n}" for n in range(1, 20)}
+    collection = Collection({"q1": "query"}, passages, {"q1": {"p2"}}, [("q1", "p2")])
+    assert collection.use_run_negatives(read_run(run, depth=4)) == 1
+    assert collection.negatives["q1"] == ["p1", "p3", "p4"]
+    sampled = collection.sample_negatives("q1", 50, np.random.default_rng(0))
+    assert set(sampled) == {"p1", "p3", "p4"}
+
+
+def test_random_negatives_are_never_a_judged_positive():
+    passages = {f"p{n}": f"passage {n}" for n in range(1, 5)}
+    collection = Collection({"q1": "query"}, passages, {"q1": {"p1", "p2", "p3"}}, [("q1", "p1")])
+    assert set(collection.sample_negatives("q1", 20, np.random.default_rng(0))) == {"p4"}
+
+
+def test_a_passage_relevant_to_two_queries_of_a_batch_is_a_positive_in_both_rows():
+    pairs = [("q1", "p1"), ("q2", "p2"), ("q3", "p3")]
+    positives = {"q1": {"p1", "p2"}, "q2": {"p2"}, "q3": {"p3"}}
+    assert in_batch_positives(pairs, positives).tolist() == [
+        [True, True, False],
+        [False, True, False],
+        [False, False, True],
+    ]
+
+
+def test_triples_share_ids_for_repeated_texts_and_drop_negatives_that_are_also_positive(tmp_path):
+    path = tmp_path / "triples.tsv"
+    path.write_text("q\tA\tB\nq\tB\tC\nr\tA\tC\n")
+    data = load_triples(path)
+    assert data.queries == {"q0": "q", "q1": "r"}
+    assert data.passages == {"p0": "A", "p1": "B", "p2": "C"}
+    assert data.positives == {"q0": {"p0", "p1"}, "q1": {"p0"}}
+    assert data.negatives == {"q0": ["p2"], "q1": ["p2"]}
+    path.write_text("only two\tfields\n")
+    with pytest.raises(TrainingDataError, match="line 1"):
+        load_triples(path)
