@@ -63,6 +63,12 @@ def read_reranker_json(folder: str | Path) -> dict | None:
     return record
 
 
+def reranker_kind(folder: str | Path) -> str:
+    """The kind of reranker a folder holds: its reranker.json's, else monobert."""
+    record = read_reranker_json(folder)
+    return record["kind"] if record else "monobert"
+
+
 def write_reranker_json(folder: str | Path, kind: str, **fields) -> None:
     """Writes `reranker.json` (kind first, then `fields`) into `folder`."""
     if kind not in KINDS:
@@ -79,8 +85,7 @@ def load_reranker(path: str | Path, *, device: str = "auto") -> Reranker:
     folder = Path(path)
     if not folder.is_dir():
         raise FileNotFoundError(f"{folder}: no such reranker folder")
-    record = read_reranker_json(folder)
-    kind = record["kind"] if record else "monobert"
+    kind = reranker_kind(folder)
     if kind == "coattention":
         from models.coattention import CoAttentionReranker
 

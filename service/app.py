@@ -65,7 +65,7 @@ class _Runtime:
         try:
             engine = SearchEngine.open(
                 settings.index_dir, device=settings.device, query_max_tokens=settings.query_max_tokens,
-                verify_checksums=settings.verify_checksums, reranker=settings.reranker,
+                verify_checksums=settings.verify_checksums, rerankers=settings.rerankers,
             )
             engine.warm_up()
             self.engine = engine
@@ -105,8 +105,12 @@ def plan(settings: ServiceSettings, engine: SearchEngine, request: SearchRequest
     Bad values are a 422 naming the field; what this service or index cannot do is a 400."""
     retrieval = request.retrieval()
     if request.rerank:
-        if engine.reranker is None:
-            raise HTTPException(400, "rerank: no reranker is configured on this service (set SEARCH_RERANKER)")
+        if not engine.rerankers:
+            raise HTTPException(400, "rerank: no reranker is configured on this service (set SEARCH_RERANKERS)")
+        if request.reranker is not None and request.reranker not in engine.rerankers:
+            raise HTTPException(400, f"reranker: {request.reranker!r} is not configured here; "
+                                     f"configured: {', '.join(engine.rerankers)}")
+        retrieval["reranker"] = request.reranker or engine.default_reranker
         depth = request.depth or max(settings.rerank_depth, request.k)
         if depth > settings.max_rerank_depth:
             raise limits.refuse(("depth",), f"depth={depth} is over the max_rerank_depth limit of "
@@ -183,7 +187,7 @@ def create_app(settings: ServiceSettings | None = None, engine: SearchEngine | N
         else:
             call = functools.partial(engine.search, request.query, request.k, **retrieval)
             result = await asyncio.get_running_loop().run_in_executor(runtime.executor, call)
-        runtime.monitor.observe_search(result.timings)
+        runtime.monitor.observe_search(result.timings, retrieval.get("reranker"))
         return SearchResponse(query=request.query, results=_passages(result), latency_ms=result.timings.as_dict())
 
     @app.post("/search/batch", response_model=BatchSearchResponse, dependencies=protected,
@@ -197,7 +201,7 @@ def create_app(settings: ServiceSettings | None = None, engine: SearchEngine | N
         results = await asyncio.get_running_loop().run_in_executor(runtime.executor, call)
         runtime.monitor.observe_batch(len(results))
         for result in results:
-            runtime.monitor.observe_search(result.timings)
+            runtime.monitor.observe_search(result.timings, retrieval.get("reranker"))
         return BatchSearchResponse(
             results=[BatchItem(query=r.query, results=_passages(r)) for r in results],
             latency_ms=results[0].timings.as_dict(),

@@ -1,4 +1,4 @@
-"""The search engine: encode -> retrieve (-> rerank, once a reranker is configured) with per-stage
+"""The search engine: encode -> retrieve (-> rerank, where rerankers are configured) with per-stage
 timings. Plain Python: the HTTP layer, tests and benchmarks all drive this same object."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Sequence
 
-from models.cross_encoder import CrossEncoder
+from models.reranker import Reranker, load_reranker, reranker_kind
 from retrieval.index_format import INDEX_FILE, PASSAGES_FILE, read_manifest
 from retrieval.searcher import EncoderMismatch, Hit, Searcher, encoder_for
 
@@ -42,21 +42,28 @@ class ReloadError(Exception):
 
 class SearchEngine:
     """Owns the current Searcher; `reload` swaps in another atomically (a search in flight keeps the one it took).
-    With a reranker, `rerank_depth` rescoring (monoBERT, paper 004) follows retrieval."""
+    With rerankers (by kind: monobert, coattention, generative), `rerank_depth` rescoring by one of
+    them follows retrieval; the first one given is the default."""
 
-    def __init__(self, searcher: Searcher, reranker: CrossEncoder | None = None) -> None:
+    def __init__(self, searcher: Searcher, rerankers: dict[str, Reranker] | None = None) -> None:
         self._searcher = searcher
-        self.reranker = reranker
+        self.rerankers = dict(rerankers or {})
 
     @classmethod
     def open(
         cls, index_dir: Path, *, device: str = "auto", query_max_tokens: int | None = None,
-        verify_checksums: bool = True, reranker: Path | None = None,
+        verify_checksums: bool = True, rerankers: Sequence[Path] = (),
     ) -> "SearchEngine":
+        """`rerankers`: reranker folders (see models.reranker), at most one of each kind."""
         manifest = read_manifest(index_dir, verify_checksums=verify_checksums)
         encoder = encoder_for(manifest, device, query_max_tokens)
-        cross_encoder = CrossEncoder(reranker, device=device) if reranker is not None else None
-        return cls(Searcher(index_dir, encoder, device=device), cross_encoder)
+        loaded: dict[str, Reranker] = {}
+        for folder in rerankers:
+            kind = reranker_kind(folder)
+            if kind in loaded:
+                raise ValueError(f"two {kind} rerankers configured ({loaded[kind].name} and {folder}); keep one")
+            loaded[kind] = load_reranker(folder, device=device)
+        return cls(Searcher(index_dir, encoder, device=device), loaded)
 
     @property
     def searcher(self) -> Searcher:
@@ -66,13 +73,15 @@ class SearchEngine:
         return self.search_batch([query], k, **retrieval)[0]
 
     def search_batch(
-        self, queries: Sequence[str], k: int, rerank_depth: int | None = None, **retrieval
+        self, queries: Sequence[str], k: int, rerank_depth: int | None = None, reranker: str | None = None,
+        **retrieval,
     ) -> list[SearchResult]:
         """All queries through one encoder forward pass and one search of each index; with
-        `rerank_depth`, the top `rerank_depth` (>= k) are rescored by the reranker and the best k kept.
-        `retrieval`: mode, fusion, lead (see Searcher); ValueError for what cannot be served."""
+        `rerank_depth`, the top `rerank_depth` (>= k) are rescored by `reranker` (a kind; default:
+        the first configured) and the best k kept. `retrieval`: mode, fusion, lead (see Searcher).
+        ValueError for what cannot be served."""
         searcher = self._searcher
-        depth = self.check_rerank(k, rerank_depth)
+        depth = self.check_rerank(k, rerank_depth, reranker)
         searcher.check(depth, **retrieval)
         started = time.perf_counter()
         vectors = searcher.encode(queries) if retrieval.get("mode", "dense") != "bm25" else None
@@ -80,7 +89,8 @@ class SearchEngine:
         hits = searcher.hits(searcher.rank(queries, vectors, depth, **retrieval))
         retrieved = time.perf_counter()
         if rerank_depth is not None:
-            hits = [self._rerank(query, found, k) for query, found in zip(queries, hits)]
+            model = self.rerankers[reranker or self.default_reranker]
+            hits = [self._rerank(model, query, found, k) for query, found in zip(queries, hits)]
         reranked = time.perf_counter()
         timings = StageTimings(
             encode=1000 * (encoded - started),
@@ -90,20 +100,27 @@ class SearchEngine:
         )
         return [SearchResult(query, found, timings) for query, found in zip(queries, hits)]
 
-    def check_rerank(self, k: int, rerank_depth: int | None) -> int:
+    @property
+    def default_reranker(self) -> str | None:
+        return next(iter(self.rerankers), None)
+
+    def check_rerank(self, k: int, rerank_depth: int | None, reranker: str | None = None) -> int:
         """The retrieval depth for a request; ValueError when it asks a reranker that is absent or
         a depth smaller than k."""
         if rerank_depth is None:
             return k
-        if self.reranker is None:
+        if not self.rerankers:
             raise ValueError("rerank: no reranker is configured on this service")
+        if reranker is not None and reranker not in self.rerankers:
+            raise ValueError(f"reranker: {reranker!r} is not configured here; configured: {', '.join(self.rerankers)}")
         if rerank_depth < k:
             raise ValueError(f"rerank: depth {rerank_depth} is smaller than k {k}; rescore at least k passages")
         return rerank_depth
 
-    def _rerank(self, query: str, hits: list[Hit], k: int) -> list[Hit]:
-        """Rescore with the cross-encoder; its P(relevant) becomes the score, the old one is kept."""
-        scores = self.reranker.score(query, [hit.text for hit in hits])
+    @staticmethod
+    def _rerank(model: Reranker, query: str, hits: list[Hit], k: int) -> list[Hit]:
+        """Rescore with `model`; its score becomes the score, the retrieval score is kept beside it."""
+        scores = model.score(query, [hit.text for hit in hits])
         order = sorted(range(len(hits)), key=lambda i: (-scores[i], i))[:k]
         return [
             replace(hits[i], score=float(scores[i]), rank=rank, retrieval_score=hits[i].score)
@@ -112,7 +129,9 @@ class SearchEngine:
 
     def warm_up(self) -> None:
         """A real query through every stage, so the first user request pays no lazy initialisation."""
-        self.search("warm-up query", 1, rerank_depth=2 if self.reranker is not None else None)
+        self.search("warm-up query", 1)
+        for name in self.rerankers:
+            self.search("warm-up query", 1, rerank_depth=2, reranker=name)
 
     def prepare(self, index_dir: Path, *, verify_checksums: bool = True) -> Searcher:
         """Load `index_dir` beside the serving one (reusing the current encoder where it matches).
@@ -131,7 +150,7 @@ class SearchEngine:
     def install(self, candidate: Searcher) -> None:
         """Warm `candidate` up with a real query, then make it the serving searcher in one assignment."""
         try:
-            SearchEngine(candidate, self.reranker).warm_up()
+            SearchEngine(candidate, self.rerankers).warm_up()
         except Exception as error:  # noqa: BLE001
             raise ReloadError(f"{candidate.index_dir}: warm-up query failed: {error}") from error
         self._searcher = candidate
@@ -152,5 +171,5 @@ class SearchEngine:
             "dimension": manifest.dimension,
             "built_at": manifest.built_at,
             "bm25": manifest.bm25 is not None,
-            "reranker": self.reranker.name if self.reranker is not None else None,
+            "rerankers": {kind: model.name for kind, model in self.rerankers.items()},
         }

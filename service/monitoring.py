@@ -14,6 +14,11 @@ STAGE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
+def _percentiles(values: list[float]) -> dict[str, float]:
+    p50, p90, p99 = np.percentile(values, [50, 90, 99]) if values else (0.0, 0.0, 0.0)
+    return {"p50": round(float(p50), 3), "p90": round(float(p90), 3), "p99": round(float(p99), 3)}
+
+
 class Monitor:
     """One per app: its own registry, so several apps (tests, reloads) never share counters."""
 
@@ -25,24 +30,35 @@ class Monitor:
         self.stage_seconds = Histogram(
             "search_stage_seconds", "Time per search stage", ["stage"], buckets=STAGE_BUCKETS, registry=self.registry
         )
+        self.rerank_seconds = Histogram(
+            "search_rerank_seconds", "Rerank time per query, by reranker", ["reranker"], buckets=STAGE_BUCKETS,
+            registry=self.registry,
+        )
         self.batch_size = Histogram(
             "search_batch_size", "Queries per encoder forward pass", buckets=BATCH_BUCKETS, registry=self.registry
         )
         self._window = {stage: deque(maxlen=window) for stage in STAGES}
+        self._rerank_window: dict[str, deque] = {}
+        self._window_size = window
         self._served = 0
         self._lock = threading.Lock()
 
     def observe_request(self, route: str, status: int) -> None:
         self.requests.labels(route=route, status=str(status)).inc()
 
-    def observe_search(self, timings: StageTimings) -> None:
+    def observe_search(self, timings: StageTimings, reranker: str | None = None) -> None:
+        """One query's stage times; `reranker` names the reranker that rescored it, if any."""
         values = timings.as_dict()
         with self._lock:
             self._served += 1
             for stage, ms in values.items():
                 self._window[stage].append(ms)
+            if reranker is not None:
+                self._rerank_window.setdefault(reranker, deque(maxlen=self._window_size)).append(timings.rerank)
         for stage, ms in values.items():
             self.stage_seconds.labels(stage=stage).observe(ms / 1000)
+        if reranker is not None:
+            self.rerank_seconds.labels(reranker=reranker).observe(timings.rerank / 1000)
 
     def observe_batch(self, size: int) -> None:
         self.batch_size.observe(size)
@@ -51,12 +67,14 @@ class Monitor:
         """Queries served, and p50/p90/p99 ms per stage over the last `window` queries."""
         with self._lock:
             windows = {stage: list(values) for stage, values in self._window.items()}
+            reranks = {name: list(values) for name, values in self._rerank_window.items()}
             served = self._served
-        percentiles = {}
-        for stage, values in windows.items():
-            p50, p90, p99 = np.percentile(values, [50, 90, 99]) if values else (0.0, 0.0, 0.0)
-            percentiles[stage] = {"p50": round(float(p50), 3), "p90": round(float(p90), 3), "p99": round(float(p99), 3)}
-        return {"queries_served": served, "window": len(windows["total"]), "latency_ms": percentiles}
+        return {
+            "queries_served": served,
+            "window": len(windows["total"]),
+            "latency_ms": {stage: _percentiles(values) for stage, values in windows.items()},
+            "rerank_ms": {name: _percentiles(values) for name, values in reranks.items()},
+        }
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

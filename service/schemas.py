@@ -9,6 +9,8 @@ from pydantic import BaseModel, Field
 
 from retrieval.searcher import MAX_K, Fusion, Mode
 
+RerankerKind = Literal["monobert", "coattention", "generative"]
+
 
 class RetrievalOptions(BaseModel):
     mode: Mode = Field("dense", description="dense (bi-encoder), bm25 (exact match) or hybrid (both, fused)")
@@ -26,6 +28,7 @@ class SearchRequest(RetrievalOptions):
     depth: int | None = Field(
         None, ge=1, le=MAX_K, description="passages the reranker rescores (>= k; default SEARCH_RERANK_DEPTH or k)"
     )
+    reranker: RerankerKind | None = Field(None, description="which configured reranker (default: the first)")
 
 
 class BatchSearchRequest(RetrievalOptions):
@@ -33,6 +36,7 @@ class BatchSearchRequest(RetrievalOptions):
     k: int = Field(10, ge=1, le=MAX_K)
     rerank: bool = False
     depth: int | None = Field(None, ge=1, le=MAX_K)
+    reranker: RerankerKind | None = None
 
 
 class Passage(BaseModel):
@@ -82,7 +86,7 @@ class IndexInfo(BaseModel):
     dimension: int
     built_at: str
     bm25: bool
-    reranker: str | None
+    rerankers: dict[str, str]  # kind -> checkpoint folder name
 
 
 class Status(BaseModel):
@@ -95,4 +99,5 @@ class Stats(BaseModel):
     queries_served: int
     window: int
     latency_ms: dict[str, dict[str, float]]
+    rerank_ms: dict[str, dict[str, float]]  # per reranker kind
     index: IndexInfo

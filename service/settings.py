@@ -16,7 +16,11 @@ class ServiceSettings(BaseSettings):
     device: str = Field("auto", description="auto, cpu, cuda or cuda:N, for the encoder and FAISS")
     query_max_tokens: int | None = Field(None, ge=1, description="override the index's query token limit")
     verify_checksums: bool = Field(True, description="check the index files' sha256 against the manifest on load")
-    reranker: Path | None = Field(None, description="cross-encoder checkpoint directory (monoBERT); unset: no reranking")
+    rerankers: list[Path] = Field(
+        default_factory=list,
+        description="reranker folders as a JSON list, at most one per kind (monobert, coattention, generative); "
+        "the first is the default; empty: no reranking",
+    )
     rerank_depth: int = Field(100, ge=1, le=1000, description="passages rescored when a request gives no depth")
     max_rerank_depth: int = Field(1000, ge=1, le=1000, description="largest depth a request may ask for")
 

@@ -25,9 +25,9 @@ def small_cross_encoder(tmp_path_factory) -> CrossEncoder:
 
 @pytest.fixture(scope="module")
 def rerank_app(small_index, searcher, small_cross_encoder):
-    settings = ServiceSettings(index_dir=small_index, device="cpu", reranker=small_cross_encoder.path,
+    settings = ServiceSettings(index_dir=small_index, device="cpu", rerankers=[small_cross_encoder.path],
                                rerank_depth=30, max_rerank_depth=50)
-    return create_app(settings, SearchEngine(searcher, small_cross_encoder))
+    return create_app(settings, SearchEngine(searcher, {"monobert": small_cross_encoder}))
 
 
 def test_rerank_reorders_the_top_depth_by_cross_encoder_scores(rerank_app, searcher, small_cross_encoder, demo_queries):
@@ -66,5 +66,18 @@ def test_rerank_applies_after_hybrid_fusion_and_in_batches(rerank_app, engine, d
     assert {r["id"] for r in body["results"][0]["results"]} == {h.id for h in fused}
 
 
-def test_ready_and_stats_name_the_reranker(rerank_app, small_cross_encoder):
-    assert one(rerank_app, "GET", "/ready").json()["index"]["reranker"] == small_cross_encoder.name
+def test_ready_stats_and_metrics_name_the_reranker(small_index, searcher, small_cross_encoder):
+    app = create_app(ServiceSettings(index_dir=small_index, device="cpu"),
+                     SearchEngine(searcher, {"monobert": small_cross_encoder}))
+    assert one(app, "GET", "/ready").json()["index"]["rerankers"] == {"monobert": small_cross_encoder.name}
+    one(app, "POST", "/search", {"query": "paths", "k": 3, "rerank": True, "depth": 5})
+    one(app, "POST", "/search", {"query": "paths", "k": 3})
+    stats = one(app, "GET", "/stats").json()
+    assert stats["queries_served"] == 2 and list(stats["rerank_ms"]) == ["monobert"]
+    assert stats["rerank_ms"]["monobert"]["p50"] > 0
+    assert 'search_rerank_seconds_count{reranker="monobert"} 1.0' in one(app, "GET", "/metrics").text
+
+
+def test_a_reranker_that_is_not_configured_is_a_400(rerank_app):
+    response = one(rerank_app, "POST", "/search", {"query": "paths", "rerank": True, "reranker": "coattention"})
+    assert response.status_code == 400 and "'coattention' is not configured here; configured: monobert" in response.text

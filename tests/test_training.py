@@ -169,8 +169,8 @@ def test_a_trained_cross_encoder_serves_as_the_reranker(tmp_path, demo_split, sm
     assert train_cross_encoder([*demo_split["train"], "--batch-size", "2", "--negatives", "1", "--max-tokens", "64", "--query-max-tokens", "16",
                                 "--output", str(tmp_path / "run"), "--max-steps", "2"]) == 0
     checkpoint = tmp_path / "run" / "checkpoint-0000002"
-    with serving(ServiceSettings(index_dir=small_index, device="cpu", reranker=checkpoint, rerank_depth=10)) as client:
-        assert client.get("/ready").json()["index"]["reranker"] == checkpoint.name
+    with serving(ServiceSettings(index_dir=small_index, device="cpu", rerankers=[checkpoint], rerank_depth=10)) as client:
+        assert client.get("/ready").json()["index"]["rerankers"] == {"monobert": checkpoint.name}
         body = client.post("/search", json={"query": "join two paths", "k": 3, "rerank": True}).json()
         assert len(body["results"]) == 3 and body["latency_ms"]["rerank"] > 0
         assert all(0 <= r["score"] <= 1 and r["retrieval_score"] is not None for r in body["results"])
