@@ -77,7 +77,7 @@ def bench_rerank(model: CrossEncoder, index: Path, depths: list[int], queries: i
     questions = [line.split("\t", 1)[1] for line in (DEMO / "queries.tsv").read_text().splitlines()[:queries]]
     if not (index / "manifest.json").is_file():
         print(build_index(BuildOptions(DEMO / "corpus.tsv", index), BiEncoder(device="cpu")).summary())
-    engine = SearchEngine(SearchEngine.open(index, device="cpu").searcher, model)
+    engine = SearchEngine(SearchEngine.open(index, device="cpu").searcher, {"monobert": model})
     print(f"\n{'depth':>6}{'retrieve ms':>14}{'rerank ms/query':>18}{'pairs/s':>10}")
     for depth in depths:
         retrieve, rerank = [], []
