@@ -16,9 +16,9 @@ from typing import Sequence
 
 import numpy as np
 import torch
-from transformers import AutoModelForSequenceClassification, AutoTokenizer
+from transformers import AutoModelForSequenceClassification
 
-from models.encoder import length_sorted_batches, resolve_device
+from models.encoder import length_sorted_batches, load_checkpoint
 
 
 def relevance_probability(logits: torch.Tensor) -> torch.Tensor:
@@ -44,19 +44,13 @@ class CrossEncoder:
     ) -> None:
         self.path = Path(path)
         self.name = self.path.name
-        if not (self.path / "config.json").is_file():
-            raise FileNotFoundError(f"{self.path}: not a Hugging Face checkpoint directory (no config.json)")
-        self.device = resolve_device(device)
-        self.batch_size = batch_size
-        self.tokenizer = AutoTokenizer.from_pretrained(self.path)
-        use_fp16 = self.device.type == "cuda" if fp16 is None else fp16
-        self.model = AutoModelForSequenceClassification.from_pretrained(
-            self.path, dtype=torch.float16 if use_fp16 else torch.float32
+        self.tokenizer, self.model, self.device = load_checkpoint(
+            self.path, AutoModelForSequenceClassification, device, fp16
         )
+        self.batch_size = batch_size
         if self.model.config.num_labels not in (1, 2):
             labels = self.model.config.num_labels
             raise ValueError(f"{self.path}: expected a 1- or 2-label head, got num_labels={labels}")
-        self.model.to(self.device).eval()
         self.max_tokens = min(max_tokens, self.model.config.max_position_embeddings)
         self.query_max_tokens = query_max_tokens
         if self.query_max_tokens + 4 > self.max_tokens:

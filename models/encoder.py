@@ -103,6 +103,19 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+def load_checkpoint(path: Path, auto_class, device: str = "auto", fp16: bool | None = None):
+    """(tokenizer, model in eval mode on its device, device) from a local Hugging Face folder, through
+    `auto_class` (AutoModel, AutoModelForSequenceClassification, ...); fp16 by default on CUDA only."""
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path}: not a Hugging Face checkpoint directory (no config.json)")
+    resolved = resolve_device(device)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    use_fp16 = resolved.type == "cuda" if fp16 is None else fp16
+    model = auto_class.from_pretrained(path, dtype=torch.float16 if use_fp16 else torch.float32)
+    model.to(resolved).eval()
+    return tokenizer, model, resolved
+
+
 def length_sorted_batches(lengths: Sequence[int], batch_size: int) -> Iterator[list[int]]:
     """Positions grouped into batches of similar length, longest first, to cut padding."""
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
@@ -129,14 +142,8 @@ class BiEncoder:
         # What an index records to find this model again: the folder given, or None for the packaged default.
         self.source = str(self.path.resolve()) if path is not None else None
         name = DEFAULT_MODEL_NAME if path is None else self.path.name
-        if not (self.path / "config.json").is_file():
-            raise FileNotFoundError(f"{self.path}: not a Hugging Face checkpoint directory (no config.json)")
-        self.device = resolve_device(device)
+        self.tokenizer, self.model, self.device = load_checkpoint(self.path, AutoModel, device, fp16)
         self.batch_size = batch_size
-        self.tokenizer = AutoTokenizer.from_pretrained(self.path)
-        use_fp16 = self.device.type == "cuda" if fp16 is None else fp16
-        self.model = AutoModel.from_pretrained(self.path, dtype=torch.float16 if use_fp16 else torch.float32)
-        self.model.to(self.device).eval()
 
         layout = _sentence_transformers_layout(self.path)
         pooling, normalise = layout if layout else ("mean", False)
