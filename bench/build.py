@@ -1,13 +1,15 @@
 """Builder throughput against a plain encode loop, and exact-search latency against the memory bound.
 
-    python bench/build.py [--passages 600] [--sizes 100000 1000000] [--queries 20]
+    python bench/build.py [--passages 600] [--sizes 100000 1000000] [--queries 20] [--device cpu]
 
 Part 1 encodes the same passages of the shipped demo corpus twice with the same model: once
 through the index builder (length-sorted batches, chunked, stored) and once with a plain loop
 (batches in file order, padded to the longest in each), and prints the ratio.
 Part 2 searches k=1000 over random 384-d vectors in a FAISS flat inner-product index, one query
 at a time and in batches of 64, beside the time it takes just to read the vectors once from
-memory at a bandwidth measured in the same run.
+memory at a bandwidth measured in the same run. With `--device cuda` the encoder runs in fp16 on
+the GPU and the index is sharded over every GPU as the service does (the CPU bounds are not
+printed then).
 """
 
 from __future__ import annotations
@@ -41,8 +43,8 @@ def plain_encode(encoder: BiEncoder, texts: list[str], batch_size: int) -> np.nd
     return np.concatenate(out)
 
 
-def bench_builder(passages: int, batch_size: int) -> None:
-    encoder = BiEncoder(device="cpu", batch_size=batch_size)
+def bench_builder(passages: int, batch_size: int, device: str) -> None:
+    encoder = BiEncoder(device=device, batch_size=batch_size)
     lines = DEMO.read_text(encoding="utf-8").splitlines()[:passages]
     texts = [line.split("\t", 1)[1] for line in lines]
     with tempfile.TemporaryDirectory() as tmp:
@@ -50,7 +52,7 @@ def bench_builder(passages: int, batch_size: int) -> None:
         corpus.write_text("\n".join(lines) + "\n", encoding="utf-8")
         plain_encode(encoder, texts[:batch_size], batch_size)  # warm-up
         started = time.perf_counter()
-        plain = plain_encode(encoder, texts, batch_size)
+        plain = plain_encode(encoder, texts, batch_size)  # returns numpy: the device has finished
         plain_rate = len(texts) / (time.perf_counter() - started)
         started = time.perf_counter()
         report = build_index(BuildOptions(corpus, Path(tmp) / "index", chunk_size=1024), encoder)
@@ -60,7 +62,13 @@ def bench_builder(passages: int, batch_size: int) -> None:
     print(f"{'plain loop (file order)':<32}{plain_rate:>12.1f}")
     print(f"{'index builder (sorted, stored)':<32}{build_rate:>12.1f}")
     print(f"builder / plain = {build_rate / plain_rate:.2f}x  ({len(texts)} demo passages, batch {batch_size}, "
-          f"{torch.get_num_threads()} threads)")
+          f"{device_label(encoder.device)})")
+
+
+def device_label(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"{torch.cuda.get_device_name(device)}, fp16"
+    return f"CPU, {torch.get_num_threads()} threads"
 
 
 def read_bandwidth() -> float:
@@ -87,33 +95,50 @@ def matmul_flops() -> float:
     return 2 * 64 * 384 * 100_000 / best
 
 
-def bench_search(sizes: list[int], queries: int, dimension: int = 384, k: int = 1000) -> None:
-    bandwidth, flops = read_bandwidth(), matmul_flops()
+def bench_search(sizes: list[int], queries: int, on_gpu: bool, dimension: int = 384, k: int = 1000) -> None:
     rng = np.random.default_rng(0)
-    print(f"\nmemory bandwidth (copy, read+write): {bandwidth / 1e9:.1f} GB/s; "
+    if on_gpu:
+        print(f"\nflat index sharded over {dense_index.gpu_count()} GPU(s)")
+        print(f"{'vectors':>10}{'mode':>10}{'ms/query':>10}")
+    else:
+        bandwidth, flops = read_bandwidth(), matmul_flops()
+        print(f"\nmemory bandwidth (copy, read+write): {bandwidth / 1e9:.1f} GB/s; "
           f"float32 matmul: {flops / 1e9:.1f} GFLOP/s")
-    print("memory bound: every vector read once per search call; compute bound: 2*n*d FLOP per query")
-    print(f"{'vectors':>10}{'mode':>10}{'ms/query':>10}{'memory bound':>14}{'compute bound':>15}{'ratio to max':>14}")
+        print("memory bound: every vector read once per search call; compute bound: 2*n*d FLOP per query")
+        print(f"{'vectors':>10}{'mode':>10}{'ms/query':>10}{'memory bound':>14}{'compute bound':>15}"
+              f"{'ratio to max':>14}")
     for size in sizes:
         index = dense_index.new_flat_index(dimension)
         for start in range(0, size, 100_000):
             index.add(rng.standard_normal((min(100_000, size - start), dimension), dtype=np.float32))
+        if on_gpu:
+            index = dense_index.shard_over_gpus(index)
         probe = rng.standard_normal((max(queries, 64 * 3), dimension), dtype=np.float32)
+        if on_gpu:
+            single, batched = time_search(index, probe, queries, k)
+            print(f"{size:>10}{'single':>10}{single:>10.2f}\n{size:>10}{'batch 64':>10}{batched:>10.2f}")
+            del index
+            continue
         bound_ms = 1000 * size * dimension * 4 / bandwidth  # every vector read once per search call
-        dense_index.search(index, probe[:1], k)  # warm-up
-        started = time.perf_counter()
-        for row in probe[:queries]:
-            dense_index.search(index, row[None, :], k)
-        single = 1000 * (time.perf_counter() - started) / queries
-        started = time.perf_counter()
-        for start in range(0, 64 * 3, 64):
-            dense_index.search(index, probe[start : start + 64], k)
-        batched = 1000 * (time.perf_counter() - started) / (64 * 3)
+        single, batched = time_search(index, probe, queries, k)
         compute_ms = 1000 * 2 * size * dimension / flops
         for mode, ms, memory_ms in (("single", single, bound_ms), ("batch 64", batched, bound_ms / 64)):
             bound = max(memory_ms, compute_ms)
             print(f"{size:>10}{mode:>10}{ms:>10.2f}{memory_ms:>14.2f}{compute_ms:>15.2f}{ms / bound:>14.2f}")
         del index
+
+
+def time_search(index, probe: np.ndarray, queries: int, k: int) -> tuple[float, float]:
+    """ms/query one query per call and 64 per call (faiss returns host arrays: the search is done)."""
+    dense_index.search(index, probe[:1], k)  # warm-up
+    started = time.perf_counter()
+    for row in probe[:queries]:
+        dense_index.search(index, row[None, :], k)
+    single = 1000 * (time.perf_counter() - started) / queries
+    started = time.perf_counter()
+    for start in range(0, 64 * 3, 64):
+        dense_index.search(index, probe[start : start + 64], k)
+    return single, 1000 * (time.perf_counter() - started) / (64 * 3)
 
 
 def main() -> None:
@@ -122,9 +147,10 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--sizes", type=int, nargs="+", default=[100_000, 1_000_000])
     parser.add_argument("--queries", type=int, default=20)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     args = parser.parse_args()
-    bench_builder(args.passages, args.batch_size)
-    bench_search(args.sizes, args.queries)
+    bench_builder(args.passages, args.batch_size, args.device)
+    bench_search(args.sizes, args.queries, on_gpu=args.device == "cuda")
 
 
 if __name__ == "__main__":

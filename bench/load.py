@@ -1,6 +1,6 @@
 """HTTP load on 127.0.0.1: micro-batching on against off, and HTTP against in-process latency.
 
-    python bench/load.py [--index indexes/demo] [--clients 32] [--seconds 30]
+    python bench/load.py [--index indexes/demo] [--clients 32] [--seconds 30] [--device cpu]
 
 Starts `python -m service` twice on a free loopback port (SEARCH_MICROBATCH=true, then false),
 drives each with `--clients` concurrent httpx clients for `--seconds` (bounded: every client
@@ -18,6 +18,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -43,28 +44,35 @@ def free_port() -> int:
 class Server:
     """`python -m service` on a loopback port, stopped on exit."""
 
-    def __init__(self, index: Path, **env: str) -> None:
+    def __init__(self, index: Path, device: str, **env: str) -> None:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
-        variables = {**os.environ, "SEARCH_INDEX_DIR": str(index), "SEARCH_PORT": str(self.port), "SEARCH_DEVICE": "cpu"}
+        variables = {**os.environ, "SEARCH_INDEX_DIR": str(index), "SEARCH_PORT": str(self.port), "SEARCH_DEVICE": device}
         variables.update({f"SEARCH_{k.upper()}": v for k, v in env.items()})
+        self.log = tempfile.TemporaryFile()
         self.process = subprocess.Popen([sys.executable, "-m", "service"], cwd=ROOT, env=variables,
-                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                        stdout=self.log, stderr=subprocess.STDOUT)
 
     def __enter__(self) -> "Server":
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             try:
-                if httpx.get(f"{self.base}/ready", timeout=2).status_code == 200:
+                if httpx.get(f"{self.base}/ready", timeout=2, trust_env=False).status_code == 200:
                     return self
             except httpx.TransportError:
                 pass
+            if self.process.poll() is not None:
+                break
             time.sleep(0.2)
-        raise RuntimeError("service did not become ready in 120 s")
+        self.log.seek(0)
+        tail = self.log.read().decode(errors="replace")[-3000:]
+        self.__exit__()
+        raise RuntimeError(f"service did not become ready in 120 s; its output ended:\n{tail}")
 
     def __exit__(self, *exc) -> None:
         self.process.terminate()
         self.process.wait(timeout=30)
+        self.log.close()
 
 
 async def load(base: str, clients: int, seconds: float, k: int) -> dict:
@@ -74,7 +82,7 @@ async def load(base: str, clients: int, seconds: float, k: int) -> dict:
 
     async def client(number: int) -> None:
         nonlocal errors
-        async with httpx.AsyncClient(base_url=base, timeout=30) as http:
+        async with httpx.AsyncClient(base_url=base, timeout=30, trust_env=False) as http:
             i = number
             while time.perf_counter() < deadline:
                 started = time.perf_counter()
@@ -108,7 +116,7 @@ def timed_ms(call, items) -> float:
     return statistics.median(times)
 
 
-def http_vs_engine(index: Path, rounds: int, k: int) -> dict[str, float]:
+def http_vs_engine(index: Path, device: str, rounds: int, k: int) -> dict[str, float]:
     """p50 ms of one request at a time: HTTP round trip (micro-batching off), the server's own
     engine time for those requests, an HTTP round trip that does no work (/health), and the
     engine in this process."""
@@ -120,19 +128,20 @@ def http_vs_engine(index: Path, rounds: int, k: int) -> dict[str, float]:
         response.raise_for_status()
         server_ms.append(response.json()["latency_ms"]["total"])
 
-    with Server(index, microbatch="false") as server, httpx.Client(base_url=server.base, timeout=30) as http:
+    with (Server(index, device, microbatch="false") as server,
+          httpx.Client(base_url=server.base, timeout=30, trust_env=False) as http):
         http_p50 = timed_ms(lambda q: post(http, q), queries)
         health_p50 = timed_ms(lambda _: http.get("/health"), queries)
-    engine = SearchEngine.open(index, device="cpu")
+    engine = SearchEngine.open(index, device=device)
     engine_p50 = timed_ms(lambda q: engine.search(q, k), queries)
     return {"http": http_p50, "server engine": statistics.median(server_ms), "health": health_p50,
             "in-process engine": engine_p50}
 
 
-def batching_ceiling(index: Path, k: int) -> tuple[float, float]:
+def batching_ceiling(index: Path, device: str, k: int) -> tuple[float, float]:
     """Queries/s of the engine in this process, one query per call and 32 per call: the most
     micro-batching can gain on this machine before any HTTP cost."""
-    engine = SearchEngine.open(index, device="cpu")
+    engine = SearchEngine.open(index, device=device)
     queries = QUERIES[:128]
     single = timed_ms(lambda q: engine.search(q, k), queries)
     batches = [queries[i : i + 32] for i in range(0, len(queries), 32)]
@@ -147,27 +156,29 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=30)
     parser.add_argument("--k", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=100, help="sequential queries for HTTP vs in-process")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="the service's and the engine's")
     args = parser.parse_args()
     if not (args.index / "manifest.json").is_file():
-        print(build_index(BuildOptions(ROOT / "data/demo/corpus.tsv", args.index), BiEncoder(device="cpu")).summary())
+        encoder = BiEncoder(device=args.device)
+        print(build_index(BuildOptions(ROOT / "data/demo/corpus.tsv", args.index), encoder).summary())
 
     rows = {}
     for label, microbatch in (("micro-batching on", "true"), ("micro-batching off", "false")):
-        with Server(args.index, microbatch=microbatch) as server:
+        with Server(args.index, args.device, microbatch=microbatch) as server:
             asyncio.run(load(server.base, args.clients, 2, args.k))  # warm-up
             rows[label] = asyncio.run(load(server.base, args.clients, args.seconds, args.k))
-    print(f"\n{args.clients} clients x {args.seconds:.0f} s, k={args.k}, index {args.index}")
+    print(f"\n{args.clients} clients x {args.seconds:.0f} s, k={args.k}, index {args.index}, device {args.device}")
     print(f"{'':<20}{'requests':>10}{'req/s':>10}{'p50 ms':>10}{'p99 ms':>10}{'errors':>8}")
     for label, r in rows.items():
         print(f"{label:<20}{r['requests']:>10}{r['rps']:>10.1f}{r['p50']:>10.1f}{r['p99']:>10.1f}{r['errors']:>8}")
     ratio = rows["micro-batching on"]["rps"] / rows["micro-batching off"]["rps"]
     print(f"throughput on / off = {ratio:.2f}x")
 
-    single_qps, batched_qps = batching_ceiling(args.index, args.k)
+    single_qps, batched_qps = batching_ceiling(args.index, args.device, args.k)
     print(f"in-process ceiling: {single_qps:.0f} queries/s one at a time, {batched_qps:.0f} in batches of 32 "
           f"= {batched_qps / single_qps:.2f}x")
 
-    p50 = http_vs_engine(args.index, args.rounds, args.k)
+    p50 = http_vs_engine(args.index, args.device, args.rounds, args.k)
     print(f"\none request at a time, p50 ms of {args.rounds} queries:")
     for label, value in p50.items():
         print(f"  {label:<20}{value:>8.2f}")

@@ -144,6 +144,9 @@ class BiEncoder:
         name = DEFAULT_MODEL_NAME if path is None else self.path.name
         self.tokenizer, self.model, self.device = load_checkpoint(self.path, AutoModel, device, fp16)
         self.batch_size = batch_size
+        # Batch widths rounded up on a GPU: its attention kernels are planned once per shape, and
+        # length-sorted batches would otherwise bring a new shape (and plan) almost every batch.
+        self.pad_multiple = 32 if self.device.type == "cuda" else 1
 
         layout = _sentence_transformers_layout(self.path)
         pooling, normalise = layout if layout else ("mean", False)
@@ -181,14 +184,31 @@ class BiEncoder:
         out = np.empty((len(texts), self.dimension), dtype=np.float32)
         if not texts:
             return out
-        encoded = self.tokenizer(list(texts), truncation=True, max_length=max_tokens)["input_ids"]
+        input_ids, lengths = self._token_matrix(texts, max_tokens)
         with torch.inference_mode():
-            for positions in length_sorted_batches([len(ids) for ids in encoded], self.batch_size):
-                batch = self.tokenizer.pad({"input_ids": [encoded[i] for i in positions]}, return_tensors="pt")
-                out[positions] = self._embed(batch["input_ids"], batch["attention_mask"], segment_id)
+            for positions in length_sorted_batches(lengths.tolist(), self.batch_size):
+                width = self._padded_width(int(lengths[positions].max()))
+                ids = torch.from_numpy(input_ids[positions, :width])
+                mask = torch.from_numpy((np.arange(width) < lengths[positions, None]).astype(np.int64))
+                out[positions] = self._embed(ids, mask, segment_id)
                 if progress is not None:
                     progress.update(len(positions))
         return out
+
+    def _token_matrix(self, texts: Sequence[str], max_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+        """(token ids right-padded into one int64 matrix, each text's length). Padded here with numpy:
+        the tokenizer's own padding and tensor conversion walk every id in Python, which costs more
+        than a GPU forward pass."""
+        encoded = self.tokenizer(list(texts), truncation=True, max_length=max_tokens)["input_ids"]
+        lengths = np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded))
+        width = self._padded_width(int(lengths.max()))
+        matrix = np.full((len(encoded), width), self.tokenizer.pad_token_id or 0, dtype=np.int64)
+        for row, ids in zip(matrix, encoded):
+            row[: len(ids)] = ids
+        return matrix, lengths
+
+    def _padded_width(self, longest: int) -> int:
+        return -(-longest // self.pad_multiple) * self.pad_multiple
 
     def _embed(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, segment_id: int) -> np.ndarray:
         return self.embed_tensor(input_ids, attention_mask, segment_id).cpu().numpy()

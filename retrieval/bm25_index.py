@@ -8,13 +8,20 @@ English stemming).
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Iterable, Sequence
 
-import bm25s
-import numpy as np
-import Stemmer
-from bm25s.tokenization import Tokenizer
+# bm25s runs a JAX top-k at import when JAX is installed; on a host with jax[cuda] that starts
+# JAX on the GPU, which takes 75% of its memory in every process (seen on an H100: a second
+# service process then failed to initialise FAISS on the GPU). BM25 here needs JAX on the CPU
+# at most; an explicit JAX_PLATFORMS still wins.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import bm25s  # noqa: E402
+import numpy as np  # noqa: E402
+import Stemmer  # noqa: E402
+from bm25s.tokenization import Tokenizer  # noqa: E402
 
 from retrieval.index_format import Bm25Record
 

@@ -37,6 +37,8 @@ class Monitor:
         self.batch_size = Histogram(
             "search_batch_size", "Queries per encoder forward pass", buckets=BATCH_BUCKETS, registry=self.registry
         )
+        # Children looked up once: `labels()` on every request is a locked dict lookup per stage.
+        self._stage_children = {stage: self.stage_seconds.labels(stage=stage) for stage in STAGES}
         self._window = {stage: deque(maxlen=window) for stage in STAGES}
         self._rerank_window: dict[str, deque] = {}
         self._window_size = window
@@ -56,7 +58,7 @@ class Monitor:
             if reranker is not None:
                 self._rerank_window.setdefault(reranker, deque(maxlen=self._window_size)).append(timings.rerank)
         for stage, ms in values.items():
-            self.stage_seconds.labels(stage=stage).observe(ms / 1000)
+            self._stage_children[stage].observe(ms / 1000)
         if reranker is not None:
             self.rerank_seconds.labels(reranker=reranker).observe(timings.rerank / 1000)
 

@@ -38,6 +38,20 @@ def test_padding_in_a_batch_never_changes_an_embedding(encoder):
     np.testing.assert_allclose(together, alone, atol=1e-5)
 
 
+def test_widths_rounded_up_for_the_gpu_change_no_embedding(encoder):
+    """On a GPU batches are padded to a multiple of 32 tokens; the same rounding on the CPU must
+    give the same vectors, the short texts included (more padding, same mask)."""
+    exact = encoder.encode_passages(TEXTS)
+    encoder.pad_multiple = 32
+    try:
+        rounded = encoder.encode_passages(TEXTS)
+        queries = encoder.encode_queries(TEXTS)
+    finally:
+        encoder.pad_multiple = 1
+    np.testing.assert_allclose(rounded, exact, atol=1e-5)
+    np.testing.assert_allclose(queries, encoder.encode_queries(TEXTS), atol=1e-5)
+
+
 def test_queries_are_truncated_to_their_token_limit(encoder):
     assert encoder.spec.query_max_tokens == 20
     long_query = "aerodynamic heating of a wing " * 20
