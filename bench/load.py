@@ -104,38 +104,53 @@ async def load(base: str, clients: int, seconds: float, k: int) -> dict:
     return {"requests": len(latencies), "rps": len(latencies) / elapsed, "p50": p50, "p99": p99, "errors": errors}
 
 
-def timed_ms(call, items) -> float:
-    """p50 milliseconds of `call(item)` over the items, after a warm-up on the first five."""
-    for item in items[:5]:
-        call(item)
+def timed(call, items) -> list[float]:
+    """Milliseconds of `call(item)` for each item."""
     times = []
     for item in items:
         started = time.perf_counter()
         call(item)
         times.append(1000 * (time.perf_counter() - started))
-    return statistics.median(times)
+    return times
 
 
-def http_vs_engine(index: Path, device: str, rounds: int, k: int) -> dict[str, float]:
+def timed_ms(call, items) -> float:
+    """p50 milliseconds of `call(item)` over the items, after a warm-up on the first five."""
+    for item in items[:5]:
+        call(item)
+    return statistics.median(timed(call, items))
+
+
+def http_vs_engine(index: Path, device: str, rounds: int, k: int, blocks: int = 5) -> dict[str, float]:
     """p50 ms of one request at a time: HTTP round trip (micro-batching off), the server's own
     engine time for those requests, an HTTP round trip that does no work (/health), and the
-    engine in this process."""
+    engine in this process. The three are timed in alternating blocks of the same queries, so a
+    machine whose speed drifts during the run (a shared host) weighs on all of them alike."""
     queries = QUERIES[:rounds]
     server_ms: list[float] = []
+    times: dict[str, list[float]] = {"http": [], "health": [], "in-process engine": []}
 
     def post(http, query):
         response = http.post("/search", json={"query": query, "k": k})
         response.raise_for_status()
         server_ms.append(response.json()["latency_ms"]["total"])
 
+    engine = SearchEngine.open(index, device=device)
     with (Server(index, device, microbatch="false") as server,
           httpx.Client(base_url=server.base, timeout=30, trust_env=False) as http):
-        http_p50 = timed_ms(lambda q: post(http, q), queries)
-        health_p50 = timed_ms(lambda _: http.get("/health"), queries)
-    engine = SearchEngine.open(index, device=device)
-    engine_p50 = timed_ms(lambda q: engine.search(q, k), queries)
-    return {"http": http_p50, "server engine": statistics.median(server_ms), "health": health_p50,
-            "in-process engine": engine_p50}
+        calls = {"http": lambda q: post(http, q), "health": lambda _: http.get("/health"),
+                 "in-process engine": lambda q: engine.search(q, k)}
+        for call in calls.values():
+            for query in queries[:5]:  # warm-up
+                call(query)
+        server_ms.clear()
+        size = max(1, len(queries) // blocks)
+        for start in range(0, len(queries), size):
+            for label, call in calls.items():
+                times[label].extend(timed(call, queries[start : start + size]))
+    p50 = {label: statistics.median(values) for label, values in times.items()}
+    return {"http": p50["http"], "server engine": statistics.median(server_ms), "health": p50["health"],
+            "in-process engine": p50["in-process engine"]}
 
 
 def batching_ceiling(index: Path, device: str, k: int) -> tuple[float, float]:

@@ -25,8 +25,9 @@ class _Pending:
 
 
 class MicroBatcher:
-    """Collects requests for up to `window_s` (or until `max_batch`), runs them as one batch on
-    `executor`, and hands each caller its own top-k."""
+    """Runs waiting requests as one batch (at most `max_batch`) on `executor` and hands each caller
+    its own top-k. A request that finds no other waiting waits `window_s` for company; requests
+    that queued while the model was busy go at once, since waiting then would only idle the model."""
 
     def __init__(
         self, run_batch: RunBatch, executor: Executor, window_s: float, max_batch: int,
@@ -54,10 +55,11 @@ class MicroBatcher:
             self._worker = None
 
     async def _collect(self) -> list[_Pending]:
-        """The first waiting request, plus whatever arrives within the window (up to max_batch).
-        Sleeping then draining, rather than a timed get, can never drop a request on a timeout race."""
+        """The first waiting request, plus the others waiting (up to max_batch); when it is alone,
+        plus whatever arrives within the window. Sleeping then draining, rather than a timed get,
+        can never drop a request on a timeout race."""
         batch = [await self._queue.get()]
-        if self._window_s > 0 and self._queue.qsize() < self._max_batch - 1:
+        if self._window_s > 0 and self._queue.empty():
             await asyncio.sleep(self._window_s)
         while len(batch) < self._max_batch and not self._queue.empty():
             batch.append(self._queue.get_nowait())
