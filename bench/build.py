@@ -103,7 +103,7 @@ def bench_search(sizes: list[int], queries: int, on_gpu: bool, dimension: int = 
     else:
         bandwidth, flops = read_bandwidth(), matmul_flops()
         print(f"\nmemory bandwidth (copy, read+write): {bandwidth / 1e9:.1f} GB/s; "
-          f"float32 matmul: {flops / 1e9:.1f} GFLOP/s")
+              f"float32 matmul: {flops / 1e9:.1f} GFLOP/s")
         print("memory bound: every vector read once per search call; compute bound: 2*n*d FLOP per query")
         print(f"{'vectors':>10}{'mode':>10}{'ms/query':>10}{'memory bound':>14}{'compute bound':>15}"
               f"{'ratio to max':>14}")
