@@ -114,19 +114,16 @@ def bench_search(sizes: list[int], queries: int, on_gpu: bool, dimension: int = 
         if on_gpu:
             index = dense_index.shard_over_gpus(index)
         probe = rng.standard_normal((max(queries, 64 * 3), dimension), dtype=np.float32)
+        single, batched = time_search(index, probe, queries, k)
+        del index
         if on_gpu:
-            single, batched = time_search(index, probe, queries, k)
             print(f"{size:>10}{'single':>10}{single:>10.2f}\n{size:>10}{'batch 64':>10}{batched:>10.2f}")
-            del index
             continue
         bound_ms = 1000 * size * dimension * 4 / bandwidth  # every vector read once per search call
-        single, batched = time_search(index, probe, queries, k)
         compute_ms = 1000 * 2 * size * dimension / flops
         for mode, ms, memory_ms in (("single", single, bound_ms), ("batch 64", batched, bound_ms / 64)):
             bound = max(memory_ms, compute_ms)
             print(f"{size:>10}{mode:>10}{ms:>10.2f}{memory_ms:>14.2f}{compute_ms:>15.2f}{ms / bound:>14.2f}")
-        del index
-
 
 def time_search(index, probe: np.ndarray, queries: int, k: int) -> tuple[float, float]:
     """ms/query one query per call and 64 per call (faiss returns host arrays: the search is done)."""
