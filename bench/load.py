@@ -5,14 +5,16 @@
 Starts `python -m service` twice on a free loopback port (SEARCH_MICROBATCH=true, then false),
 drives each with `--clients` concurrent httpx clients for `--seconds` (bounded: every client
 stops at the deadline), and prints throughput, p50/p99 and errors with the on/off ratio.
-Then, one request at a time, compares the HTTP round trip with `SearchEngine.search` in this
-process for the same queries. Builds the demo index first if `--index` does not exist.
+Then, one request at a time, compares the HTTP round trip (micro-batching on and off; httpx,
+and the standard library's client to show the client's own share) with `SearchEngine.search`
+in this process for the same queries. Builds the demo index first if `--index` does not exist.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import socket
 import statistics
@@ -20,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from http.client import HTTPConnection
 from pathlib import Path
 
 import httpx
@@ -121,25 +124,47 @@ def timed_ms(call, items) -> float:
     return statistics.median(timed(call, items))
 
 
-def http_vs_engine(index: Path, device: str, rounds: int, k: int, blocks: int = 5) -> dict[str, float]:
-    """p50 ms of one request at a time: HTTP round trip (micro-batching off), the server's own
-    engine time for those requests, an HTTP round trip that does no work (/health), and the
-    engine in this process. The three are timed in alternating blocks of the same queries, so a
-    machine whose speed drifts during the run (a shared host) weighs on all of them alike."""
+def http_vs_engine(index: Path, device: str, rounds: int, k: int, blocks: int = 10) -> dict[str, float]:
+    """p50 ms of one request at a time: the HTTP round trip with micro-batching on (the default)
+    and off, the server's own engine time for those requests, the same request through the
+    standard library's http.client (what the httpx client itself costs), HTTP round trips that
+    do no work (/health), and the engine in this process. All are timed in alternating blocks of
+    the same queries, so a machine whose speed drifts (a shared host) weighs on them alike."""
     queries = QUERIES[:rounds]
     server_ms: list[float] = []
-    times: dict[str, list[float]] = {"http": [], "health": [], "in-process engine": []}
 
     def post(http, query):
         response = http.post("/search", json={"query": query, "k": k})
         response.raise_for_status()
         server_ms.append(response.json()["latency_ms"]["total"])
 
+    def post_stdlib(connection, query):
+        body = json.dumps({"query": query, "k": k})
+        connection.request("POST", "/search", body=body, headers={"Content-Type": "application/json"})
+        response = connection.getresponse()
+        payload = response.read()
+        if response.status != 200:
+            raise RuntimeError(f"/search answered {response.status}: {payload[:200]!r}")
+        json.loads(payload)
+
+    def get_stdlib(connection, path):
+        connection.request("GET", path)
+        connection.getresponse().read()
+
     engine = SearchEngine.open(index, device=device)
-    with (Server(index, device, microbatch="false") as server,
+    with (Server(index, device, microbatch="true") as batched, Server(index, device, microbatch="false") as server,
+          httpx.Client(base_url=batched.base, timeout=30, trust_env=False) as http_batched,
           httpx.Client(base_url=server.base, timeout=30, trust_env=False) as http):
-        calls = {"http": lambda q: post(http, q), "health": lambda _: http.get("/health"),
-                 "in-process engine": lambda q: engine.search(q, k)}
+        stdlib = HTTPConnection("127.0.0.1", server.port, timeout=30)
+        calls = {
+            "HTTP, batching on": lambda q: post(http_batched, q),
+            "HTTP, batching off": lambda q: post(http, q),
+            "HTTP, stdlib client": lambda q: post_stdlib(stdlib, q),
+            "/health": lambda _: http.get("/health"),
+            "/health, stdlib": lambda _: get_stdlib(stdlib, "/health"),
+            "in-process engine": lambda q: engine.search(q, k),
+        }
+        times: dict[str, list[float]] = {label: [] for label in calls}
         for call in calls.values():
             for query in queries[:5]:  # warm-up
                 call(query)
@@ -148,9 +173,9 @@ def http_vs_engine(index: Path, device: str, rounds: int, k: int, blocks: int = 
         for start in range(0, len(queries), size):
             for label, call in calls.items():
                 times[label].extend(timed(call, queries[start : start + size]))
+        stdlib.close()
     p50 = {label: statistics.median(values) for label, values in times.items()}
-    return {"http": p50["http"], "server engine": statistics.median(server_ms), "health": p50["health"],
-            "in-process engine": p50["in-process engine"]}
+    return {**p50, "server engine (httpx)": statistics.median(server_ms)}
 
 
 def batching_ceiling(index: Path, device: str, k: int) -> tuple[float, float]:
@@ -170,7 +195,7 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=32)
     parser.add_argument("--seconds", type=float, default=30)
     parser.add_argument("--k", type=int, default=10)
-    parser.add_argument("--rounds", type=int, default=100, help="sequential queries for HTTP vs in-process")
+    parser.add_argument("--rounds", type=int, default=200, help="sequential queries for HTTP vs in-process")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="the service's and the engine's")
     args = parser.parse_args()
     if not (args.index / "manifest.json").is_file():
@@ -196,8 +221,10 @@ def main() -> None:
     p50 = http_vs_engine(args.index, args.device, args.rounds, args.k)
     print(f"\none request at a time, p50 ms of {args.rounds} queries:")
     for label, value in p50.items():
-        print(f"  {label:<20}{value:>8.2f}")
-    print(f"HTTP / in-process engine = {p50['http'] / p50['in-process engine']:.2f}x")
+        print(f"  {label:<24}{value:>8.2f}")
+    engine_ms = p50["in-process engine"]
+    print("HTTP / in-process engine = " + ", ".join(
+        f"{p50[label] / engine_ms:.2f}x {label.removeprefix('HTTP, ')}" for label in p50 if label.startswith("HTTP")))
 
 
 if __name__ == "__main__":

@@ -22,12 +22,15 @@ class _Pending:
     retrieval: tuple[tuple[str, str], ...]  # sorted (name, value) pairs: requests fuse only with their like
     future: asyncio.Future
     arrived: float
+    behind: bool  # arrived while the model was running a batch
 
 
 class MicroBatcher:
     """Runs waiting requests as one batch (at most `max_batch`) on `executor` and hands each caller
-    its own top-k. A request that finds no other waiting waits `window_s` for company; requests
-    that queued while the model was busy go at once, since waiting then would only idle the model."""
+    its own top-k. Requests that queued while the model was busy go at once, since waiting then
+    would only idle the model. A request that finds no other waiting waits `window_s` for company
+    only while traffic overlaps (the last batch was shared, or its request had queued): one client
+    at a time never pays the window, and a burst's first request goes while the rest queue."""
 
     def __init__(
         self, run_batch: RunBatch, executor: Executor, window_s: float, max_batch: int,
@@ -38,14 +41,17 @@ class MicroBatcher:
         self._queue: asyncio.Queue[_Pending] | None = None
         self._worker: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._running = False  # a batch is on the model now
+        self._overlapping = False  # did the last batch show concurrent traffic?
 
     async def search(self, query: str, k: int, **retrieval: str) -> SearchResult:
         loop = asyncio.get_running_loop()
         if self._loop is not loop:  # first use, or a new event loop (test clients start one per session)
-            self._loop, self._queue = loop, asyncio.Queue()
+            self._loop, self._queue, self._overlapping = loop, asyncio.Queue(), False
             self._worker = loop.create_task(self._serve())
         future = asyncio.get_running_loop().create_future()
-        await self._queue.put(_Pending(query, k, tuple(sorted(retrieval.items())), future, time.perf_counter()))
+        retrieval_key = tuple(sorted(retrieval.items()))
+        await self._queue.put(_Pending(query, k, retrieval_key, future, time.perf_counter(), self._running))
         return await future
 
     async def close(self) -> None:
@@ -55,14 +61,15 @@ class MicroBatcher:
             self._worker = None
 
     async def _collect(self) -> list[_Pending]:
-        """The first waiting request, plus the others waiting (up to max_batch); when it is alone,
-        plus whatever arrives within the window. Sleeping then draining, rather than a timed get,
-        can never drop a request on a timeout race."""
+        """The first waiting request, plus the others waiting (up to max_batch); when it is alone
+        while traffic overlaps, plus whatever arrives within the window. Sleeping then draining,
+        rather than a timed get, can never drop a request on a timeout race."""
         batch = [await self._queue.get()]
-        if self._window_s > 0 and self._queue.empty():
+        if self._window_s > 0 and self._overlapping and self._queue.empty():
             await asyncio.sleep(self._window_s)
         while len(batch) < self._max_batch and not self._queue.empty():
             batch.append(self._queue.get_nowait())
+        self._overlapping = len(batch) > 1 or batch[0].behind
         return batch
 
     async def _serve(self) -> None:
@@ -78,6 +85,7 @@ class MicroBatcher:
         started = time.perf_counter()
         k = max(item.k for item in batch)  # the top-k of an exact top-K (K >= k) is the exact top-k
         call = functools.partial(self._run_batch, [item.query for item in batch], k, **retrieval)
+        self._running = True
         try:
             results = await asyncio.get_running_loop().run_in_executor(self._executor, call)
         except Exception as error:  # noqa: BLE001 - every waiting caller gets the error
@@ -85,6 +93,8 @@ class MicroBatcher:
                 if not item.future.done():
                     item.future.set_exception(error)
             return
+        finally:
+            self._running = False
         self._on_batch(len(batch))
         finished = time.perf_counter()
         for item, result in zip(batch, results):

@@ -31,7 +31,9 @@ class ServiceSettings(BaseSettings):
     api_key: SecretStr | None = Field(None, description="bearer key for every route but /health and /ready")
 
     microbatch: bool = Field(True, description="fuse concurrent /search requests into one forward pass")
-    microbatch_window_ms: float = Field(2.0, ge=0, description="how long a request waits for others to join")
+    microbatch_window_ms: float = Field(
+        2.0, ge=0, description="how long a lone request waits for others to join, while traffic overlaps"
+    )
     microbatch_max: int = Field(64, ge=1, description="most requests fused into one batch")
     stats_window: int = Field(1000, ge=1, description="requests kept for /stats percentiles")
 
