@@ -127,8 +127,9 @@ def plan(settings: ServiceSettings, engine: SearchEngine, request: SearchRequest
 def _json(body: dict) -> Response:
     """`body` serialised once, in Rust (hits are `Hit` dataclasses, the shape of `Passage`). Returning
     a model instead makes FastAPI validate every passage again before serialising it; the declared
-    response_model still documents the shape, and the OpenAPI fuzz test checks bodies against it."""
-    return Response(to_json(body), media_type="application/json")
+    response_model still documents the shape, and the OpenAPI fuzz test checks bodies against it.
+    A NaN or infinite score becomes null, as pydantic's own serialiser writes it: always valid JSON."""
+    return Response(to_json(body, inf_nan_mode="null"), media_type="application/json")
 
 
 def create_app(settings: ServiceSettings | None = None, engine: SearchEngine | None = None) -> FastAPI:
