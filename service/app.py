@@ -126,9 +126,10 @@ def plan(settings: ServiceSettings, engine: SearchEngine, request: SearchRequest
 
 def _json(body: dict) -> Response:
     """`body` serialised once, in Rust (hits are `Hit` dataclasses, the shape of `Passage`). Returning
-    a model instead makes FastAPI validate every passage again before serialising it; the declared
-    response_model still documents the shape, and the OpenAPI fuzz test checks bodies against it.
-    A NaN or infinite score becomes null, as pydantic's own serialiser writes it: always valid JSON."""
+    a model instead makes FastAPI validate every passage again before serialising it. The declared
+    response_model still documents the shape; tests check the passage fields, and the OpenAPI fuzz
+    test checks unreranked bodies against the spec. A NaN or infinite score becomes null, as
+    pydantic's own serialiser wrote it: always valid JSON."""
     return Response(to_json(body, inf_nan_mode="null"), media_type="application/json")
 
 

@@ -30,7 +30,8 @@ class MicroBatcher:
     its own top-k. Requests that queued while the model was busy go at once, since waiting then
     would only idle the model. A request that finds no other waiting waits `window_s` for company
     only while traffic overlaps (the last batch was shared, or its request had queued): one client
-    at a time never pays the window, and a burst's first request goes while the rest queue."""
+    at a time pays it at most once, right after overlapping traffic, and a burst's first request
+    goes while the rest queue."""
 
     def __init__(
         self, run_batch: RunBatch, executor: Executor, window_s: float, max_batch: int,
@@ -47,7 +48,8 @@ class MicroBatcher:
     async def search(self, query: str, k: int, **retrieval: str) -> SearchResult:
         loop = asyncio.get_running_loop()
         if self._loop is not loop:  # first use, or a new event loop (test clients start one per session)
-            self._loop, self._queue, self._overlapping = loop, asyncio.Queue(), False
+            self._loop, self._queue = loop, asyncio.Queue()
+            self._running = self._overlapping = False
             self._worker = loop.create_task(self._serve())
         future = asyncio.get_running_loop().create_future()
         retrieval_key = tuple(sorted(retrieval.items()))
@@ -65,7 +67,7 @@ class MicroBatcher:
         while traffic overlaps, plus whatever arrives within the window. Sleeping then draining,
         rather than a timed get, can never drop a request on a timeout race."""
         batch = [await self._queue.get()]
-        if self._window_s > 0 and self._overlapping and self._queue.empty():
+        if self._window_s > 0 and self._max_batch > 1 and self._overlapping and self._queue.empty():
             await asyncio.sleep(self._window_s)
         while len(batch) < self._max_batch and not self._queue.empty():
             batch.append(self._queue.get_nowait())

@@ -1,6 +1,6 @@
 """The micro-batcher's schedule, on the real engine: requests that are already waiting never sit
 out the window, they go at once, together; a lone request waits for company only while traffic
-overlaps, so one client at a time never pays the window."""
+overlaps, so one client at a time pays the window at most once, right after overlapping traffic."""
 
 from __future__ import annotations
 
@@ -11,6 +11,35 @@ from concurrent.futures import ThreadPoolExecutor
 from service.batcher import MicroBatcher
 
 FOREVER_S = 600.0  # a window no test could sit out: any wait on it ends in the timeout below
+WINDOW_S = 1.0  # long enough that a request sent 0.2 s into it surely joins, on any machine
+
+
+def held_until(gate: threading.Event, engine):
+    """The engine's search_batch, with the model kept busy until the test opens `gate`."""
+
+    def run_batch(queries, k, **retrieval):
+        gate.wait(timeout=60)
+        return engine.search_batch(queries, k, **retrieval)
+
+    return run_batch
+
+
+async def one_then_one_behind(batcher: MicroBatcher, gate: threading.Event, demo_queries) -> None:
+    """A request the model takes alone, a second that queues while it runs, then the gate opens."""
+    first = asyncio.create_task(batcher.search(demo_queries["q0001"], 3))
+    await asyncio.sleep(0.2)
+    behind = asyncio.create_task(batcher.search(demo_queries["q0002"], 3))
+    await asyncio.sleep(0.2)
+    gate.set()
+    await asyncio.wait_for(asyncio.gather(first, behind), timeout=60)
+
+
+async def lone_then_late(batcher: MicroBatcher, demo_queries) -> None:
+    """A lone request, then another 0.2 s later: one batch if the first waited the window."""
+    alone = asyncio.create_task(batcher.search(demo_queries["q0003"], 3))
+    await asyncio.sleep(0.2)
+    late = asyncio.create_task(batcher.search(demo_queries["q0004"], 3))
+    await asyncio.wait_for(asyncio.gather(alone, late), timeout=60)
 
 
 def test_waiting_requests_run_together_at_once_and_never_wait_for_the_window(engine, demo_queries):
@@ -18,13 +47,9 @@ def test_waiting_requests_run_together_at_once_and_never_wait_for_the_window(eng
     sizes: list[int] = []
     names = ["q0001", "q0002", "q0003", "q0004", "q0005"]
 
-    def run_batch(queries, k, **retrieval):
-        gate.wait(timeout=60)  # the model stays busy until the test opens the gate
-        return engine.search_batch(queries, k, **retrieval)
-
     async def scenario():
         with ThreadPoolExecutor(max_workers=1) as executor:
-            batcher = MicroBatcher(run_batch, executor, FOREVER_S, max_batch=8, on_batch=sizes.append)
+            batcher = MicroBatcher(held_until(gate, engine), executor, FOREVER_S, max_batch=8, on_batch=sizes.append)
             # Two arrive together: neither is alone, so they go without waiting for company.
             first = [asyncio.create_task(batcher.search(demo_queries[q], 3)) for q in names[:2]]
             await asyncio.sleep(0.2)
@@ -55,22 +80,49 @@ def test_one_client_at_a_time_never_waits_for_the_window(engine, demo_queries):
 
     results = asyncio.run(scenario())
     assert sizes == [1, 1, 1]
-    assert all(result.timings.queue < 1000 * FOREVER_S / 10 for result in results)
+    assert all(result.timings.queue < 1000 for result in results)  # ms: nothing waited for company
 
 
-def test_a_lone_request_waits_for_company_while_traffic_overlaps(engine, demo_queries):
+def test_after_a_shared_batch_a_lone_request_waits_for_company(engine, demo_queries):
     sizes: list[int] = []
 
     async def scenario():
         with ThreadPoolExecutor(max_workers=1) as executor:
-            batcher = MicroBatcher(engine.search_batch, executor, 2.0, max_batch=8, on_batch=sizes.append)
+            batcher = MicroBatcher(engine.search_batch, executor, WINDOW_S, max_batch=8, on_batch=sizes.append)
             together = [batcher.search(demo_queries[q], 3) for q in ("q0001", "q0002")]
-            await asyncio.wait_for(asyncio.gather(*together), timeout=60)  # overlapping traffic
-            alone = asyncio.create_task(batcher.search(demo_queries["q0003"], 3))
-            await asyncio.sleep(0.3)  # well inside the 2 s window
-            late = asyncio.create_task(batcher.search(demo_queries["q0004"], 3))
-            await asyncio.wait_for(asyncio.gather(alone, late), timeout=60)
+            await asyncio.wait_for(asyncio.gather(*together), timeout=60)
+            await lone_then_late(batcher, demo_queries)
             await batcher.close()
 
     asyncio.run(scenario())
     assert sizes == [2, 2]
+
+
+def batch_sizes_after_one_queued_behind(engine, demo_queries, window_s: float, max_batch: int, then) -> list[int]:
+    """The batch sizes when one request queues behind another (traffic overlaps), then `then(batcher)` runs."""
+    gate = threading.Event()
+    sizes: list[int] = []
+
+    async def scenario():
+        with ThreadPoolExecutor(max_workers=1) as executor:
+            batcher = MicroBatcher(held_until(gate, engine), executor, window_s, max_batch, on_batch=sizes.append)
+            await one_then_one_behind(batcher, gate, demo_queries)
+            await then(batcher)
+            await batcher.close()
+
+    asyncio.run(scenario())
+    return sizes
+
+
+def test_after_a_request_queued_behind_a_batch_a_lone_request_waits_for_company(engine, demo_queries):
+    sizes = batch_sizes_after_one_queued_behind(
+        engine, demo_queries, WINDOW_S, 8, then=lambda batcher: lone_then_late(batcher, demo_queries)
+    )
+    assert sizes == [1, 1, 2]
+
+
+def test_with_batches_of_one_nothing_ever_waits_for_company(engine, demo_queries):
+    def alone(batcher):  # no one could join it
+        return asyncio.wait_for(batcher.search(demo_queries["q0003"], 3), timeout=60)
+
+    assert batch_sizes_after_one_queued_behind(engine, demo_queries, FOREVER_S, 1, then=alone) == [1, 1, 1]
