@@ -1,10 +1,12 @@
 """HTTP load on 127.0.0.1: micro-batching on against off, and HTTP against in-process latency.
 
-    python bench/load.py [--index indexes/demo] [--clients 32] [--seconds 30] [--device cpu]
+    python bench/load.py [--index indexes/demo] [--clients 32] [--seconds 30] [--slices 6] [--device cpu]
 
-Starts `python -m service` twice on a free loopback port (SEARCH_MICROBATCH=true, then false),
-drives each with `--clients` concurrent httpx clients for `--seconds` (bounded: every client
-stops at the deadline), and prints throughput, p50/p99 and errors with the on/off ratio.
+Starts `python -m service` twice on free loopback ports (SEARCH_MICROBATCH=true and false) and
+drives them in turn, in `--slices` alternating slices (on, off, off, on, ...) that add up to
+`--seconds` each, with `--clients` concurrent httpx clients (bounded: every client stops at the
+slice's deadline); prints throughput, p50/p99 and errors with the on/off ratio. Alternating slices
+let a shared host whose speed drifts weigh on both sides alike.
 Then, one request at a time, compares the HTTP round trip (micro-batching on and off; httpx,
 and the standard library's client to show the client's own share) with `SearchEngine.search`
 in this process for the same queries. Builds the demo index first if `--index` does not exist.
@@ -23,11 +25,13 @@ import sys
 import tempfile
 import time
 from contextlib import closing
+from dataclasses import dataclass, field
 from http.client import HTTPConnection
 from pathlib import Path
 
 import httpx
 import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -79,33 +83,95 @@ class Server:
         self.log.close()
 
 
-async def load(base: str, clients: int, seconds: float, k: int) -> dict:
-    latencies: list[float] = []
-    errors = 0
-    deadline = time.perf_counter() + seconds
+@dataclass
+class Load:
+    """What one server answered under load, summed over slices."""
 
-    async def client(number: int) -> None:
-        nonlocal errors
-        async with httpx.AsyncClient(base_url=base, timeout=30, trust_env=False) as http:
-            i = number
-            while time.perf_counter() < deadline:
-                started = time.perf_counter()
-                try:
-                    response = await http.post("/search", json={"query": QUERIES[i % len(QUERIES)], "k": k})
-                    ok = response.status_code == 200
-                except httpx.HTTPError:
-                    ok = False
-                if ok:
-                    latencies.append(1000 * (time.perf_counter() - started))
-                else:
-                    errors += 1
-                i += clients
+    latencies: list[float] = field(default_factory=list)
+    errors: int = 0
+    seconds: float = 0.0
+    slice_rps: list[float] = field(default_factory=list)
+    client_cpu: float = 0.0  # CPU seconds of this process (the httpx clients) while loading
+    server_cpu: float | None = 0.0  # and of the server process; None where /proc is absent
+    mean_batch: float = 1.0  # requests per forward pass
+
+    def row(self) -> dict:
+        p50, p99 = np.percentile(self.latencies, [50, 99]) if self.latencies else (float("nan"), float("nan"))
+        rps = len(self.latencies) / self.seconds
+        return {"requests": len(self.latencies), "rps": rps, "p50": p50, "p99": p99, "errors": self.errors}
+
+
+async def load(pool: list[httpx.AsyncClient], seconds: float, k: int, into: Load) -> None:
+    """Each client of `pool` posts /search, one request after another, for `seconds`; answers and
+    errors go `into`. The clients exist and are connected before the clock starts: opening 32 of
+    them inside the timed window puts their set-up (~0.5 s on two cores) into the first requests'
+    latency, which was most of the p99."""
+    deadline = time.perf_counter() + seconds
+    before = len(into.latencies)
+
+    async def client(number: int, http: httpx.AsyncClient) -> None:
+        i = number
+        while time.perf_counter() < deadline:
+            started = time.perf_counter()
+            try:
+                response = await http.post("/search", json={"query": QUERIES[i % len(QUERIES)], "k": k})
+                ok = response.status_code == 200
+            except httpx.HTTPError:
+                ok = False
+            if ok:
+                into.latencies.append(1000 * (time.perf_counter() - started))
+            else:
+                into.errors += 1
+            i += len(pool)
 
     started = time.perf_counter()
-    await asyncio.gather(*(client(n) for n in range(clients)))
+    await asyncio.gather(*(client(number, http) for number, http in enumerate(pool)))
     elapsed = time.perf_counter() - started
-    p50, p99 = np.percentile(latencies, [50, 99]) if latencies else (float("nan"), float("nan"))
-    return {"requests": len(latencies), "rps": len(latencies) / elapsed, "p50": p50, "p99": p99, "errors": errors}
+    into.seconds += elapsed
+    into.slice_rps.append((len(into.latencies) - before) / elapsed)
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of process `pid` so far, all threads (Linux /proc; None elsewhere)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def throughput(index: Path, device: str, clients: int, seconds: float, slices: int, k: int) -> dict[str, Load]:
+    """Both servers up at once, loaded in turn: on, off, off, on, on, off, ... (a drift that is
+    linear in time weighs on both alike), `seconds / slices` per slice, after a 2 s warm-up each.
+    The batching server's mean batch size (warm-up included) comes back in its `mean_batch`."""
+    with Server(index, device, microbatch="true") as on, Server(index, device, microbatch="false") as off:
+        results = asyncio.run(_alternate({"micro-batching on": on, "micro-batching off": off}, clients, seconds, slices, k))
+        results["micro-batching on"].mean_batch = mean_batch(on.base)
+    return results
+
+
+async def _alternate(servers: dict[str, Server], clients: int, seconds: float, slices: int, k: int) -> dict[str, Load]:
+    results = {label: Load() for label in servers}
+    pools = {label: [httpx.AsyncClient(base_url=server.base, timeout=30, trust_env=False) for _ in range(clients)]
+             for label, server in servers.items()}
+    try:
+        for pool in pools.values():
+            await load(pool, 2, k, Load())  # warm-up; also opens every client's connection
+        for number in range(slices):
+            for label in (servers if number % 2 == 0 else reversed(servers)):
+                result, pid = results[label], servers[label].process.pid
+                client_before, server_before = os.times(), cpu_seconds(pid)
+                await load(pools[label], seconds / slices, k, result)
+                client_after, server_after = os.times(), cpu_seconds(pid)
+                result.client_cpu += (client_after.user + client_after.system) - (client_before.user + client_before.system)
+                if result.server_cpu is not None and server_before is not None and server_after is not None:
+                    result.server_cpu += server_after - server_before
+                else:
+                    result.server_cpu = None
+    finally:
+        for pool in pools.values():
+            await asyncio.gather(*(http.aclose() for http in pool))
+    return results
 
 
 def timed(call, items) -> list[float]:
@@ -180,22 +246,32 @@ def http_vs_engine(index: Path, device: str, rounds: int, k: int, blocks: int = 
     return {**p50, "server engine (off)": statistics.median(server_ms)}
 
 
-def batching_ceiling(index: Path, device: str, k: int) -> tuple[float, float]:
-    """Queries/s of the engine in this process, one query per call and 32 per call: the most
-    micro-batching can gain on this machine before any HTTP cost."""
+def batching_ceiling(index: Path, device: str, k: int, sizes: list[int]) -> dict[int, float]:
+    """Queries/s of the engine in this process at each batch size: what micro-batching can gain on
+    this machine before any HTTP cost (and before sharing the cores with the load generator)."""
     engine = SearchEngine.open(index, device=device)
     queries = QUERIES[:128]
-    single = timed_ms(lambda q: engine.search(q, k), queries)
-    batches = [queries[i : i + 32] for i in range(0, len(queries), 32)]
-    batched = timed_ms(lambda b: engine.search_batch(b, k), batches + batches)
-    return 1000 / single, 32 * 1000 / batched
+    ceiling = {}
+    for size in sizes:
+        batches = [queries[i : i + size] for i in range(0, len(queries) - size + 1, size)]
+        ceiling[size] = size * 1000 / timed_ms(lambda b: engine.search_batch(b, k), batches + batches)
+    return ceiling
+
+
+def mean_batch(base: str) -> float:
+    """Mean requests per forward pass so far, from the server's /metrics."""
+    text = httpx.get(f"{base}/metrics", timeout=30, trust_env=False).text
+    samples = {sample.name: sample.value for family in text_string_to_metric_families(text)
+               for sample in family.samples if sample.name.startswith("search_batch_size")}
+    return samples["search_batch_size_sum"] / max(1.0, samples["search_batch_size_count"])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--index", type=Path, default=ROOT / "indexes/demo")
     parser.add_argument("--clients", type=int, default=32)
-    parser.add_argument("--seconds", type=float, default=30)
+    parser.add_argument("--seconds", type=float, default=30, help="of load per server, over all slices")
+    parser.add_argument("--slices", type=int, default=6, help="alternating on/off slices")
     parser.add_argument("--k", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=200, help="sequential queries for HTTP vs in-process")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="the service's and the engine's")
@@ -204,21 +280,29 @@ def main() -> None:
         encoder = BiEncoder(device=args.device)
         print(build_index(BuildOptions(ROOT / "data/demo/corpus.tsv", args.index), encoder).summary())
 
-    rows = {}
-    for label, microbatch in (("micro-batching on", "true"), ("micro-batching off", "false")):
-        with Server(args.index, args.device, microbatch=microbatch) as server:
-            asyncio.run(load(server.base, args.clients, 2, args.k))  # warm-up
-            rows[label] = asyncio.run(load(server.base, args.clients, args.seconds, args.k))
-    print(f"\n{args.clients} clients x {args.seconds:.0f} s, k={args.k}, index {args.index}, device {args.device}")
+    results = throughput(args.index, args.device, args.clients, args.seconds, args.slices, args.k)
+    rows = {label: result.row() for label, result in results.items()}
+    print(f"\n{args.clients} clients x {args.seconds:.0f} s in {args.slices} slices, k={args.k}, "
+          f"index {args.index}, device {args.device}")
     print(f"{'':<20}{'requests':>10}{'req/s':>10}{'p50 ms':>10}{'p99 ms':>10}{'errors':>8}")
     for label, r in rows.items():
         print(f"{label:<20}{r['requests']:>10}{r['rps']:>10.1f}{r['p50']:>10.1f}{r['p99']:>10.1f}{r['errors']:>8}")
     ratio = rows["micro-batching on"]["rps"] / rows["micro-batching off"]["rps"]
-    print(f"throughput on / off = {ratio:.2f}x")
+    on, off = results["micro-batching on"].slice_rps, results["micro-batching off"].slice_rps
+    pairs = [a / b for a, b in zip(on, off)]
+    print(f"throughput on / off = {ratio:.2f}x (slice by slice: {min(pairs):.2f}x to {max(pairs):.2f}x)")
+    for label, result in results.items():
+        served = max(1, len(result.latencies))
+        share = f"load generator {result.client_cpu / result.seconds:.2f} cores ({1000 * result.client_cpu / served:.1f} ms CPU per request)"
+        if result.server_cpu is not None:
+            share += f", server {result.server_cpu / result.seconds:.2f} cores ({1000 * result.server_cpu / served:.1f} ms)"
+        print(f"CPU, {label}: {share}")
 
-    single_qps, batched_qps = batching_ceiling(args.index, args.device, args.k)
-    print(f"in-process ceiling: {single_qps:.0f} queries/s one at a time, {batched_qps:.0f} in batches of 32 "
-          f"= {batched_qps / single_qps:.2f}x")
+    served_batch = results["micro-batching on"].mean_batch
+    sizes = sorted({1, max(2, round(served_batch)), 32})
+    ceiling = batching_ceiling(args.index, args.device, args.k, sizes)
+    print(f"mean batch under load: {served_batch:.1f} requests; in-process ceiling, queries/s by batch size: "
+          + ", ".join(f"{size}: {qps:.0f} ({qps / ceiling[1]:.2f}x)" for size, qps in ceiling.items()))
 
     p50 = http_vs_engine(args.index, args.device, args.rounds, args.k)
     print(f"\none request at a time, p50 ms of {args.rounds} queries:")
