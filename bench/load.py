@@ -311,6 +311,8 @@ def main() -> None:
     engine_ms = p50["in-process engine"]
     print("HTTP / in-process engine = " + ", ".join(
         f"{p50[label] / engine_ms:.2f}x {label.removeprefix('HTTP, ')}" for label in p50 if label.startswith("HTTP")))
+    print(f"HTTP batching off / that server's own engine time = {p50['HTTP, batching off'] / p50['server engine (off)']:.2f}x "
+          "(the HTTP layer alone, without the engine's own server-versus-loop difference)")
 
 
 if __name__ == "__main__":
