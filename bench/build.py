@@ -125,6 +125,7 @@ def bench_search(sizes: list[int], queries: int, on_gpu: bool, dimension: int = 
             bound = max(memory_ms, compute_ms)
             print(f"{size:>10}{mode:>10}{ms:>10.2f}{memory_ms:>14.2f}{compute_ms:>15.2f}{ms / bound:>14.2f}")
 
+
 def time_search(index, probe: np.ndarray, queries: int, k: int) -> tuple[float, float]:
     """ms/query one query per call and 64 per call (faiss returns host arrays: the search is done)."""
     dense_index.search(index, probe[:1], k)  # warm-up

@@ -140,6 +140,12 @@ def cpu_seconds(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def own_cpu_seconds() -> float:
+    """User + system CPU seconds of this process so far (the load's clients), on any platform."""
+    times = os.times()
+    return times.user + times.system
+
+
 def throughput(index: Path, device: str, clients: int, seconds: float, slices: int, k: int) -> dict[str, Load]:
     """Both servers up at once, loaded in turn: on, off, off, on, on, off, ... (a drift that is
     linear in time weighs on both alike), `seconds / slices` per slice, after a 2 s warm-up each.
@@ -160,10 +166,10 @@ async def _alternate(servers: dict[str, Server], clients: int, seconds: float, s
         for number in range(slices):
             for label in (servers if number % 2 == 0 else reversed(servers)):
                 result, pid = results[label], servers[label].process.pid
-                client_before, server_before = os.times(), cpu_seconds(pid)
+                client_before, server_before = own_cpu_seconds(), cpu_seconds(pid)
                 await load(pools[label], seconds / slices, k, result)
-                client_after, server_after = os.times(), cpu_seconds(pid)
-                result.client_cpu += (client_after.user + client_after.system) - (client_before.user + client_before.system)
+                client_after, server_after = own_cpu_seconds(), cpu_seconds(pid)
+                result.client_cpu += client_after - client_before
                 if result.server_cpu is not None and server_before is not None and server_after is not None:
                     result.server_cpu += server_after - server_before
                 else:
@@ -191,7 +197,7 @@ def timed_ms(call, items) -> float:
     return statistics.median(timed(call, items))
 
 
-def http_vs_engine(index: Path, device: str, rounds: int, k: int, blocks: int = 10) -> dict[str, float]:
+def http_vs_engine(index: Path, device: str, engine: SearchEngine, rounds: int, k: int, blocks: int = 10) -> dict[str, float]:
     """p50 ms of one request at a time: the HTTP round trip with micro-batching on (the default)
     and off, the server's own engine time for those requests, the same request through the
     standard library's http.client (what the httpx client itself costs), HTTP round trips that
@@ -220,7 +226,6 @@ def http_vs_engine(index: Path, device: str, rounds: int, k: int, blocks: int = 
         connection.request("GET", path)
         connection.getresponse().read()
 
-    engine = SearchEngine.open(index, device=device)
     with (Server(index, device, microbatch="true") as batched, Server(index, device, microbatch="false") as server,
           httpx.Client(base_url=batched.base, timeout=30, trust_env=False) as http_batched,
           httpx.Client(base_url=server.base, timeout=30, trust_env=False) as http,
@@ -246,10 +251,9 @@ def http_vs_engine(index: Path, device: str, rounds: int, k: int, blocks: int = 
     return {**p50, "server engine (off)": statistics.median(server_ms)}
 
 
-def batching_ceiling(index: Path, device: str, k: int, sizes: list[int]) -> dict[int, float]:
-    """Queries/s of the engine in this process at each batch size: what micro-batching can gain on
+def batching_ceiling(engine: SearchEngine, k: int, sizes: list[int]) -> dict[int, float]:
+    """Queries/s of `engine` in this process at each batch size: what micro-batching can gain on
     this machine before any HTTP cost (and before sharing the cores with the load generator)."""
-    engine = SearchEngine.open(index, device=device)
     queries = QUERIES[:128]
     ceiling = {}
     for size in sizes:
@@ -276,6 +280,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=200, help="sequential queries for HTTP vs in-process")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="the service's and the engine's")
     args = parser.parse_args()
+    if args.slices < 1 or args.clients < 1 or args.seconds <= 0:
+        parser.error("--slices and --clients must be at least 1, --seconds above 0")
     if not (args.index / "manifest.json").is_file():
         encoder = BiEncoder(device=args.device)
         print(build_index(BuildOptions(ROOT / "data/demo/corpus.tsv", args.index), encoder).summary())
@@ -300,11 +306,12 @@ def main() -> None:
 
     served_batch = results["micro-batching on"].mean_batch
     sizes = sorted({1, max(2, round(served_batch)), 32})
-    ceiling = batching_ceiling(args.index, args.device, args.k, sizes)
+    engine = SearchEngine.open(args.index, device=args.device)  # opened after the load: it idles meanwhile
+    ceiling = batching_ceiling(engine, args.k, sizes)
     print(f"mean batch under load: {served_batch:.1f} requests; in-process ceiling, queries/s by batch size: "
           + ", ".join(f"{size}: {qps:.0f} ({qps / ceiling[1]:.2f}x)" for size, qps in ceiling.items()))
 
-    p50 = http_vs_engine(args.index, args.device, args.rounds, args.k)
+    p50 = http_vs_engine(args.index, args.device, engine, args.rounds, args.k)
     print(f"\none request at a time, p50 ms of {args.rounds} queries:")
     for label, value in p50.items():
         print(f"  {label:<24}{value:>8.2f}")
