@@ -56,7 +56,7 @@ def base_sized_generative(folder: Path, architecture: str, passages: list[str]) 
     matters little to speed)."""
     from transformers import BartConfig, BartForConditionalGeneration, GPT2Config, GPT2LMHeadModel
 
-    from models.reranker import write_reranker_json
+    from models.checkpoint import write_reranker_json
 
     tokenizer = train_tokenizer(passages, 8000)
     if architecture == "causal":

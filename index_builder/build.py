@@ -18,33 +18,21 @@ import sqlite3
 import sys
 import time
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import BinaryIO, Iterator
 
 import numpy as np
-import faiss
 from tqdm import tqdm
 
-from index_builder.corpus import BadLine, CorpusFormat, Passage, detect_format, read_corpus
 from index_builder.shard import Shard
+from models.checkpoint import read_json
 from models.encoder import BiEncoder
-from retrieval import dense_index
-from retrieval.index_format import (
-    INDEX_FILE,
-    PASSAGES_FILE,
-    CorpusRecord,
-    EncoderRecord,
-    Manifest,
-    file_record,
-    read_json,
-    write_json_atomic,
-    write_manifest,
-)
-from retrieval.bm25_index import BM25_DIR, bm25_record, build_bm25
-from retrieval.passage_store import SCHEMA
+from retrieval import index_writer
+from retrieval.corpus import BadLine, CorpusFormat, Passage, detect_format, read_corpus
+from retrieval.index_format import CorpusRecord, EncoderRecord, write_json_atomic
 
 STATE_FILE = "state.json"
+CHUNKS_DIR = "chunks"  # STATE_FILE and CHUNKS_DIR are a build's scratch, dropped once the index is in place
 SHOWN_BAD_LINES = 5
 
 
@@ -126,16 +114,10 @@ def _open_state(work: Path, identity: dict, restart: bool) -> _State:
         return _State(identity, saved["chunks"])
     if work.exists():
         shutil.rmtree(work)
-    (work / "chunks").mkdir(parents=True)
+    (work / CHUNKS_DIR).mkdir(parents=True)
     state = _State(identity)
     state.save(work)
     return state
-
-
-def _store(work: Path) -> sqlite3.Connection:
-    connection = sqlite3.connect(work / PASSAGES_FILE)
-    connection.executescript(SCHEMA)
-    return connection
 
 
 def _check_duplicates(connection: sqlite3.Connection, passages: list[Passage]) -> list[BadLine]:
@@ -198,7 +180,7 @@ def build_index(options: BuildOptions, encoder: BiEncoder) -> BuildReport:
         digest.update(handle.read(last["end_offset"]))
         if state.chunks and digest.hexdigest() != last["sha256"]:
             raise BuildError(f"{corpus} changed since the interrupted build in {work}; rerun with --restart")
-        connection = _store(work)
+        connection = index_writer.open_store(work)
         with connection:  # rows of a chunk that was stored but not yet counted in state.json
             connection.execute("DELETE FROM passages WHERE row >= ?", (state.rows,))
         report = _Reporter(corpus, options.skip_bad)
@@ -221,7 +203,7 @@ def build_index(options: BuildOptions, encoder: BiEncoder) -> BuildReport:
     if state.rows == 0 and options.shard is None:  # a shard of a tiny corpus may rightly be empty
         raise BuildError(f"{corpus}: no passages to index")
     _finish(work, state, encoder, corpus, fmt, options.bm25, options.shard)
-    _move_into_place(work, out)
+    index_writer.move_into_place(work, out, scratch=(CHUNKS_DIR, STATE_FILE))
     return BuildReport(
         out=out,
         passages=state.rows,
@@ -263,7 +245,7 @@ def _commit_chunk(work, state: _State, connection, encoder: BiEncoder, passages,
     """Embeddings to disk, passages to SQLite, then count the chunk: in that order, so a crash loses nothing."""
     number = len(state.chunks)
     vectors = encoder.encode_passages([p.text for p in passages], progress=progress)
-    path = work / "chunks" / f"{number:06d}.npy"
+    path = work / CHUNKS_DIR / f"{number:06d}.npy"
     tmp = path.with_name(path.name + ".tmp")
     with tmp.open("wb") as handle:
         np.save(handle, vectors)
@@ -271,11 +253,7 @@ def _commit_chunk(work, state: _State, connection, encoder: BiEncoder, passages,
         os.fsync(handle.fileno())
     os.replace(tmp, path)
     first_row = state.rows
-    with connection:
-        connection.executemany(
-            "INSERT INTO passages (row, id, text, line) VALUES (?, ?, ?, ?)",
-            ((first_row + i, p.id, p.text, p.line) for i, p in enumerate(passages)),
-        )
+    index_writer.insert_passages(connection, ((first_row + i, p.id, p.text, p.line) for i, p in enumerate(passages)))
     state.chunks.append(
         {
             "end_offset": chunk.end_offset,
@@ -292,58 +270,19 @@ def _commit_chunk(work, state: _State, connection, encoder: BiEncoder, passages,
 def _finish(
     work: Path, state: _State, encoder: BiEncoder, corpus: Path, fmt: CorpusFormat, bm25: bool, shard: Shard | None
 ) -> None:
-    """FAISS index from the chunks (and BM25 from the stored passages), then the manifest (last:
-    it marks the directory finished)."""
-    index = dense_index.new_flat_index(encoder.dimension)
-    for number in range(len(state.chunks)):
-        index.add(np.load(work / "chunks" / f"{number:06d}.npy"))
-    tmp = work / (INDEX_FILE + ".tmp")
-    faiss.write_index(index, str(tmp))
-    os.replace(tmp, work / INDEX_FILE)
-    files = [INDEX_FILE, PASSAGES_FILE] + (add_bm25(work, state.rows) if bm25 else [])
-    manifest = Manifest(
+    """FAISS index from the chunks (and BM25 from the stored passages), then the manifest."""
+    chunks = (np.load(work / CHUNKS_DIR / f"{number:06d}.npy") for number in range(len(state.chunks)))
+    count = index_writer.write_vectors(work, chunks, encoder.dimension)
+    index_writer.write_manifest(
+        work,
         encoder=EncoderRecord(path=encoder.source, **encoder.spec.to_dict()),
-        dimension=encoder.dimension,
-        similarity=encoder.spec.similarity,
-        count=index.ntotal,
-        built_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         corpus=CorpusRecord(
             path=str(corpus.resolve()),
             format=fmt,
             passages=state.rows,
             skipped=sum(chunk["skipped"] for chunk in state.chunks),
         ),
-        files={name: file_record(work / name) for name in files},
-        bm25=bm25_record() if bm25 else None,
+        count=count,
+        bm25=bm25,
         shard=str(shard) if shard is not None else None,
     )
-    write_manifest(work, manifest)
-
-
-def add_bm25(work: Path, rows: int) -> list[str]:
-    """BM25 over the passages stored in `work` (row order); returns its files relative to `work`.
-    Built from the final store, never merged, because BM25's statistics belong to the whole corpus."""
-    folder = work / BM25_DIR
-    if folder.exists():
-        shutil.rmtree(folder)
-    connection = sqlite3.connect(work / PASSAGES_FILE)
-    try:
-        build_bm25((text for (text,) in connection.execute("SELECT text FROM passages ORDER BY row")), rows, folder)
-    finally:
-        connection.close()
-    return sorted(str(path.relative_to(work)) for path in folder.iterdir())
-
-
-def _move_into_place(work: Path, out: Path) -> None:
-    """Swap the finished folder in by rename; only then drop the old index and the build's scratch files."""
-    old = out.parent / f".{out.name}.old"
-    if old.exists():
-        shutil.rmtree(old)
-    if out.exists():
-        os.replace(out, old)
-    os.replace(work, out)
-    if (out / "chunks").exists():  # a build's scratch files; a merge (index_builder.merge) has none
-        shutil.rmtree(out / "chunks")
-    (out / STATE_FILE).unlink(missing_ok=True)
-    if old.exists():
-        shutil.rmtree(old)

@@ -8,27 +8,23 @@ import time
 from pathlib import Path
 
 from index_builder.build import BuildError, BuildOptions, build_index
-from index_builder.merge import merge_shards
-from index_builder.shard import Shard
 from index_builder.evaluate import (
     CONSISTENCY_DEPTHS,
     EVAL_MODES,
-    EvalInputError,
     consistency_factor,
     format_table,
     metrics,
-    read_qrels,
-    read_queries,
-    read_run,
     run_queries,
-    write_run,
 )
+from index_builder.merge import merge_shards
+from index_builder.shard import Shard
 from index_builder.smart import convert_cranfield
 from models.encoder import BiEncoder
 from retrieval.index_format import IndexFormatError, read_manifest
+from retrieval.readers import InputFileError, read_qrels, read_queries, read_run, write_run
 from retrieval.searcher import MAX_K, EncoderMismatch, Searcher, encoder_for
 
-USAGE_ERRORS = (BuildError, EvalInputError, IndexFormatError, EncoderMismatch, FileNotFoundError, ValueError)
+USAGE_ERRORS = (BuildError, InputFileError, IndexFormatError, EncoderMismatch, FileNotFoundError, ValueError)
 
 
 def _positive(text: str) -> int:

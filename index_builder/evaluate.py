@@ -2,18 +2,17 @@
 
 Metrics are computed by ir-measures (pytrec_eval underneath), never by code of
 our own; only the consistency factor of paper 000 (eq. 5), which no library
-offers, is written here.
+offers, is written here. The files are read by `retrieval.readers`.
 """
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Mapping
 
 import ir_measures
 from ir_measures import AP, RR, R, nDCG
 
+from retrieval.readers import Qrels, Run
 from retrieval.searcher import Searcher
 
 MEASURES = {"MRR@10": RR @ 10, "nDCG@10": nDCG @ 10, "Recall@100": R @ 100, "Recall@1000": R @ 1000, "MAP": AP}
@@ -26,52 +25,6 @@ EVAL_MODES = {
     "hybrid-interleave-bm25-first": {"mode": "hybrid", "fusion": "interleave", "lead": "bm25"},
     "hybrid-rrf": {"mode": "hybrid", "fusion": "rrf"},
 }
-Run = dict[str, list[tuple[str, float]]]  # query id -> [(passage id, score)] best first
-
-
-class EvalInputError(Exception):
-    """A query, qrels or run file that cannot be read; the CLI exits 2 with this message."""
-
-
-def read_queries(path: Path) -> dict[str, str]:
-    """TSV `qid<TAB>query` or BEIR JSONL `{"_id", "text"}`, in file order."""
-    queries: dict[str, str] = {}
-    with path.open(encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            if line.lstrip().startswith("{"):
-                record = json.loads(line)
-                qid, text = record.get("_id", record.get("id")), record.get("text")
-            else:
-                qid, _, text = line.rstrip("\r\n").partition("\t")
-            if qid is None or not str(qid).strip() or not text or not str(text).strip():
-                raise EvalInputError(f"{path}: line {number}: expected a query id and a non-empty query")
-            queries[str(qid).strip()] = str(text).strip()
-    if not queries:
-        raise EvalInputError(f"{path}: no queries")
-    return queries
-
-
-def read_qrels(path: Path) -> list[ir_measures.Qrel]:
-    """TREC qrels `qid 0 docid rel`, or BEIR TSV `query-id corpus-id score` (header optional)."""
-    qrels = []
-    with path.open(encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
-            fields = line.split()
-            if not fields or (number == 1 and fields[0] == "query-id"):
-                continue
-            if len(fields) == 4:
-                qid, _, docid, rel = fields
-            elif len(fields) == 3:
-                qid, docid, rel = fields
-            else:
-                raise EvalInputError(f"{path}: line {number}: expected 'qid 0 docid rel' or 'qid docid rel'")
-            try:
-                qrels.append(ir_measures.Qrel(qid, docid, int(rel)))
-            except ValueError:
-                raise EvalInputError(f"{path}: line {number}: relevance {rel!r} is not an integer") from None
-    return qrels
 
 
 def run_queries(searcher: Searcher, queries: Mapping[str, str], k: int, batch_size: int = 64, **retrieval) -> Run:
@@ -85,24 +38,7 @@ def run_queries(searcher: Searcher, queries: Mapping[str, str], k: int, batch_si
     return run
 
 
-def write_run(path: Path, run: Run, tag: str) -> None:
-    """TREC run format: `qid Q0 docid rank score tag`."""
-    with path.open("w", encoding="utf-8") as handle:
-        for qid, ranked in run.items():
-            for rank, (docid, score) in enumerate(ranked, start=1):
-                handle.write(f"{qid} Q0 {docid} {rank} {score:.6f} {tag}\n")
-
-
-def read_run(path: Path) -> Run:
-    run: Run = {}
-    for doc in ir_measures.read_trec_run(str(path)):
-        run.setdefault(doc.query_id, []).append((doc.doc_id, doc.score))
-    for ranked in run.values():
-        ranked.sort(key=lambda pair: -pair[1])
-    return run
-
-
-def metrics(qrels: Sequence[ir_measures.Qrel], run: Run) -> dict[str, float]:
+def metrics(qrels: Qrels, run: Run) -> dict[str, float]:
     """The issue's measures, averaged over the queries that have judgements (trec_eval's convention)."""
     scored = [ir_measures.ScoredDoc(qid, docid, score) for qid, ranked in run.items() for docid, score in ranked]
     values = ir_measures.calc_aggregate(list(MEASURES.values()), qrels, scored)

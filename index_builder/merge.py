@@ -16,7 +16,6 @@ import shutil
 import sqlite3
 import time
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -24,11 +23,10 @@ import faiss
 import numpy as np
 from tqdm import tqdm
 
-from index_builder.build import BuildError, _move_into_place, _store, add_bm25
+from index_builder.build import BuildError
 from index_builder.shard import Shard
-from retrieval import dense_index
-from retrieval.bm25_index import bm25_record
-from retrieval.index_format import INDEX_FILE, PASSAGES_FILE, Manifest, file_record, read_manifest, write_manifest
+from retrieval import index_writer
+from retrieval.index_format import INDEX_FILE, PASSAGES_FILE, Manifest, read_manifest
 
 INSERT_BATCH = 2048
 
@@ -65,11 +63,20 @@ def merge_shards(directories: Sequence[Path], out: Path, overwrite: bool = False
         with tqdm(total=count, desc="merging", unit=" passages") as progress:
             destinations = _merge_passages([directory for directory, _ in shards], work, progress)
         _merge_vectors(shards, destinations, work)
-        _write_manifest(shards, count, work)
+        first = shards[0][1]
+        index_writer.write_manifest(
+            work,
+            encoder=first.encoder,
+            corpus=first.corpus.model_copy(
+                update={"passages": count, "skipped": sum(m.corpus.skipped for _, m in shards)}
+            ),
+            count=count,
+            bm25=first.bm25 is not None,
+        )
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)
         raise
-    _move_into_place(work, out)
+    index_writer.move_into_place(work, out)
     return MergeReport(out, len(shards), count, sum(m.corpus.skipped for _, m in shards), time.perf_counter() - started)
 
 
@@ -78,8 +85,6 @@ def _agreement(manifest: Manifest) -> dict:
     encoder = manifest.encoder.model_dump(exclude={"path"})
     return {
         **{f"encoder {name}": value for name, value in encoder.items()},
-        "dimension": manifest.dimension,
-        "similarity": manifest.similarity,
         "corpus format": manifest.corpus.format,
         "--bm25": manifest.bm25 is not None,
     }
@@ -123,7 +128,7 @@ def _rows(connection: sqlite3.Connection, number: int) -> Iterator[tuple[int, in
 def _merge_passages(directories: list[Path], work: Path, progress: tqdm) -> list[np.ndarray]:
     """Every shard's passages into `work`'s store in corpus line order; per shard, the merged row of each of its rows."""
     connections = [sqlite3.connect(f"{(d / PASSAGES_FILE).resolve().as_uri()}?mode=ro", uri=True) for d in directories]
-    store = _store(work)
+    store = index_writer.open_store(work)
     try:
         sizes = [c.execute("SELECT COUNT(*) FROM passages").fetchone()[0] for c in connections]
         destinations = [np.empty(size, dtype=np.int64) for size in sizes]
@@ -155,8 +160,7 @@ def _merge_passages(directories: list[Path], work: Path, progress: tqdm) -> list
 def _insert(store: sqlite3.Connection, batch: list, directories: list[Path], connections: list) -> None:
     """Add a batch of merged rows; a passage id already stored is a duplicate across shards, named with both."""
     try:
-        with store:
-            store.executemany("INSERT INTO passages (row, id, text, line) VALUES (?, ?, ?, ?)", batch)
+        index_writer.insert_passages(store, batch)
     except sqlite3.IntegrityError:
         for _, pid, _, _ in batch:
             holders = [
@@ -178,23 +182,4 @@ def _merge_vectors(shards: list[tuple[Path, Manifest]], destinations: list[np.nd
         if shard_index.ntotal != len(destination):
             raise BuildError(f"{directory}: {shard_index.ntotal} vectors but {len(destination)} passages")
         vectors[destination] = shard_index.reconstruct_n(0, shard_index.ntotal)
-    index = dense_index.new_flat_index(dimension)
-    index.add(vectors)
-    faiss.write_index(index, str(work / INDEX_FILE))  # the folder is renamed into place whole, so no tmp file
-
-
-def _write_manifest(shards: list[tuple[Path, Manifest]], count: int, work: Path) -> None:
-    first = shards[0][1]
-    files = [INDEX_FILE, PASSAGES_FILE] + (add_bm25(work, count) if first.bm25 is not None else [])
-    corpus = first.corpus.model_copy(update={"passages": count, "skipped": sum(m.corpus.skipped for _, m in shards)})
-    manifest = Manifest(
-        encoder=first.encoder,
-        dimension=first.dimension,
-        similarity=first.similarity,
-        count=count,
-        built_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        corpus=corpus,
-        files={name: file_record(work / name) for name in files},
-        bm25=bm25_record() if first.bm25 is not None else None,
-    )
-    write_manifest(work, manifest)
+    index_writer.write_vectors(work, [vectors], dimension)

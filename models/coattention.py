@@ -34,8 +34,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
-from models.encoder import resolve_device
-from models.reranker import read_reranker_json, score_in_batches, write_reranker_json
+from models.checkpoint import padded_batch, read_reranker_json, resolve_device, score_in_batches, write_reranker_json
 
 WORD = re.compile(r"[a-z0-9]+")
 PAD, UNK = "<pad>", "<unk>"
@@ -204,13 +203,14 @@ def parameter_counts(model: nn.Module) -> tuple[int, int]:
 class CoAttentionReranker:
     """Scores a query against many passages with a CoAttentionNet; thread-compatible for inference."""
 
+    score_kind = "logit"
+
     def __init__(self, net: CoAttentionNet, vocabulary: Vocabulary, *, name: str = "coattention",
                  device: str = "auto", batch_size: int = 32, idf_source: str | None = None) -> None:
         if len(vocabulary) != net.config.vocab_size:
             raise ValueError(f"vocabulary has {len(vocabulary)} words, the network {net.config.vocab_size}")
         self.name = name
         self.net = net
-        self.model = net  # what the trainer optimises
         self.vocabulary = vocabulary
         self.device = resolve_device(device)
         self.batch_size = batch_size
@@ -267,10 +267,8 @@ class CoAttentionReranker:
         """Pads featurised pairs on the right into one batch on the model's device."""
 
         def side(columns: Sequence[list[list[int]]]) -> tuple[torch.Tensor, ...]:
-            lengths = [len(row) for row in columns[0]]
-            width = max(lengths)
-            padded = [torch.tensor([row + [0] * (width - len(row)) for row in column]) for column in columns]
-            return (*(t.to(self.device) for t in padded), torch.tensor(lengths, device=self.device))
+            padded = [padded_batch(column, 0, self.device)[0] for column in columns]
+            return (*padded, torch.tensor([len(row) for row in columns[0]], device=self.device))
 
         columns = list(zip(*pairs))
         return PairBatch(query=side(columns[:3]), passage=side(columns[3:]))

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from transformers import AutoModelForSequenceClassification
 
-from models.encoder import length_sorted_batches, load_checkpoint
+from models.checkpoint import load_pretrained, padded_batch, score_in_batches, write_reranker_json
 
 
 def relevance_probability(logits: torch.Tensor) -> torch.Tensor:
@@ -32,6 +32,8 @@ def relevance_probability(logits: torch.Tensor) -> torch.Tensor:
 class CrossEncoder:
     """Scores a query against many passages; thread-compatible for inference."""
 
+    score_kind = "probability"
+
     def __init__(
         self,
         path: str | Path,
@@ -44,8 +46,8 @@ class CrossEncoder:
     ) -> None:
         self.path = Path(path)
         self.name = self.path.name
-        self.tokenizer, self.model, self.device = load_checkpoint(
-            self.path, AutoModelForSequenceClassification, device, fp16
+        self.tokenizer, self.model, self.device = load_pretrained(
+            self.path, AutoModelForSequenceClassification, device=device, fp16=fp16
         )
         self.batch_size = batch_size
         if self.model.config.num_labels not in (1, 2):
@@ -60,15 +62,9 @@ class CrossEncoder:
 
     def score(self, query: str, passages: Sequence[str]) -> np.ndarray:
         """P(relevant) of each passage to `query`, float32, in the order of `passages`."""
-        out = np.empty(len(passages), dtype=np.float32)
-        if not passages:
-            return out
-        pairs = self.tokenize(query, passages)
-        with torch.inference_mode():
-            for positions in length_sorted_batches([len(ids) for ids, _ in pairs], self.batch_size):
-                logits = self.logits([pairs[i] for i in positions])
-                out[positions] = relevance_probability(logits).cpu().numpy()
-        return out
+        pairs = self.tokenize(query, passages) if passages else []
+        return score_in_batches(pairs, [len(ids) for ids, _ in pairs], self.batch_size,
+                                lambda batch: relevance_probability(self.logits(batch)))
 
     def tokenize(self, query: str, passages: Sequence[str]) -> list[tuple[list[int], list[int]]]:
         """(input ids, segment ids) of `[CLS] query [SEP] passage [SEP]` for each passage, within the token limits."""
@@ -87,9 +83,17 @@ class CrossEncoder:
 
         Differentiable outside `torch.inference_mode`, which fine-tuning relies on.
         """
-        width = max(len(ids) for ids, _ in pairs)
-        pad = self.tokenizer.pad_token_id
-        input_ids = torch.tensor([ids + [pad] * (width - len(ids)) for ids, _ in pairs], device=self.device)
-        segments = torch.tensor([types + [0] * (width - len(types)) for _, types in pairs], device=self.device)
-        mask = torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids, _ in pairs], device=self.device)
+        input_ids, mask = padded_batch([ids for ids, _ in pairs], self.tokenizer.pad_token_id, self.device)
+        segments, _ = padded_batch([types for _, types in pairs], 0, self.device)
         return self.model(input_ids=input_ids, attention_mask=mask, token_type_ids=segments).logits
+
+    def save(self, folder: str | Path) -> None:
+        """A folder `load_reranker` (and this class) loads back: weights, tokenizer and reranker.json."""
+        self.model.save_pretrained(folder)
+        self.tokenizer.save_pretrained(folder)
+        write_reranker_json(folder, "monobert")
+
+    @classmethod
+    def load(cls, folder: str | Path, **options) -> "CrossEncoder":
+        """The cross-encoder saved in `folder`; `options` as for the constructor."""
+        return cls(folder, **options)

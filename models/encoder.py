@@ -1,36 +1,23 @@
-"""The RepBERT bi-encoder (paper 000, section 3.1).
-
-One BERT encodes both queries and passages as `[CLS] text [SEP]`; the text
-embedding is the mean of the token vectors under the attention mask (eq. 2)
-and relevance is the inner product of two embeddings (eq. 3).
-
-A checkpoint directory is the unit of exchange: any local Hugging Face BERT
-folder loads. Where the folder is a sentence-transformers model, its own
-pooling and normalisation (``modules.json``) are honoured, because a model
-trained for cosine similarity retrieves far worse with raw inner products.
-"""
-
 from __future__ import annotations
 
-import hashlib
 import importlib.util
-import json
+import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterator, Literal, Sequence
+from typing import Literal, Sequence
 
 import numpy as np
 import torch
 from tqdm import tqdm
-from transformers import AutoModel, AutoTokenizer
-from transformers.utils import logging as transformers_logging
+from transformers import AutoModel
 
-transformers_logging.disable_progress_bar()  # one bar per weight load is noise in a service log
+from models.checkpoint import length_sorted_batches, load_pretrained, padded_batch, read_json, weights_sha256
 
 Pooling = Literal["mean", "cls"]
 Similarity = Literal["ip", "cosine"]
-WEIGHT_SUFFIXES = (".safetensors", ".bin")
 DEFAULT_MODEL_NAME = "all-MiniLM-L6-v2"
+# sentence-transformers files that tell BiEncoder (and sentence-transformers) how to pool and normalise.
+SENTENCE_TRANSFORMERS_FILES = ("modules.json", "sentence_bert_config.json", "config_sentence_transformers.json")
 
 
 def default_model_path() -> Path:
@@ -59,13 +46,9 @@ class EncoderSpec:
         return asdict(self)
 
 
-def _read_json(path: Path) -> dict | list | None:
-    return json.loads(path.read_text()) if path.is_file() else None
-
-
 def _sentence_transformers_layout(folder: Path) -> tuple[Pooling, bool] | None:
     """(pooling, normalise) declared by a sentence-transformers folder, or None for a plain checkpoint."""
-    modules = _read_json(folder / "modules.json")
+    modules = read_json(folder / "modules.json")
     if not modules:
         return None
     pooling: Pooling = "mean"
@@ -75,7 +58,7 @@ def _sentence_transformers_layout(folder: Path) -> tuple[Pooling, bool] | None:
         if kind.endswith("Normalize"):
             normalise = True
         elif kind.endswith("Pooling"):
-            config = _read_json(folder / module.get("path", "") / "config.json") or {}
+            config = read_json(folder / module.get("path", "") / "config.json") or {}
             if config.get("pooling_mode_cls_token"):
                 pooling = "cls"
             elif not config.get("pooling_mode_mean_tokens", True):
@@ -83,44 +66,16 @@ def _sentence_transformers_layout(folder: Path) -> tuple[Pooling, bool] | None:
     return pooling, normalise
 
 
-def _weights_sha256(folder: Path) -> str:
-    """Hash of every weight file, so an index refuses a fine-tuned sibling with the same shape."""
-    digest = hashlib.sha256()
-    files = sorted(p for p in folder.iterdir() if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES))
-    if not files:
-        raise FileNotFoundError(f"{folder}: no weight file (*.safetensors or *.bin)")
-    for path in files:
-        digest.update(path.name.encode())
-        with path.open("rb") as handle:
-            for block in iter(lambda: handle.read(1 << 22), b""):
-                digest.update(block)
-    return digest.hexdigest()
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
-def load_checkpoint(path: Path, auto_class, device: str = "auto", fp16: bool | None = None):
-    """(tokenizer, model in eval mode on its device, device) from a local Hugging Face folder, through
-    `auto_class` (AutoModel, AutoModelForSequenceClassification, ...); fp16 by default on CUDA only."""
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"{path}: not a Hugging Face checkpoint directory (no config.json)")
-    resolved = resolve_device(device)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    use_fp16 = resolved.type == "cuda" if fp16 is None else fp16
-    model = auto_class.from_pretrained(path, dtype=torch.float16 if use_fp16 else torch.float32)
-    model.to(resolved).eval()
-    return tokenizer, model, resolved
-
-
-def length_sorted_batches(lengths: Sequence[int], batch_size: int) -> Iterator[list[int]]:
-    """Positions grouped into batches of similar length, longest first, to cut padding."""
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    for start in range(0, len(order), batch_size):
-        yield order[start : start + batch_size]
+def _copy_sentence_transformers_layout(source: Path, target: Path) -> None:
+    """Copies modules.json and the module folders it names (1_Pooling ...), so a saved model pools
+    and normalises as the one it was loaded from."""
+    for name in SENTENCE_TRANSFORMERS_FILES:
+        if (source / name).is_file():
+            shutil.copy2(source / name, target / name)
+    for module in read_json(source / "modules.json") or []:
+        folder = module.get("path", "")
+        if folder and (source / folder).is_dir():
+            shutil.copytree(source / folder, target / folder, dirs_exist_ok=True)
 
 
 class BiEncoder:
@@ -142,7 +97,7 @@ class BiEncoder:
         # What an index records to find this model again: the folder given, or None for the packaged default.
         self.source = str(self.path.resolve()) if path is not None else None
         name = DEFAULT_MODEL_NAME if path is None else self.path.name
-        self.tokenizer, self.model, self.device = load_checkpoint(self.path, AutoModel, device, fp16)
+        self.tokenizer, self.model, self.device = load_pretrained(self.path, AutoModel, device=device, fp16=fp16)
         self.batch_size = batch_size
         # Batch widths rounded up on a GPU: its attention kernels are planned once per shape, and
         # length-sorted batches would otherwise bring a new shape (and plan) almost every batch.
@@ -150,7 +105,7 @@ class BiEncoder:
 
         layout = _sentence_transformers_layout(self.path)
         pooling, normalise = layout if layout else ("mean", False)
-        model_max = (_read_json(self.path / "sentence_bert_config.json") or {}).get(
+        model_max = (read_json(self.path / "sentence_bert_config.json") or {}).get(
             "max_seq_length", self.model.config.max_position_embeddings
         )
         if passage_segment_id is None:
@@ -165,7 +120,7 @@ class BiEncoder:
             passage_segment_id=passage_segment_id,
             query_max_tokens=min(query_max_tokens, model_max),
             passage_max_tokens=min(passage_max_tokens, model_max),
-            weights_sha256=_weights_sha256(self.path),
+            weights_sha256=weights_sha256(self.path),
         )
 
     @property
@@ -184,31 +139,15 @@ class BiEncoder:
         out = np.empty((len(texts), self.dimension), dtype=np.float32)
         if not texts:
             return out
-        input_ids, lengths = self._token_matrix(texts, max_tokens)
+        token_ids = self.tokenizer(list(texts), truncation=True, max_length=max_tokens)["input_ids"]
+        pad = self.tokenizer.pad_token_id or 0
         with torch.inference_mode():
-            for positions in length_sorted_batches(lengths.tolist(), self.batch_size):
-                width = self._padded_width(int(lengths[positions].max()))
-                ids = torch.from_numpy(input_ids[positions, :width])
-                mask = torch.from_numpy((np.arange(width) < lengths[positions, None]).astype(np.int64))
+            for positions in length_sorted_batches([len(ids) for ids in token_ids], self.batch_size):
+                ids, mask = padded_batch([token_ids[i] for i in positions], pad, self.device, multiple=self.pad_multiple)
                 out[positions] = self._embed(ids, mask, segment_id)
                 if progress is not None:
                     progress.update(len(positions))
         return out
-
-    def _token_matrix(self, texts: Sequence[str], max_tokens: int) -> tuple[np.ndarray, np.ndarray]:
-        """(token ids right-padded into one int64 matrix, each text's length). Padded here with numpy:
-        the tokenizer's own padding and tensor conversion walk every id in Python, which costs more
-        than a GPU forward pass."""
-        encoded = self.tokenizer(list(texts), truncation=True, max_length=max_tokens)["input_ids"]
-        lengths = np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded))
-        width = self._padded_width(int(lengths.max()))
-        matrix = np.full((len(encoded), width), self.tokenizer.pad_token_id or 0, dtype=np.int64)
-        for row, ids in zip(matrix, encoded):
-            row[: len(ids)] = ids
-        return matrix, lengths
-
-    def _padded_width(self, longest: int) -> int:
-        return -(-longest // self.pad_multiple) * self.pad_multiple
 
     def _embed(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, segment_id: int) -> np.ndarray:
         return self.embed_tensor(input_ids, attention_mask, segment_id).cpu().numpy()
@@ -232,3 +171,16 @@ class BiEncoder:
         if self.spec.similarity == "cosine":
             pooled = torch.nn.functional.normalize(pooled, dim=-1)
         return pooled
+
+    def save(self, folder: str | Path) -> None:
+        """A folder this class loads back as the same encoder: weights, tokenizer, and the
+        sentence-transformers pooling and normalisation it was loaded with."""
+        folder = Path(folder)
+        self.model.save_pretrained(folder)
+        self.tokenizer.save_pretrained(folder)
+        _copy_sentence_transformers_layout(self.path, folder)
+
+    @classmethod
+    def load(cls, folder: str | Path, **options) -> "BiEncoder":
+        """The encoder saved in `folder`; `options` as for the constructor."""
+        return cls(folder, **options)

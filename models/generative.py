@@ -26,13 +26,16 @@ from typing import Literal, Sequence
 
 import numpy as np
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
-from transformers.utils import logging as transformers_logging
+from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
-from models.encoder import resolve_device
-from models.reranker import read_reranker_json, score_in_batches, write_reranker_json
-
-transformers_logging.disable_progress_bar()
+from models.checkpoint import (
+    load_config,
+    load_pretrained,
+    padded_batch,
+    read_reranker_json,
+    score_in_batches,
+    write_reranker_json,
+)
 
 Architecture = Literal["causal", "seq2seq"]
 BOS, BOQ, EOQ, PAD = "<bos>", "<boq>", "<eoq>", "<pad>"
@@ -44,6 +47,8 @@ Pair = tuple[list[int], list[int]]  # (passage token ids, query token ids)
 
 class GenerativeReranker:
     """Scores passages by the likelihood of generating the query from them; thread-compatible for inference."""
+
+    score_kind = "log_likelihood"
 
     def __init__(
         self,
@@ -62,23 +67,18 @@ class GenerativeReranker:
         if record and record["kind"] != "generative":
             raise ValueError(f"{self.path}: reranker.json says kind {record['kind']!r}, not 'generative'")
         gguf_file = gguf_file or record.get("gguf_file")  # a hand-written reranker.json may name one
-        source = {"gguf_file": gguf_file} if gguf_file else {}
-        if not source and not (self.path / "config.json").is_file():
-            raise FileNotFoundError(f"{self.path}: not a Hugging Face checkpoint directory (no config.json)")
-        self.device = resolve_device(device)
         self.batch_size = batch_size
-        config = AutoConfig.from_pretrained(self.path, **source)
+        config = load_config(self.path, gguf_file)
         self.architecture: Architecture = "seq2seq" if config.is_encoder_decoder else "causal"
         if record.get("architecture", self.architecture) != self.architecture:
             raise ValueError(
                 f"{self.path}: reranker.json says {record['architecture']}, the model is {self.architecture}"
             )
-        self.tokenizer = AutoTokenizer.from_pretrained(self.path, **source)
         loader = AutoModelForSeq2SeqLM if self.architecture == "seq2seq" else AutoModelForCausalLM
-        use_fp16 = self.device.type == "cuda" if fp16 is None else fp16
-        self.model = loader.from_pretrained(self.path, dtype=torch.float16 if use_fp16 else torch.float32, **source)
+        self.tokenizer, self.model, self.device = load_pretrained(
+            self.path, loader, device=device, fp16=fp16, gguf_file=gguf_file
+        )
         self._add_special_tokens()
-        self.model.to(self.device).eval()
         special = [self.tokenizer.bos_token, BOQ, EOQ]
         self.bos_id, self.boq_id, self.eoq_id = self.tokenizer.convert_tokens_to_ids(special)
         pad = self.tokenizer.pad_token_id
@@ -122,16 +122,16 @@ class GenerativeReranker:
         """
         targets = [query + [self.eoq_id] for _, query in pairs]
         width = max(len(t) for t in targets)
-        target = self._pad(targets, 0, width)
-        mask = self._pad([[1] * len(t) for t in targets], 0, width).bool()
+        target, mask = padded_batch(targets, 0, self.device)
+        mask = mask.bool()
         if self.architecture == "seq2seq":
-            encoder, encoder_mask = self._padded([passage for passage, _ in pairs])
-            decoder, decoder_mask = self._padded([[self.boq_id] + query for _, query in pairs])
+            encoder, encoder_mask = padded_batch([passage for passage, _ in pairs], self.pad_id, self.device)
+            decoder, decoder_mask = padded_batch([[self.boq_id] + query for _, query in pairs], self.pad_id, self.device)
             logits = self.model(input_ids=encoder, attention_mask=encoder_mask, decoder_input_ids=decoder,
                                 decoder_attention_mask=decoder_mask).logits
         else:
-            inputs, attention = self._padded([[self.bos_id, *passage, self.boq_id, *query, self.eoq_id]
-                                              for passage, query in pairs])
+            inputs, attention = padded_batch([[self.bos_id, *passage, self.boq_id, *query, self.eoq_id]
+                                              for passage, query in pairs], self.pad_id, self.device)
             # Token t of the query part is predicted at position len(passage) + 1 + t (<boq> predicts the first).
             starts = torch.tensor([len(passage) + 1 for passage, _ in pairs], device=self.device)
             where = (starts[:, None] + torch.arange(width, device=self.device)[None, :]).clamp(max=inputs.shape[1] - 1)
@@ -144,14 +144,6 @@ class GenerativeReranker:
                 logits = logits.gather(1, where[..., None].expand(-1, -1, logits.shape[-1]))
         logprobs = logits.float().log_softmax(dim=-1).gather(2, target[..., None]).squeeze(-1)
         return torch.where(mask, logprobs, torch.zeros_like(logprobs)), mask
-
-    def _pad(self, rows: Sequence[list[int]], value: int, width: int | None = None) -> torch.Tensor:
-        width = width or max(len(row) for row in rows)
-        return torch.tensor([row + [value] * (width - len(row)) for row in rows], device=self.device)
-
-    def _padded(self, rows: Sequence[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Right-padded ids and their attention mask."""
-        return self._pad(rows, self.pad_id), self._pad([[1] * len(row) for row in rows], 0)
 
     def log_likelihoods(self, pairs: Sequence[Pair]) -> torch.Tensor:
         """log p(query <eoq> | passage) per pair, (len(pairs),): the score, with gradients outside inference mode."""
@@ -195,6 +187,11 @@ class GenerativeReranker:
         write_reranker_json(folder, "generative", architecture=self.architecture,
                             query_max_tokens=self.query_max_tokens, passage_max_tokens=self.passage_max_tokens,
                             parameters=sum(p.numel() for p in self.model.parameters()))
+
+    @classmethod
+    def load(cls, folder: str | Path, **options) -> "GenerativeReranker":
+        """The reranker saved in `folder`; `options` as for the constructor."""
+        return cls(folder, **options)
 
 
 def train_tokenizer(texts: Sequence[str], vocab_size: int):

@@ -25,12 +25,12 @@ def interleave(first: Sequence[Hashable], second: Sequence[Hashable], depth: int
 
 
 def reciprocal_rank_fusion(
-    rankings: Sequence[Sequence[Hashable]], depth: int, k: int = RRF_K
+    rankings: Sequence[Sequence[Hashable]], depth: int, rrf_k: int = RRF_K
 ) -> list[tuple[Hashable, float]]:
-    """RRF (Cormack et al. 2009): score(d) = sum over rankings of 1 / (k + rank of d), rank from 1.
+    """RRF (Cormack et al. 2009): score(d) = sum over rankings of 1 / (rrf_k + rank of d), rank from 1.
     Ties keep the order in which keys were first met, so the result is deterministic."""
     scores: dict[Hashable, float] = {}
     for ranking in rankings:
         for rank, key in enumerate(ranking, start=1):
-            scores[key] = scores.get(key, 0.0) + 1.0 / (k + rank)
+            scores[key] = scores.get(key, 0.0) + 1.0 / (rrf_k + rank)
     return sorted(scores.items(), key=lambda item: -item[1])[:depth]

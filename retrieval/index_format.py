@@ -4,19 +4,20 @@
     DIR/index.faiss       a flat inner-product FAISS index, row i = passage row i
     DIR/passages.sqlite   row -> (id, text), read on demand (see passage_store)
 
-Readers go through this module only; a manifest is written last, atomically,
-so a directory with a manifest is a finished index.
+Readers go through this module; `retrieval.index_writer` writes it, the manifest
+last and atomically, so a directory with a manifest is a finished index.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ValidationError
+
+from models.checkpoint import file_sha256
 
 FORMAT_VERSION = 1
 MANIFEST_FILE = "manifest.json"
@@ -62,10 +63,11 @@ class Bm25Record(BaseModel):
 
 
 class Manifest(BaseModel):
+    """The record of one index. Manifests written before `dimension` and `similarity` lived only in
+    `encoder` also carry them at the top level; those copies are ignored on reading."""
+
     format_version: int = FORMAT_VERSION
     encoder: EncoderRecord
-    dimension: int
-    similarity: Literal["ip", "cosine"]
     count: int
     built_at: str
     corpus: CorpusRecord
@@ -73,22 +75,17 @@ class Manifest(BaseModel):
     bm25: Bm25Record | None = None  # present when built with --bm25
     shard: str | None = None  # "i/N" for one job of a sharded build (index_builder.shard); None for a whole index
 
+    @property
+    def dimension(self) -> int:
+        return self.encoder.dimension
 
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for block in iter(lambda: handle.read(1 << 22), b""):
-            digest.update(block)
-    return digest.hexdigest()
+    @property
+    def similarity(self) -> str:
+        return self.encoder.similarity
 
 
 def file_record(path: Path) -> FileRecord:
     return FileRecord(bytes=path.stat().st_size, sha256=file_sha256(path))
-
-
-def read_json(path: Path) -> dict | None:
-    """The JSON object in `path`, or None where there is no such file."""
-    return json.loads(path.read_text()) if path.is_file() else None
 
 
 def write_json_atomic(path: Path, payload: dict) -> None:
@@ -100,10 +97,6 @@ def write_json_atomic(path: Path, payload: dict) -> None:
         handle.flush()
         os.fsync(handle.fileno())
     os.replace(tmp, path)
-
-
-def write_manifest(directory: Path, manifest: Manifest) -> None:
-    write_json_atomic(directory / MANIFEST_FILE, manifest.model_dump())
 
 
 def read_manifest(directory: str | Path, *, verify_checksums: bool = False) -> Manifest:

@@ -33,9 +33,6 @@ class PassageStore:
             self._local.connection = connection
         return connection
 
-    def __len__(self) -> int:
-        return self._connection().execute("SELECT COUNT(*) FROM passages").fetchone()[0]
-
     def get(self, rows: Sequence[int]) -> list[tuple[str, str]]:
         """(id, text) for each row, in the order asked."""
         if not rows:

@@ -114,6 +114,13 @@ class Searcher:
         if mode != "dense" and self.bm25 is None:
             raise NoBm25Index(f"mode {mode!r} needs a BM25 index; {self.index_dir} was built without --bm25")
 
+    def score_kind(self, mode: str = "dense", fusion: str = "interleave", **_) -> str:
+        """What a hit's score is for a retrieval set-up: `cosine` or `inner_product` (dense, as the
+        encoder's similarity), `bm25`, `rrf` (reciprocal rank fusion) or `interleave` (1 / position)."""
+        if mode == "dense":
+            return "cosine" if self.manifest.similarity == "cosine" else "inner_product"
+        return "bm25" if mode == "bm25" else fusion
+
     def encode(self, queries: Sequence[str]) -> np.ndarray:
         return self.encoder.encode_queries(queries)
 

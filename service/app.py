@@ -8,7 +8,6 @@ import hmac
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from pathlib import Path
 
 from fastapi import Depends, FastAPI, HTTPException, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
@@ -125,7 +124,7 @@ def plan(settings: ServiceSettings, engine: SearchEngine, request: SearchRequest
 
 
 def _json(body: dict) -> Response:
-    """`body` serialised once, in Rust (hits are `Hit` dataclasses, the shape of `Passage`). Returning
+    """`body` serialised once, in Rust (hits are `Hit` dataclasses, the shape of `SearchHit`). Returning
     a model instead makes FastAPI validate every passage again before serialising it. The declared
     response_model still documents the shape; tests check the passage fields, and the OpenAPI fuzz
     test checks unreranked bodies against the spec. A NaN or infinite score becomes null, as
@@ -191,7 +190,8 @@ def create_app(settings: ServiceSettings | None = None, engine: SearchEngine | N
             call = functools.partial(engine.search, request.query, request.k, **retrieval)
             result = await asyncio.get_running_loop().run_in_executor(runtime.executor, call)
         runtime.monitor.observe_search(result.timings, retrieval.get("reranker"))
-        return _json({"query": request.query, "results": result.hits, "latency_ms": result.timings.as_dict()})
+        return _json({"query": request.query, "results": result.hits, "score_kind": result.score_kind,
+                      "latency_ms": result.timings.as_dict()})
 
     @app.post("/search/batch", response_model=BatchSearchResponse, dependencies=protected,
               responses={400: {"description": "a mode the index lacks"}, 503: {"description": "loading"}})
@@ -206,7 +206,7 @@ def create_app(settings: ServiceSettings | None = None, engine: SearchEngine | N
         for result in results:
             runtime.monitor.observe_search(result.timings, retrieval.get("reranker"))
         return _json({"results": [{"query": r.query, "results": r.hits} for r in results],
-                      "latency_ms": results[0].timings.as_dict()})
+                      "score_kind": results[0].score_kind, "latency_ms": results[0].timings.as_dict()})
 
     @app.get("/metrics", dependencies=protected, response_class=Response,
              responses={200: {"content": {CONTENT_TYPE_LATEST: {}}, "description": "Prometheus text format"}})

@@ -8,7 +8,7 @@ import functools
 import time
 from concurrent.futures import Executor
 from dataclasses import dataclass, replace
-from typing import Callable, Sequence
+from typing import Callable
 
 from service.engine import SearchResult
 

@@ -4,12 +4,13 @@ timings. Plain Python: the HTTP layer, tests and benchmarks all drive this same 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
 from models.reranker import Reranker, load_reranker, reranker_kind
 from retrieval.index_format import INDEX_FILE, PASSAGES_FILE, read_manifest
+from retrieval.rerank import rerank
 from retrieval.searcher import EncoderMismatch, Hit, Searcher, encoder_for
 
 STAGES = ("queue", "encode", "retrieve", "rerank", "total")
@@ -34,6 +35,7 @@ class SearchResult:
     query: str
     hits: list[Hit]
     timings: StageTimings = field(default_factory=StageTimings)
+    score_kind: str = "cosine"  # what `Hit.score` is (see Searcher.score_kind and Reranker.score_kind)
 
 
 class ReloadError(Exception):
@@ -41,13 +43,16 @@ class ReloadError(Exception):
 
 
 class SearchEngine:
-    """Owns the current Searcher; `reload` swaps in another atomically (a search in flight keeps the one it took).
+    """Owns the current Searcher; `prepare` then `install` swap in another atomically (a search in flight
+    keeps the one it took).
     With rerankers (by kind: monobert, coattention, generative), `rerank_depth` rescoring by one of
     them follows retrieval; the first one given is the default."""
 
-    def __init__(self, searcher: Searcher, rerankers: dict[str, Reranker] | None = None) -> None:
+    def __init__(self, searcher: Searcher, rerankers: dict[str, Reranker] | None = None,
+                 query_max_tokens: int | None = None) -> None:
         self._searcher = searcher
         self.rerankers = dict(rerankers or {})
+        self.query_max_tokens = query_max_tokens  # SEARCH_QUERY_MAX_TOKENS: kept for indexes loaded later
 
     @classmethod
     def open(
@@ -63,7 +68,7 @@ class SearchEngine:
             if kind in loaded:
                 raise ValueError(f"two {kind} rerankers configured ({loaded[kind].name} and {folder}); keep one")
             loaded[kind] = load_reranker(folder, device=device)
-        return cls(Searcher(index_dir, encoder, device=device), loaded)
+        return cls(Searcher(index_dir, encoder, device=device), loaded, query_max_tokens)
 
     @property
     def searcher(self) -> Searcher:
@@ -88,9 +93,11 @@ class SearchEngine:
         encoded = time.perf_counter()
         hits = searcher.hits(searcher.rank(queries, vectors, depth, **retrieval))
         retrieved = time.perf_counter()
+        score_kind = searcher.score_kind(**retrieval)
         if rerank_depth is not None:
             model = self.rerankers[reranker or self.default_reranker]
-            hits = [self._rerank(model, query, found, k) for query, found in zip(queries, hits)]
+            hits = [rerank(model, query, found, k) for query, found in zip(queries, hits)]
+            score_kind = model.score_kind
         reranked = time.perf_counter()
         timings = StageTimings(
             encode=1000 * (encoded - started),
@@ -98,7 +105,7 @@ class SearchEngine:
             rerank=1000 * (reranked - retrieved) if rerank_depth is not None else 0.0,
             total=1000 * (reranked - started),
         )
-        return [SearchResult(query, found, timings) for query, found in zip(queries, hits)]
+        return [SearchResult(query, found, timings, score_kind) for query, found in zip(queries, hits)]
 
     @property
     def default_reranker(self) -> str | None:
@@ -117,16 +124,6 @@ class SearchEngine:
             raise ValueError(f"rerank: depth {rerank_depth} is smaller than k {k}; rescore at least k passages")
         return rerank_depth
 
-    @staticmethod
-    def _rerank(model: Reranker, query: str, hits: list[Hit], k: int) -> list[Hit]:
-        """Rescore with `model`; its score becomes the score, the retrieval score is kept beside it."""
-        scores = model.score(query, [hit.text for hit in hits])
-        order = sorted(range(len(hits)), key=lambda i: (-scores[i], i))[:k]
-        return [
-            replace(hits[i], score=float(scores[i]), rank=rank, retrieval_score=hits[i].score)
-            for rank, i in enumerate(order, start=1)
-        ]
-
     def warm_up(self) -> None:
         """A real query through every stage, so the first user request pays no lazy initialisation."""
         self.search("warm-up query", 1)
@@ -137,27 +134,23 @@ class SearchEngine:
         """Load `index_dir` beside the serving one (reusing the current encoder where it matches).
         Safe to run while searches go on: it encodes nothing."""
         current = self._searcher
-        device = current.encoder.device.type
+        device = str(current.encoder.device)  # "cpu", "cuda" or "cuda:N": the device it was given
         try:
             manifest = read_manifest(index_dir, verify_checksums=verify_checksums)
             try:
                 return Searcher(index_dir, current.encoder, device=device)
             except EncoderMismatch:  # the new index was built with another model: load that one
-                return Searcher(index_dir, encoder_for(manifest, device), device=device)
+                return Searcher(index_dir, encoder_for(manifest, device, self.query_max_tokens), device=device)
         except Exception as error:  # noqa: BLE001 - whatever failed, the old index must keep serving
             raise ReloadError(f"{index_dir}: {error}") from error
 
     def install(self, candidate: Searcher) -> None:
         """Warm `candidate` up with a real query, then make it the serving searcher in one assignment."""
         try:
-            SearchEngine(candidate, self.rerankers).warm_up()
+            SearchEngine(candidate, self.rerankers, self.query_max_tokens).warm_up()
         except Exception as error:  # noqa: BLE001
             raise ReloadError(f"{candidate.index_dir}: warm-up query failed: {error}") from error
         self._searcher = candidate
-
-    def reload(self, index_dir: Path, *, verify_checksums: bool = True) -> None:
-        """prepare + install; on ReloadError the old index keeps serving."""
-        self.install(self.prepare(index_dir, verify_checksums=verify_checksums))
 
     def describe(self) -> dict:
         searcher = self._searcher

@@ -10,6 +10,12 @@ from pydantic import BaseModel, Field
 from retrieval.searcher import MAX_K, Fusion, Mode
 
 RerankerKind = Literal["monobert", "coattention", "generative"]
+ScoreKind = Literal["cosine", "inner_product", "bm25", "rrf", "interleave", "probability", "logit", "log_likelihood"]
+SCORE_KIND_DESCRIPTION = (
+    "what `score` holds: cosine or inner_product (dense retrieval, by the encoder's similarity), bm25, "
+    "rrf or interleave (1 / position) for hybrid fusion; when reranked, the reranker's score: probability "
+    "(monobert's P(relevant)), logit (coattention) or log_likelihood (generative: log p(query | passage))"
+)
 
 
 class RetrievalOptions(BaseModel):
@@ -39,10 +45,10 @@ class BatchSearchRequest(RetrievalOptions):
     reranker: RerankerKind | None = None
 
 
-class Passage(BaseModel):
+class SearchHit(BaseModel):
     id: str
     text: str
-    score: float = Field(description="the reranker's P(relevant) when reranked, else the retrieval score")
+    score: float = Field(description="higher is better; its kind is the response's `score_kind`")
     rank: int
     retrieval_score: float | None = Field(None, description="when reranked: the first-stage score")
 
@@ -59,17 +65,19 @@ class Latency(BaseModel):
 
 class SearchResponse(BaseModel):
     query: str
-    results: list[Passage]
+    results: list[SearchHit]
+    score_kind: ScoreKind = Field(description=SCORE_KIND_DESCRIPTION)
     latency_ms: Latency
 
 
 class BatchItem(BaseModel):
     query: str
-    results: list[Passage]
+    results: list[SearchHit]
 
 
 class BatchSearchResponse(BaseModel):
     results: list[BatchItem]
+    score_kind: ScoreKind = Field(description=SCORE_KIND_DESCRIPTION)
     latency_ms: Latency
 
 

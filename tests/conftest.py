@@ -26,6 +26,13 @@ def head(path: Path, lines: int) -> str:
         return "".join(next(handle) for _ in range(lines))
 
 
+def demo_corpus_head(folder: Path, lines: int) -> Path:
+    """A corpus file in `folder` holding the demo corpus's first `lines` lines."""
+    path = folder / "corpus.tsv"
+    path.write_text(head(DEMO / "corpus.tsv", lines), encoding="utf-8")
+    return path
+
+
 def read_tsv(path: Path) -> dict[str, str]:
     return dict(line.rstrip("\n").split("\t", 1) for line in path.open(encoding="utf-8") if line.strip())
 
@@ -42,9 +49,7 @@ def encoder() -> BiEncoder:
 
 @pytest.fixture(scope="session")
 def small_corpus(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("corpus") / "small.tsv"
-    path.write_text(head(DEMO / "corpus.tsv", SMALL_CORPUS_LINES), encoding="utf-8")
-    return path
+    return demo_corpus_head(tmp_path_factory.mktemp("corpus"), SMALL_CORPUS_LINES)
 
 
 @pytest.fixture(scope="session")

@@ -19,10 +19,10 @@ from models.coattention import (
     words,
 )
 from models.reranker import Reranker, load_reranker
-from models.train_coattention import main as train_main
 from tests.conftest import DEMO, read_tsv
 from tests.single_thread import one_thread  # noqa: F401
 from tests.test_training import candidate_lists, demo, demo_split, mrr_at_10  # noqa: F401
+from training.train_coattention import main as train_main
 
 TINY = dict(hidden=16, feature_dim=8, query_max_words=16, passage_max_words=48, dropout=0.0)
 TINY_CLI = ["--hidden", "32", "--feature-dim", "16", "--passage-max-words", "64", "--device", "cpu"]

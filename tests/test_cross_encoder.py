@@ -11,7 +11,7 @@ from transformers import BertConfig, BertForSequenceClassification, BertModel, B
 
 from models.cross_encoder import CrossEncoder
 from models.encoder import default_model_path
-from models.losses import multilabel_margin_loss, relevance_cross_entropy
+from training.losses import multilabel_margin_loss, relevance_cross_entropy
 
 QUERY = "Return the absolute version of a path."
 PASSAGES = [

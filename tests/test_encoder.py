@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from models.encoder import length_sorted_batches
+from models.checkpoint import length_sorted_batches
 
 TEXTS = [
     "Return the absolute version of a path.",

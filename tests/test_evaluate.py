@@ -9,18 +9,10 @@ import pytest
 
 from index_builder.build import BuildOptions, build_index
 from index_builder.cli import main as cli_main
-from index_builder.evaluate import (
-    EvalInputError,
-    consistency_factor,
-    metrics,
-    read_qrels,
-    read_queries,
-    read_run,
-    run_queries,
-    write_run,
-)
+from index_builder.evaluate import consistency_factor, metrics, run_queries
 from index_builder.smart import convert_cranfield, read_smart
 from models.encoder import BiEncoder
+from retrieval.readers import InputFileError, read_qrels, read_queries, read_run, write_run
 from retrieval.searcher import Searcher
 from tests.conftest import CRANFIELD
 
@@ -64,7 +56,7 @@ def test_queries_and_qrels_read_tsv_beir_and_trec_forms(tmp_path):
     (tmp_path / "trec").write_text("1 0 d1 1\n")
     assert read_qrels(tmp_path / "beir.tsv") == read_qrels(tmp_path / "trec")
     (tmp_path / "broken").write_text("1 d1\n")
-    with pytest.raises(EvalInputError, match="line 1"):
+    with pytest.raises(InputFileError, match="line 1"):
         read_qrels(tmp_path / "broken")
 
 

@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from models.generative import BOQ, EOQ, GenerativeReranker, new_small_model
-from models.generative_losses import log1m_exp, lul_loss, mle_loss, rll_loss
 from models.reranker import Reranker, load_reranker
-from models.train_generative import main as train_main
 from tests.conftest import DEMO, read_tsv
 from tests.single_thread import one_thread  # noqa: F401
 from tests.test_training import candidate_lists, demo, demo_split, mrr_at_10  # noqa: F401
+from training.losses import log1m_exp, lul_loss, mle_loss, rll_loss
+from training.train_generative import main as train_main
 
 QUERY = "Return the absolute version of a path."
 # Learning settings, fixed and seeded; see test_generative_reranker_learns for the margins seen.

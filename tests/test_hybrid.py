@@ -8,6 +8,7 @@ import pytest
 
 from retrieval.bm25_index import Bm25Index, new_tokenizer
 from retrieval.fusion import interleave, reciprocal_rank_fusion
+from retrieval.index_format import read_manifest
 from retrieval.passage_store import PassageStore
 from service.app import create_app
 from service.engine import SearchEngine
@@ -29,7 +30,7 @@ def test_interleave_order_matters_and_truncates():
 
 
 def test_rrf_matches_a_hand_computed_list():
-    fused = reciprocal_rank_fusion([["a", "b", "c"], ["c", "a", "d"]], depth=10, k=60)
+    fused = reciprocal_rank_fusion([["a", "b", "c"], ["c", "a", "d"]], depth=10, rrf_k=60)
     expected = {
         "a": 1 / 61 + 1 / 62,
         "c": 1 / 63 + 1 / 61,
@@ -43,7 +44,7 @@ def test_rrf_matches_a_hand_computed_list():
 
 def test_bm25_survives_save_and_load_with_equal_results(small_index):
     store = PassageStore(small_index / "passages.sqlite")
-    texts = [text for _, text in store.get(range(len(store)))]
+    texts = [text for _, text in store.get(range(read_manifest(small_index).count))]
     tokenizer = new_tokenizer()
     fresh = bm25s.BM25(k1=1.5, b=0.75)
     fresh.index(tokenizer.tokenize(texts, return_as="tuple", show_progress=False), show_progress=False)

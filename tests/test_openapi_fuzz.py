@@ -9,7 +9,6 @@ import os
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
-
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 
 from service.app import create_app

@@ -7,8 +7,9 @@ import json
 import numpy as np
 import pytest
 
+from models.checkpoint import write_reranker_json
 from models.cross_encoder import CrossEncoder
-from models.reranker import Reranker, load_reranker, write_reranker_json
+from models.reranker import Reranker, load_reranker
 from tests.test_cross_encoder import tiny_bert
 
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from models.train_coattention import main as train_coattention
-from models.train_generative import main as train_generative
 from service.settings import ServiceSettings
 from tests.test_coattention import TINY_CLI
 from tests.test_cross_encoder import tiny_bert
 from tests.test_training import demo_split, serving  # noqa: F401 - demo_split is a fixture
+from training.train_coattention import main as train_coattention
+from training.train_generative import main as train_generative
 
 KINDS = ("monobert", "coattention", "generative")
 

@@ -31,7 +31,7 @@ def test_search_returns_k_passages_sorted_by_score(searcher, demo_queries):
 
 def test_flat_index_equals_numpy_brute_force(searcher, small_index, demo_queries):
     store = PassageStore(small_index / "passages.sqlite")
-    ids_and_texts = store.get(range(len(store)))
+    ids_and_texts = store.get(range(searcher.count))
     passages = searcher.encoder.encode_passages([text for _, text in ids_and_texts])
     queries = [demo_queries[f"q{n:04d}"] for n in range(1, 11)]
     vectors = searcher.encoder.encode_queries(queries)

@@ -20,7 +20,7 @@ from index_builder.build import BuildOptions, build_index
 from retrieval.searcher import Searcher
 from service.app import create_app
 from service.engine import SearchEngine
-from service.schemas import Passage
+from service.schemas import SearchHit
 from service.settings import ServiceSettings
 from tests.conftest import ROOT
 
@@ -69,7 +69,7 @@ def test_search_returns_k_passages_sorted_by_score_with_latency(app, demo_querie
     scores = [r["score"] for r in body["results"]]
     assert len(scores) == 7 and scores == sorted(scores, reverse=True)
     assert [r["rank"] for r in body["results"]] == list(range(1, 8))
-    assert all(set(r) == set(Passage.model_fields) for r in body["results"])  # exactly the documented fields
+    assert all(set(r) == set(SearchHit.model_fields) for r in body["results"])  # exactly the documented fields
     assert demo_qrels["q0001"] in [r["id"] for r in body["results"]]
     latency = body["latency_ms"]
     assert set(latency) == {"queue", "encode", "retrieve", "rerank", "total"}

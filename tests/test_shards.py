@@ -17,7 +17,7 @@ from index_builder.merge import merge_shards
 from index_builder.shard import Shard
 from retrieval.index_format import INDEX_FILE, MANIFEST_FILE, PASSAGES_FILE, read_manifest
 from retrieval.searcher import Searcher
-from tests.conftest import DEMO, head
+from tests.conftest import demo_corpus_head
 
 LINES = 60
 N = 3
@@ -48,9 +48,7 @@ def merge_error(capsys, *args: str) -> str:
 
 @pytest.fixture(scope="module")
 def demo_head(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("shards") / "corpus.tsv"
-    path.write_text(head(DEMO / "corpus.tsv", LINES), encoding="utf-8")
-    return path
+    return demo_corpus_head(tmp_path_factory.mktemp("shards"), LINES)
 
 
 @pytest.fixture(scope="module")

@@ -22,17 +22,17 @@ from fastapi.testclient import TestClient
 from safetensors.torch import load_file
 
 from index_builder.build import BuildOptions, build_index
-
 from models.cross_encoder import CrossEncoder
 from models.encoder import BiEncoder, default_model_path
-from models.train_biencoder import in_batch_positives
-from models.train_biencoder import main as train_biencoder
-from models.train_cross_encoder import main as train_cross_encoder
-from models.training_data import Collection, TrainingDataError, load_judged, load_triples, read_run
+from retrieval.readers import read_run
 from service.app import create_app
 from service.settings import ServiceSettings
 from tests.conftest import DEMO, head
 from tests.test_cross_encoder import tiny_bert
+from training.data import Collection, TrainingDataError, load_judged, load_triples
+from training.train_biencoder import in_batch_positives
+from training.train_biencoder import main as train_biencoder
+from training.train_cross_encoder import main as train_cross_encoder
 
 TRAIN_QUERIES = 300  # qrels.txt lists q0001... in order, one judgement each
 

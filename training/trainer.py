@@ -18,13 +18,14 @@ import time
 from collections import deque
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from tqdm import tqdm
 from transformers import get_linear_schedule_with_warmup
 
-from models.training_data import Collection, TrainingDataError, load_collection, read_run
+from retrieval.readers import read_run
+from training.data import Collection, TrainingDataError, load_collection, sampled_groups
 
 CHECKPOINT_PREFIX = "checkpoint-"
 STATE_FILE = "trainer_state.json"
@@ -41,6 +42,28 @@ class Trainee(Protocol):
     def loss(self, batch_index: int) -> torch.Tensor: ...
 
     def save(self, folder: Path) -> None: ...
+
+
+@dataclass
+class GroupTrainee:
+    """A reranker trained on groups: each (query, relevant passage) pair of a micro-batch with
+    `negatives` sampled negatives. Subclasses turn `groups(batch_index)` into a loss."""
+
+    ranker: Any  # CrossEncoder, CoAttentionReranker or GenerativeReranker: each has save(folder)
+    data: Collection
+    batch_size: int
+    negatives: int
+    seed: int
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.ranker.model
+
+    def groups(self, batch_index: int) -> list[tuple[str, list[str]]]:
+        return sampled_groups(self.data, batch_index, self.batch_size, self.negatives, self.seed)
+
+    def save(self, folder: Path) -> None:
+        self.ranker.save(folder)
 
 
 @dataclass(frozen=True)
@@ -67,9 +90,12 @@ class TrainResult:
     checkpoint: Path
 
 
-def add_training_arguments(parser: argparse.ArgumentParser, *, lr: float) -> None:
-    """The optimisation and checkpoint options both CLIs share."""
+def add_training_arguments(parser: argparse.ArgumentParser, *, lr: float, batch_size: int, pairs: str) -> None:
+    """The data, optimisation and checkpoint options every training CLI shares; a micro-batch holds
+    `batch_size` (`pairs`) pairs by default."""
+    add_data_arguments(parser)
     group = parser.add_argument_group("optimisation and checkpoints")
+    group.add_argument("--batch-size", type=int, default=batch_size, help=f"({pairs}) pairs per micro-batch")
     group.add_argument("--output", type=Path, required=True, help="folder for checkpoint-NNNNNNN/ subfolders")
     group.add_argument("--max-steps", type=int, default=1000, help="optimizer steps in all (default 1000)")
     group.add_argument("--accumulate", type=int, default=1, help="micro-batches per optimizer step (default 1)")
@@ -242,14 +268,15 @@ def summary(kind: str, result: TrainResult) -> str:
 
 def add_data_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("training data: --triples, or --corpus + --queries + --qrels")
-    group.add_argument("--corpus", type=Path, help="passages TSV: pid<TAB>text")
-    group.add_argument("--queries", type=Path, help="queries TSV: qid<TAB>text")
-    group.add_argument("--qrels", type=Path, help="TREC qrels: qid 0 pid rel (rel > 0 is relevant)")
+    group.add_argument("--corpus", type=Path, help="passages: TSV pid<TAB>text, or JSONL/BEIR {_id, title, text}")
+    group.add_argument("--queries", type=Path, help="queries: TSV qid<TAB>text, or BEIR JSONL {_id, text}")
+    group.add_argument("--qrels", type=Path, help="TREC qid 0 pid rel, or BEIR TSV (rel > 0 is relevant)")
     group.add_argument("--triples", type=Path, help="TSV: query<TAB>positive passage<TAB>negative passage")
 
 
-def add_negatives_arguments(parser: argparse.ArgumentParser) -> None:
-    """`--negatives-run` / `--negatives-depth`, read by `load_training_data`."""
+def add_negatives_arguments(parser: argparse.ArgumentParser, default: int | None, help: str) -> None:
+    """`--negatives` (sampled per positive), and `--negatives-run` / `--negatives-depth`, read by `load_training_data`."""
+    parser.add_argument("--negatives", type=int, default=default, help=help)
     parser.add_argument("--negatives-run", type=Path, help="TREC run whose top-k supplies the negatives")
     parser.add_argument("--negatives-depth", type=int, default=1000, help="k of the run's top-k (default 1000)")
 
@@ -269,8 +296,11 @@ def load_training_data(args: argparse.Namespace) -> Collection:
     return data
 
 
-def run_cli(kind: str, args: argparse.Namespace, build) -> int:
-    """Shared CLI body: `build(args, start)` returns (trainee, about); bad input exits 2 with one line."""
+def run_cli(kind, parser: argparse.ArgumentParser, build, argv: list[str] | None = None) -> int:
+    """A training CLI's whole body: `build(args, start)` returns (trainee, about); bad input exits 2 with one
+    line. `kind` names the model in the summary: a string, or a function of the arguments."""
+    args = parser.parse_args(argv)
+    kind = kind(args) if callable(kind) else kind
     try:
         settings = settings_from_args(args)
         start = resume_point(settings.output, args.resume)

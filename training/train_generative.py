@@ -9,10 +9,10 @@
 
 Negatives come from `--negatives-run` (a TREC run), the triples file, or random corpus passages.
 
-    python -m models.train_generative --objective rll --init MODEL_DIR \
+    python -m training.train_generative --objective rll --init MODEL_DIR \
         --corpus C.tsv --queries Q.tsv --qrels QRELS [--negatives-run RUN] --output OUT
-    python -m models.train_generative --objective lul --scratch causal --corpus ... --output OUT
-    python -m models.train_generative --objective mle --init DIR --gguf-file M.gguf --triples T.tsv --output OUT
+    python -m training.train_generative --objective lul --scratch causal --corpus ... --output OUT
+    python -m training.train_generative --objective mle --init DIR --gguf-file M.gguf --triples T.tsv --output OUT
 
 `--init` is any local Hugging Face causal-LM (GPT-2 family) or seq2seq (BART family) folder, or a
 GGUF file in it (`--gguf-file`); `<boq>`/`<eoq>` are added where missing. No pretrained GPT-2 or
@@ -25,74 +25,54 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from models.generative import GenerativeReranker, new_small_model
-from models.generative_losses import lul_loss, mle_loss, rll_loss
-from models.trainer import (
-    add_data_arguments,
-    add_negatives_arguments,
-    add_training_arguments,
-    load_training_data,
-    run_cli,
-)
-from models.training_data import Collection, TrainingDataError, batch_positions, batch_rng
+from training.data import TrainingDataError
+from training.losses import lul_loss, mle_loss, rll_loss
+from training.trainer import GroupTrainee, add_negatives_arguments, add_training_arguments, load_training_data, run_cli
 
 OBJECTIVES = ("mle", "lul", "rll")
 DEFAULT_NEGATIVES = {"mle": 0, "lul": 5, "rll": 15}
 
 
-class GenerativeTrainee:
+@dataclass
+class GenerativeTrainee(GroupTrainee):
     """A GenerativeReranker whose language model is fine-tuned with one of the paper's objectives."""
 
-    def __init__(self, reranker: GenerativeReranker, data: Collection, objective: str, batch_size: int,
-                 negatives: int, margin: float, seed: int) -> None:
-        self.reranker = reranker
-        self.model = reranker.model
-        self.data = data
-        self.objective = objective
-        self.batch_size = batch_size
-        self.negatives = negatives
-        self.margin = margin
-        self.seed = seed
+    objective: str = "mle"
+    margin: float = 1.0
 
     def loss(self, batch_index: int) -> torch.Tensor:
-        rng = batch_rng(self.seed, batch_index)
-        groups = []  # per query: its text, the positive, then the sampled negatives
-        for position in batch_positions(len(self.data.pairs), self.batch_size, batch_index, self.seed):
-            qid, pid = self.data.pairs[position]
-            negatives = self.data.sample_negatives(qid, self.negatives, rng) if self.negatives else []
-            groups.append((self.data.queries[qid], [self.data.passages[p] for p in [pid, *negatives]]))
+        groups = self.groups(batch_index)  # per query: its text, the positive, then the sampled negatives
         if self.objective == "rll":
             return self._rll(groups)
         pairs, labels = [], []
         for query, passages in groups:
-            pairs += self.reranker.tokenize(query, passages)
+            pairs += self.ranker.tokenize(query, passages)
             labels += [1] + [0] * (len(passages) - 1)
-        logprobs, mask = self.reranker.token_logprobs(pairs)
+        logprobs, mask = self.ranker.token_logprobs(pairs)
         if self.objective == "mle":
             return mle_loss(logprobs, mask)
         return lul_loss(logprobs, mask, torch.tensor(labels, device=logprobs.device))
 
     def _rll(self, groups: list[tuple[str, list[str]]]) -> torch.Tensor:
-        tokenized = [self.reranker.tokenize(query, passages) for query, passages in groups]
+        tokenized = [self.ranker.tokenize(query, passages) for query, passages in groups]
         with torch.no_grad():  # paper 003, 3.2: only the highest-scoring sampled negative updates the model
             flat = [pair for pairs in tokenized for pair in pairs[1:]]
-            scores = self.reranker.log_likelihoods(flat).view(len(groups), self.negatives)
+            scores = self.ranker.log_likelihoods(flat).view(len(groups), self.negatives)
         hardest = scores.argmax(dim=1).tolist()
         chosen = [pair for pairs, h in zip(tokenized, hardest) for pair in (pairs[0], pairs[1 + h])]
-        likelihoods = self.reranker.log_likelihoods(chosen).view(len(groups), 2)
+        likelihoods = self.ranker.log_likelihoods(chosen).view(len(groups), 2)
         return rll_loss(likelihoods[:, 0], likelihoods[:, 1:], self.margin)
-
-    def save(self, folder: Path) -> None:
-        self.reranker.save(folder)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m models.train_generative",
+        prog="python -m training.train_generative",
         description="Fine-tune a GPT-2 / BART family model to rank passages by log p(query | passage) (paper 003).",
     )
     parser.add_argument("--objective", choices=OBJECTIVES, required=True, help="mle, lul (eq. 4) or rll (eq. 5)")
@@ -100,10 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     start.add_argument("--init", type=Path, help="starting Hugging Face causal-LM or seq2seq folder")
     start.add_argument("--scratch", choices=("causal", "seq2seq"), help="start from a small random GPT-2 or BART")
     parser.add_argument("--gguf-file", help="with --init: a GGUF file inside that folder to load")
-    parser.add_argument("--batch-size", type=int, default=8, help="(query, positive) pairs per micro-batch")
-    parser.add_argument("--negatives", type=int, default=None, help="sampled negatives per positive (lul 5, rll 15)")
+    add_negatives_arguments(parser, None, "sampled negatives per positive (lul 5, rll 15)")
     parser.add_argument("--margin", type=float, default=1.0, help="rll: the hinge margin lambda of eq. 5 (default 1)")
-    add_negatives_arguments(parser)
     parser.add_argument("--query-max-tokens", type=int, default=64)
     parser.add_argument("--passage-max-tokens", type=int, default=256)
     scratch = parser.add_argument_group("--scratch model size")
@@ -111,8 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     scratch.add_argument("--layers", type=int, default=4, help="layers (per side for seq2seq)")
     scratch.add_argument("--width", type=int, default=256)
     scratch.add_argument("--heads", type=int, default=4)
-    add_data_arguments(parser)
-    add_training_arguments(parser, lr=5e-5)
+    add_training_arguments(parser, lr=5e-5, batch_size=8, pairs="query, positive")
     return parser
 
 
@@ -140,13 +117,12 @@ def _build(args: argparse.Namespace, start: Path | None):
     parameters = sum(p.numel() for p in reranker.model.parameters())
     print(f"generative {reranker.architecture}: {parameters:,} parameters, objective {args.objective}", file=sys.stderr)
     about = {"model": "generative", "objective": args.objective, "started_from": origin, "pairs": len(data.pairs)}
-    trainee = GenerativeTrainee(reranker, data, args.objective, args.batch_size, negatives, args.margin, args.seed)
+    trainee = GenerativeTrainee(reranker, data, args.batch_size, negatives, args.seed, args.objective, args.margin)
     return trainee, about
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return run_cli(f"generative ({args.objective})", args, _build)
+    return run_cli(lambda args: f"generative ({args.objective})", build_parser(), _build, argv)
 
 
 if __name__ == "__main__":

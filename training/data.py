@@ -1,15 +1,12 @@
-"""Training data for the two BERT models, read from plain files.
+"""Training data for every trainer, read from plain files.
 
-Inputs are either qrels + queries + corpus files, or a triples TSV
-(`query<TAB>positive<TAB>negative`, MS MARCO's "Train Triples" layout). Both become
-one `Collection`: texts by id, the relevant passages of each query, and optionally
-a pool of hard negatives per query (from a triples file or a TREC run).
+Inputs are either qrels + queries + corpus files (read by `retrieval.readers`: TSV, TREC, BEIR),
+or a triples TSV (`query<TAB>positive<TAB>negative`, MS MARCO's "Train Triples" layout). Both
+become one `Collection`: texts by id, the relevant passages of each query, and optionally a pool
+of hard negatives per query (from a triples file or a TREC run).
 
-Batches are a pure function of (seed, batch index), so a resumed run sees exactly
-the batches an uninterrupted run would have seen.
-
-This module reads files itself instead of importing `index_builder.evaluate`,
-because `models/` sits below the index builder and must not pull in FAISS.
+Batches are a pure function of (seed, batch index), so a resumed run sees exactly the batches an
+uninterrupted run would have seen.
 """
 
 from __future__ import annotations
@@ -20,73 +17,17 @@ from pathlib import Path
 
 import numpy as np
 
+from retrieval.readers import Run, lines, read_passages, read_qrels, read_queries, relevant
+
 
 class TrainingDataError(ValueError):
-    """A training file that cannot be used; the CLIs exit 2 with this one-line message."""
-
-
-def _lines(path: Path):
-    try:
-        handle = path.open(encoding="utf-8")
-    except OSError as error:
-        raise TrainingDataError(f"{path}: cannot read ({error.strerror or error})") from None
-    with handle:
-        for number, line in enumerate(handle, start=1):
-            if line.strip():
-                yield number, line.rstrip("\r\n")
-
-
-def read_texts(path: Path) -> dict[str, str]:
-    """A corpus or queries TSV, `id<TAB>text` with no header, in file order."""
-    texts: dict[str, str] = {}
-    for number, line in _lines(path):
-        key, _, text = line.partition("\t")
-        if not key.strip() or not text.strip():
-            raise TrainingDataError(f"{path}: line {number}: expected 'id<TAB>text'")
-        texts[key.strip()] = text.strip()
-    if not texts:
-        raise TrainingDataError(f"{path}: no lines")
-    return texts
-
-
-def read_qrels(path: Path) -> dict[str, set[str]]:
-    """TREC qrels `qid 0 pid rel`: the passages judged relevant (rel > 0) to each query."""
-    relevant: dict[str, set[str]] = {}
-    for number, line in _lines(path):
-        fields = line.split()
-        if len(fields) != 4:
-            raise TrainingDataError(f"{path}: line {number}: expected 'qid 0 pid rel'")
-        try:
-            rel = int(fields[3])
-        except ValueError:
-            raise TrainingDataError(f"{path}: line {number}: relevance {fields[3]!r} is not an integer") from None
-        if rel > 0:
-            relevant.setdefault(fields[0], set()).add(fields[2])
-    if not relevant:
-        raise TrainingDataError(f"{path}: no relevant judgement (rel > 0)")
-    return relevant
-
-
-def read_run(path: Path, depth: int) -> dict[str, list[str]]:
-    """A TREC run `qid Q0 pid rank score tag`: each query's top-`depth` passage ids, best first."""
-    scored: dict[str, list[tuple[float, str]]] = {}
-    for number, line in _lines(path):
-        fields = line.split()
-        if len(fields) != 6:
-            raise TrainingDataError(f"{path}: line {number}: expected 'qid Q0 pid rank score tag'")
-        try:
-            scored.setdefault(fields[0], []).append((float(fields[4]), fields[2]))
-        except ValueError:
-            raise TrainingDataError(f"{path}: line {number}: score {fields[4]!r} is not a number") from None
-    if not scored:
-        raise TrainingDataError(f"{path}: empty run")
-    return {qid: [pid for _, pid in sorted(hits, key=lambda hit: -hit[0])[:depth]] for qid, hits in scored.items()}
+    """Training data or settings that cannot be used; the CLIs exit 2 with this one-line message."""
 
 
 def read_triples(path: Path) -> list[tuple[str, str, str]]:
     """A triples TSV, `query<TAB>positive passage<TAB>negative passage`."""
     triples = []
-    for number, line in _lines(path):
+    for number, line in lines(path):
         fields = [text.strip() for text in line.split("\t")]
         if len(fields) != 3 or not all(fields):
             raise TrainingDataError(f"{path}: line {number}: expected 'query<TAB>positive<TAB>negative'")
@@ -112,12 +53,12 @@ class Collection:
             raise TrainingDataError("no (query, relevant passage) pair to train on")
         self._passage_ids = list(self.passages)
 
-    def use_run_negatives(self, run: dict[str, list[str]]) -> int:
+    def use_run_negatives(self, run: Run) -> int:
         """Take each query's negatives from a run's top-k minus its judged positives (paper 000 section
         4.4.3: train the reranker on the retriever it will rerank). Returns how many queries got a pool."""
         covered = 0
         for qid in self.positives:
-            pool = [pid for pid in run.get(qid, []) if pid not in self.positives[qid] and pid in self.passages]
+            pool = [pid for pid, _ in run.get(qid, []) if pid not in self.positives[qid] and pid in self.passages]
             if pool:
                 self.negatives[qid] = pool
                 covered += 1
@@ -141,11 +82,14 @@ class Collection:
 
 def load_judged(corpus: Path, queries: Path, qrels: Path) -> Collection:
     """Qrels + queries + corpus. Judgements naming a query or passage absent from the files are skipped."""
-    passages = read_texts(corpus)
-    query_texts = read_texts(queries)
+    passages = read_passages(corpus)
+    query_texts = read_queries(queries)
+    judged = relevant(read_qrels(qrels))
+    if not judged:
+        raise TrainingDataError(f"{qrels}: no relevant judgement (relevance > 0)")
     positives = {
         qid: {pid for pid in pids if pid in passages}
-        for qid, pids in read_qrels(qrels).items()
+        for qid, pids in judged.items()
         if qid in query_texts
     }
     positives = {qid: pids for qid, pids in positives.items() if pids}
@@ -219,3 +163,16 @@ def batch_positions(count: int, batch_size: int, batch_index: int, seed: int) ->
 def batch_rng(seed: int, batch_index: int) -> np.random.Generator:
     """The random source of one micro-batch (negative sampling), reproducible on resume."""
     return np.random.default_rng([seed, batch_index, 1])
+
+
+def sampled_groups(data: Collection, batch_index: int, batch_size: int, negatives: int,
+                   seed: int) -> list[tuple[str, list[str]]]:
+    """Micro-batch `batch_index` as (query text, [relevant passage text, `negatives` sampled negative
+    texts]) groups, one per (query, relevant passage) pair of the batch; reproducible on resume."""
+    rng = batch_rng(seed, batch_index)
+    groups = []
+    for position in batch_positions(len(data.pairs), batch_size, batch_index, seed):
+        qid, pid = data.pairs[position]
+        sampled = data.sample_negatives(qid, negatives, rng) if negatives else []
+        groups.append((data.queries[qid], [data.passages[p] for p in [pid, *sampled]]))
+    return groups

@@ -5,8 +5,8 @@ scored against every passage of the batch (Q @ P^T, eq. 3); the other pairs' pas
 are its negatives, except those judged relevant to it, which count as positives; the
 loss is MultiLabelMarginLoss (eq. 4).
 
-    python -m models.train_biencoder --corpus C.tsv --queries Q.tsv --qrels QRELS --output OUT
-    python -m models.train_biencoder --triples TRIPLES.tsv --output OUT   # positives only; see below
+    python -m training.train_biencoder --corpus C.tsv --queries Q.tsv --qrels QRELS --output OUT
+    python -m training.train_biencoder --triples TRIPLES.tsv --output OUT   # positives only; see below
 
 A triples file contributes its (query, positive) pairs: RepBERT trains on in-batch
 negatives only, so the triples' negatives are not used.
@@ -15,20 +15,16 @@ negatives only, so the triples' negatives are not used.
 from __future__ import annotations
 
 import argparse
-import json
-import shutil
 import sys
 from pathlib import Path
 
 import torch
 
+from models.checkpoint import padded_batch
 from models.encoder import BiEncoder, default_model_path
-from models.losses import multilabel_margin_loss
-from models.trainer import add_data_arguments, add_training_arguments, run_cli
-from models.training_data import Collection, batch_positions, load_collection
-
-# sentence-transformers files that tell BiEncoder (and sentence-transformers) how to pool and normalise.
-SENTENCE_TRANSFORMERS_FILES = ("modules.json", "sentence_bert_config.json", "config_sentence_transformers.json")
+from training.data import Collection, batch_positions, load_collection
+from training.losses import multilabel_margin_loss
+from training.trainer import add_training_arguments, run_cli
 
 
 class BiEncoderTrainee:
@@ -49,8 +45,9 @@ class BiEncoderTrainee:
         return q @ p.T
 
     def _embed(self, texts: list[str], max_tokens: int, segment_id: int) -> torch.Tensor:
-        batch = self.encoder.tokenizer(texts, truncation=True, max_length=max_tokens, padding=True, return_tensors="pt")
-        return self.encoder.embed_tensor(batch["input_ids"], batch["attention_mask"], segment_id)
+        token_ids = self.encoder.tokenizer(texts, truncation=True, max_length=max_tokens)["input_ids"]
+        ids, mask = padded_batch(token_ids, self.encoder.tokenizer.pad_token_id or 0, self.encoder.device)
+        return self.encoder.embed_tensor(ids, mask, segment_id)
 
     def loss(self, batch_index: int) -> torch.Tensor:
         positions = batch_positions(len(self.data.pairs), self.batch_size, batch_index, self.seed)
@@ -61,9 +58,7 @@ class BiEncoderTrainee:
         return multilabel_margin_loss(scores, positive)
 
     def save(self, folder: Path) -> None:
-        self.model.save_pretrained(folder)
-        self.encoder.tokenizer.save_pretrained(folder)
-        copy_sentence_transformers_layout(self.encoder.path, folder)
+        self.encoder.save(folder)
 
 
 def in_batch_positives(pairs: list[tuple[str, str]], positives: dict[str, set[str]]) -> torch.Tensor:
@@ -72,30 +67,15 @@ def in_batch_positives(pairs: list[tuple[str, str]], positives: dict[str, set[st
     return torch.tensor([[pid in positives[qid] for _, pid in pairs] for qid, _ in pairs])
 
 
-def copy_sentence_transformers_layout(source: Path, target: Path) -> None:
-    """Copies modules.json and the module folders it names (1_Pooling ...), so the saved model pools
-    and normalises as the one it started from."""
-    for name in SENTENCE_TRANSFORMERS_FILES:
-        if (source / name).is_file():
-            shutil.copy2(source / name, target / name)
-    modules = json.loads((source / "modules.json").read_text()) if (source / "modules.json").is_file() else []
-    for module in modules:
-        folder = module.get("path", "")
-        if folder and (source / folder).is_dir():
-            shutil.copytree(source / folder, target / folder, dirs_exist_ok=True)
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m models.train_biencoder",
+        prog="python -m training.train_biencoder",
         description="Fine-tune the RepBERT bi-encoder: in-batch negatives, MultiLabelMarginLoss (paper 000 eq. 4).",
     )
     parser.add_argument("--model", type=Path, default=None, help="starting checkpoint (default: the packaged MiniLM)")
-    parser.add_argument("--batch-size", type=int, default=32, help="(query, passage) pairs per micro-batch")
     parser.add_argument("--query-max-tokens", type=int, default=20)
     parser.add_argument("--passage-max-tokens", type=int, default=256)
-    add_data_arguments(parser)
-    add_training_arguments(parser, lr=3e-6)
+    add_training_arguments(parser, lr=3e-6, batch_size=32, pairs="query, passage")
     return parser
 
 
@@ -115,8 +95,7 @@ def _build(args: argparse.Namespace, start: Path | None):
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return run_cli("bi-encoder", args, _build)
+    return run_cli("bi-encoder", build_parser(), _build, argv)
 
 
 if __name__ == "__main__":

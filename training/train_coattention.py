@@ -5,9 +5,9 @@ and `--negatives` sampled negatives (the paper's 1:5), and the loss is the cross
 positive under a softmax over those 1 + negatives logits. Negatives come from `--negatives-run`
 (a TREC run, e.g. BM25's top 1000 as in the paper), the triples file, or random corpus passages.
 
-    python -m models.train_coattention --corpus C.tsv --queries Q.tsv --qrels QRELS \
+    python -m training.train_coattention --corpus C.tsv --queries Q.tsv --qrels QRELS \
         [--negatives-run RUN --negatives-depth 1000] --output OUT
-    python -m models.train_coattention --triples TRIPLES.tsv --output OUT
+    python -m training.train_coattention --triples TRIPLES.tsv --output OUT
 
 The IDF table comes from `--corpus` (with `--triples`, from the triples' passages) and the
 vocabulary from those passages plus the training queries; both are saved in every checkpoint,
@@ -27,50 +27,32 @@ import torch
 import torch.nn.functional as F
 
 from models.coattention import CoAttentionConfig, CoAttentionReranker, Vocabulary, parameter_counts
-from models.trainer import (
-    add_data_arguments,
-    add_negatives_arguments,
-    add_training_arguments,
-    load_training_data,
-    run_cli,
-)
-from models.training_data import Collection, TrainingDataError, batch_positions, batch_rng
+from training.data import TrainingDataError
+from training.trainer import GroupTrainee, add_negatives_arguments, add_training_arguments, load_training_data, run_cli
 
 
-class CoAttentionTrainee:
+class CoAttentionTrainee(GroupTrainee):
     """A CoAttentionReranker whose network is being trained on positives and sampled negatives."""
 
-    def __init__(self, reranker: CoAttentionReranker, data: Collection, batch_size: int, negatives: int, seed: int):
-        self.reranker = reranker
-        self.model = reranker.net
-        self.data = data
-        self.batch_size = batch_size
-        self.negatives = negatives
-        self.seed = seed
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.ranker.net
 
     def loss(self, batch_index: int) -> torch.Tensor:
-        rng = batch_rng(self.seed, batch_index)
         pairs = []
-        for position in batch_positions(len(self.data.pairs), self.batch_size, batch_index, self.seed):
-            qid, pid = self.data.pairs[position]
-            group = [pid, *self.data.sample_negatives(qid, self.negatives, rng)]
-            pairs += self.reranker.features(self.data.queries[qid], [self.data.passages[p] for p in group])
-        logits = self.reranker.logits(pairs).view(-1, 1 + self.negatives)
+        for query, passages in self.groups(batch_index):
+            pairs += self.ranker.features(query, passages)
+        logits = self.ranker.logits(pairs).view(-1, 1 + self.negatives)
         # eq. 6: the positive is candidate 0 of each row.
         return F.cross_entropy(logits, torch.zeros(len(logits), dtype=torch.long, device=logits.device))
-
-    def save(self, folder: Path) -> None:
-        self.reranker.save(folder)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m models.train_coattention",
+        prog="python -m training.train_coattention",
         description="Train the n-gram co-attention reranker (paper 002) with softmax cross-entropy over 1:N negatives.",
     )
-    parser.add_argument("--batch-size", type=int, default=16, help="(query, positive) pairs per micro-batch")
-    parser.add_argument("--negatives", type=int, default=5, help="sampled negatives per positive (default 5: 1:5)")
-    add_negatives_arguments(parser)
+    add_negatives_arguments(parser, 5, "sampled negatives per positive (default 5: 1:5)")
     network = parser.add_argument_group("network (ignored on --resume: the checkpoint's are kept)")
     network.add_argument("--hidden", type=int, default=200, help="GRU hidden size per direction (default 200)")
     network.add_argument("--feature-dim", type=int, default=50, help="position / IDF / overlap embedding size")
@@ -80,8 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     network.add_argument("--max-vocab", type=int, default=200_000, help="most frequent words kept (default 200000)")
     network.add_argument("--no-glove", action="store_true", help="random word vectors instead of GloVe 6B 50-d")
     network.add_argument("--tune-word-vectors", action="store_true", help="train the word vectors too")
-    add_data_arguments(parser)
-    add_training_arguments(parser, lr=1e-3)
+    add_training_arguments(parser, lr=1e-3, batch_size=16, pairs="query, positive")
     return parser
 
 
@@ -116,8 +97,7 @@ def _build(args: argparse.Namespace, start: Path | None):
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return run_cli("coattention", args, _build)
+    return run_cli("coattention", build_parser(), _build, argv)
 
 
 if __name__ == "__main__":

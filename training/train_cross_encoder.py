@@ -8,9 +8,9 @@ retriever: paper 000 section 4.4.3 traces lost reranking accuracy to training on
 retriever's negatives and reranking another's), the triples file's negatives, or
 random corpus passages. Judged positives are never sampled as negatives.
 
-    python -m models.train_cross_encoder --corpus C.tsv --queries Q.tsv --qrels QRELS \
+    python -m training.train_cross_encoder --corpus C.tsv --queries Q.tsv --qrels QRELS \
         [--negatives-run RUN --negatives-depth 1000] --output OUT
-    python -m models.train_cross_encoder --triples TRIPLES.tsv --output OUT
+    python -m training.train_cross_encoder --triples TRIPLES.tsv --output OUT
 
 A dense run for `--negatives-run` (the retriever the reranker will serve behind):
 `python -m index_builder eval --index IDX --queries Q.tsv --qrels QRELS --modes dense --runs-dir RUNS`
@@ -30,60 +30,33 @@ import torch
 
 from models.cross_encoder import CrossEncoder
 from models.encoder import default_model_path
-from models.losses import relevance_cross_entropy
-from models.reranker import write_reranker_json
-from models.trainer import (
-    add_data_arguments,
-    add_negatives_arguments,
-    add_training_arguments,
-    load_training_data,
-    run_cli,
-)
-from models.training_data import Collection, TrainingDataError, batch_positions, batch_rng
+from training.data import TrainingDataError
+from training.losses import relevance_cross_entropy
+from training.trainer import GroupTrainee, add_negatives_arguments, add_training_arguments, load_training_data, run_cli
 
 
-class CrossEncoderTrainee:
+class CrossEncoderTrainee(GroupTrainee):
     """A CrossEncoder whose weights are being fine-tuned on positives and sampled negatives."""
 
-    def __init__(self, encoder: CrossEncoder, data: Collection, batch_size: int, negatives: int, seed: int) -> None:
-        self.encoder = encoder
-        self.model = encoder.model
-        self.data = data
-        self.batch_size = batch_size
-        self.negatives = negatives
-        self.seed = seed
-
     def loss(self, batch_index: int) -> torch.Tensor:
-        rng = batch_rng(self.seed, batch_index)
         pairs, labels = [], []
-        for position in batch_positions(len(self.data.pairs), self.batch_size, batch_index, self.seed):
-            qid, pid = self.data.pairs[position]
-            negatives = self.data.sample_negatives(qid, self.negatives, rng)
-            passages = [self.data.passages[p] for p in [pid, *negatives]]
-            pairs += self.encoder.tokenize(self.data.queries[qid], passages)
-            labels += [1] + [0] * len(negatives)
-        logits = self.encoder.logits(pairs)
+        for query, passages in self.groups(batch_index):
+            pairs += self.ranker.tokenize(query, passages)
+            labels += [1] + [0] * (len(passages) - 1)
+        logits = self.ranker.logits(pairs)
         return relevance_cross_entropy(logits, torch.tensor(labels, device=logits.device))
-
-    def save(self, folder: Path) -> None:
-        self.model.save_pretrained(folder)
-        self.encoder.tokenizer.save_pretrained(folder)
-        write_reranker_json(folder, "monobert")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m models.train_cross_encoder",
+        prog="python -m training.train_cross_encoder",
         description="Fine-tune the monoBERT cross-encoder with cross-entropy over positives and sampled negatives.",
     )
     parser.add_argument("--init", type=Path, default=None, help="starting BERT folder (default: the packaged MiniLM)")
-    parser.add_argument("--batch-size", type=int, default=8, help="(query, positive) pairs per micro-batch")
-    parser.add_argument("--negatives", type=int, default=1, help="sampled negatives per positive (default 1)")
-    add_negatives_arguments(parser)
+    add_negatives_arguments(parser, 1, "sampled negatives per positive (default 1)")
     parser.add_argument("--query-max-tokens", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=512)
-    add_data_arguments(parser)
-    add_training_arguments(parser, lr=3e-6)
+    add_training_arguments(parser, lr=3e-6, batch_size=8, pairs="query, positive")
     return parser
 
 
@@ -106,8 +79,7 @@ def _build(args: argparse.Namespace, start: Path | None):
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return run_cli("cross-encoder", args, _build)
+    return run_cli("cross-encoder", build_parser(), _build, argv)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,109 @@
+"""The one writer of index directories: `index_builder.build` and `index_builder.merge` both go through it.
+
+An index is written inside a work folder beside its destination (passages, then vectors, then
+BM25, then the manifest, which marks it finished) and moved into place by rename, so a reader
+of the destination sees the old index or the new one, never half of one.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sqlite3
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import faiss
+import numpy as np
+
+from retrieval import dense_index
+from retrieval.bm25_index import BM25_DIR, bm25_record, build_bm25
+from retrieval.index_format import (
+    INDEX_FILE,
+    MANIFEST_FILE,
+    PASSAGES_FILE,
+    CorpusRecord,
+    EncoderRecord,
+    Manifest,
+    file_record,
+    write_json_atomic,
+)
+from retrieval.passage_store import SCHEMA
+
+INSERT = "INSERT INTO passages (row, id, text, line) VALUES (?, ?, ?, ?)"
+PassageRow = tuple[int, str, str, int]  # (row, id, text, corpus line)
+
+
+def open_store(work: Path) -> sqlite3.Connection:
+    """The passage store being written in `work` (created if new)."""
+    connection = sqlite3.connect(work / PASSAGES_FILE)
+    connection.executescript(SCHEMA)
+    return connection
+
+
+def insert_passages(connection: sqlite3.Connection, rows: Iterable[PassageRow]) -> None:
+    """Adds rows in one transaction: all of them or none. sqlite3.IntegrityError for an id already stored."""
+    with connection:
+        connection.executemany(INSERT, rows)
+
+
+def write_vectors(work: Path, parts: Iterable[np.ndarray], dimension: int) -> int:
+    """The flat inner-product index of `parts` (row blocks, in row order) as `work/index.faiss`; its row count."""
+    index = dense_index.new_flat_index(dimension)
+    for part in parts:
+        index.add(np.ascontiguousarray(part, dtype=np.float32))
+    tmp = work / (INDEX_FILE + ".tmp")
+    faiss.write_index(index, str(tmp))
+    os.replace(tmp, work / INDEX_FILE)
+    return index.ntotal
+
+
+def write_bm25(work: Path, rows: int) -> list[str]:
+    """BM25 over the passages stored in `work` (row order); returns its files relative to `work`.
+    Built from the final store, never merged, because BM25's statistics belong to the whole corpus."""
+    folder = work / BM25_DIR
+    if folder.exists():
+        shutil.rmtree(folder)
+    connection = sqlite3.connect(work / PASSAGES_FILE)
+    try:
+        build_bm25((text for (text,) in connection.execute("SELECT text FROM passages ORDER BY row")), rows, folder)
+    finally:
+        connection.close()
+    return sorted(str(path.relative_to(work)) for path in folder.iterdir())
+
+
+def write_manifest(work: Path, *, encoder: EncoderRecord, corpus: CorpusRecord, count: int, bm25: bool,
+                   shard: str | None = None) -> Manifest:
+    """Builds BM25 where asked, then writes the manifest (last: it marks `work` a finished index)."""
+    files = [INDEX_FILE, PASSAGES_FILE] + (write_bm25(work, count) if bm25 else [])
+    manifest = Manifest(
+        encoder=encoder,
+        count=count,
+        built_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        corpus=corpus,
+        files={name: file_record(work / name) for name in files},
+        bm25=bm25_record() if bm25 else None,
+        shard=shard,
+    )
+    write_json_atomic(work / MANIFEST_FILE, manifest.model_dump())
+    return manifest
+
+
+def move_into_place(work: Path, out: Path, scratch: Sequence[str] = ()) -> None:
+    """Swap the finished `work` folder in for `out` by rename; only then drop the old index and the
+    writer's `scratch` entries (files or folders inside the new index that are not part of it)."""
+    old = out.parent / f".{out.name}.old"
+    if old.exists():
+        shutil.rmtree(old)
+    if out.exists():
+        os.replace(out, old)
+    os.replace(work, out)
+    for name in scratch:
+        path = out / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
+    if old.exists():
+        shutil.rmtree(old)

@@ -1,0 +1,108 @@
+"""The architecture as a specification: which folder may import which, one way to save and load
+every model, one meaning of a device string, and indexes built before the layout change still served."""
+
+from __future__ import annotations
+
+import ast
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from index_builder.build import BuildOptions, build_index
+from models.checkpoint import resolve_device
+from models.coattention import CoAttentionConfig, CoAttentionReranker, Vocabulary
+from models.cross_encoder import CrossEncoder
+from models.encoder import BiEncoder
+from models.generative import new_small_model
+from models.reranker import load_reranker
+from retrieval.index_format import read_manifest
+from retrieval.searcher import Searcher
+from tests.conftest import DEMO, ROOT, head, read_tsv
+from tests.test_cross_encoder import tiny_bert
+
+PACKAGES = ("models", "retrieval", "index_builder", "service", "training")
+# What each folder must never import: data flows corpus -> index_builder -> index -> service, through
+# retrieval; models sit below everything; training sits beside, and serving never imports it.
+FORBIDDEN = {
+    "models": {"retrieval", "index_builder", "service", "training", "faiss", "fastapi", "starlette", "uvicorn"},
+    "retrieval": {"index_builder", "service", "training", "fastapi", "starlette", "uvicorn"},
+    "index_builder": {"service", "training", "fastapi"},
+    "service": {"index_builder", "training"},
+    "training": {"service", "index_builder", "faiss", "fastapi"},
+}
+BEFORE_LAYOUT = ROOT / "tests" / "data" / "index-before-layout"  # built by the code before this layout
+
+
+def imported_packages(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_no_folder_imports_against_the_direction_of_the_data(package):
+    offenders = {
+        str(path.relative_to(ROOT)): sorted(imported_packages(path) & FORBIDDEN[package])
+        for path in sorted((ROOT / package).glob("*.py"))
+    }
+    assert {path: names for path, names in offenders.items() if names} == {}
+
+
+def test_a_device_string_has_one_meaning():
+    assert resolve_device("cpu") == torch.device("cpu")
+    assert resolve_device("cuda:1") == torch.device("cuda", 1)
+    assert resolve_device("cuda") == torch.device("cuda")
+    assert resolve_device("auto") == torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    for bad in ("gpu", "cuda:x", "CPU", ""):
+        with pytest.raises(ValueError, match="auto, cpu, cuda or cuda:N"):
+            resolve_device(bad)
+
+
+def test_every_reranker_saves_a_folder_the_loader_reads_back_with_equal_scores(tmp_path):
+    passages = list(read_tsv(DEMO / "corpus.tsv").values())[:200]
+    query, candidates = "join two paths", passages[:6]
+    vocabulary = Vocabulary.build(passages)
+    coattention, _ = CoAttentionReranker.create(
+        vocabulary, CoAttentionConfig(len(vocabulary), hidden=8, feature_dim=4, dropout=0.0), glove=False, device="cpu"
+    )
+    rerankers = {
+        "monobert": CrossEncoder(tiny_bert(tmp_path / "bert"), device="cpu"),
+        "coattention": coattention,
+        "generative": load_reranker(new_small_model(tmp_path / "gpt2", "causal", passages, vocab_size=500,
+                                                    layers=1, width=32), device="cpu"),
+    }
+    for kind, reranker in rerankers.items():
+        reranker.save(tmp_path / f"saved-{kind}")
+        loaded = load_reranker(tmp_path / f"saved-{kind}", device="cpu")
+        assert type(loaded) is type(reranker), kind
+        np.testing.assert_allclose(loaded.score(query, candidates), reranker.score(query, candidates), atol=1e-5)
+
+
+def test_a_saved_encoder_loads_back_with_its_pooling_and_equal_embeddings(tmp_path, encoder):
+    encoder.save(tmp_path / "encoder")
+    loaded = BiEncoder.load(tmp_path / "encoder", device="cpu")
+    assert (loaded.spec.pooling, loaded.spec.similarity) == (encoder.spec.pooling, encoder.spec.similarity)
+    texts = ["join two paths", "Return the absolute version of a path."]
+    np.testing.assert_allclose(loaded.encode_queries(texts), encoder.encode_queries(texts), atol=1e-5)
+
+
+def test_an_index_built_before_the_layout_change_still_loads_and_answers_as_a_new_build(tmp_path, encoder):
+    old = tmp_path / "old"
+    shutil.copytree(BEFORE_LAYOUT, old)
+    manifest = read_manifest(old, verify_checksums=True)
+    assert (manifest.dimension, manifest.similarity, manifest.count) == (384, "cosine", 6)
+    corpus = tmp_path / "corpus.tsv"
+    corpus.write_text(head(DEMO / "corpus.tsv", 6), encoding="utf-8")
+    build_index(BuildOptions(corpus, tmp_path / "new", bm25=True), encoder)
+    searchers = [Searcher(folder, encoder, device="cpu") for folder in (old, tmp_path / "new")]
+    for mode in ("dense", "bm25", "hybrid"):
+        before, after = (searcher.search("join two paths", k=6, mode=mode) for searcher in searchers)
+        assert [hit.id for hit in before] == [hit.id for hit in after], mode
+        np.testing.assert_allclose([hit.score for hit in before], [hit.score for hit in after], atol=1e-6)
