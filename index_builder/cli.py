@@ -14,14 +14,17 @@ from index_builder.evaluate import (
     consistency_factor,
     format_table,
     metrics,
+    rerank_run,
+    retrieve,
     run_queries,
 )
 from index_builder.merge import merge_shards
 from index_builder.shard import Shard
 from index_builder.smart import convert_cranfield
 from models.encoder import BiEncoder
+from models.reranker import load_reranker
 from retrieval.index_format import IndexFormatError, read_manifest
-from retrieval.readers import InputFileError, read_qrels, read_queries, read_run, write_run
+from retrieval.readers import InputFileError, Run, read_qrels, read_queries, read_run, write_run
 from retrieval.searcher import MAX_K, EncoderMismatch, Searcher, encoder_for
 
 USAGE_ERRORS = (BuildError, InputFileError, IndexFormatError, EncoderMismatch, FileNotFoundError, ValueError)
@@ -52,8 +55,11 @@ def _parser() -> argparse.ArgumentParser:
     build.add_argument("--batch-size", type=_positive, default=64)
     build.add_argument("--chunk-size", type=_positive, default=2048, help="passages per resumable chunk")
     build.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    build.add_argument("--query-max-tokens", type=_positive, default=20)
-    build.add_argument("--passage-max-tokens", type=_positive, default=256)
+    build.add_argument("--query-max-tokens", type=_positive,
+                       help="default: the model's own maximum (max_seq_length, else its positions, at most 512); "
+                       "RepBERT's is 20")
+    build.add_argument("--passage-max-tokens", type=_positive,
+                       help="default: the model's own maximum, as for queries; RepBERT's is 256")
     build.add_argument("--passage-segment-id", type=int, choices=(0, 1),
                        help="default: 1 (RepBERT), 0 for sentence-transformers models")
     build.add_argument("--skip-bad", action="store_true", help="skip and count malformed lines instead of stopping")
@@ -79,6 +85,11 @@ def _parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--runs-dir", type=Path, help="write one TREC run file per mode here (MODE.run)")
     evaluate.add_argument("--compare", type=Path, help="a second run (e.g. BM25) for the consistency factor C(f,n)")
     evaluate.add_argument("--k", type=_positive, default=MAX_K)
+    evaluate.add_argument("--rerank", type=Path, nargs="+", metavar="DIR",
+                          help="reranker folders (monoBERT, co-attention, generative, or a Hugging Face "
+                          "sequence-classification folder with one logit); each adds a row per mode: MODE+DIRNAME")
+    evaluate.add_argument("--depth", type=_positive, default=100,
+                          help="with --rerank: passages of each mode's list the reranker rescores (default 100)")
     evaluate.add_argument("--query-max-tokens", type=_positive, help="override the index's query token limit")
     evaluate.add_argument("--device", default="auto")
 
@@ -114,16 +125,30 @@ def _eval(args: argparse.Namespace) -> None:
     reference = read_run(args.compare) if args.compare else None
     searcher = Searcher(args.index, encoder_for(read_manifest(args.index), args.device, args.query_max_tokens),
                         device=args.device)
+    if args.rerank and args.depth > MAX_K:
+        raise ValueError(f"--depth must be at most {MAX_K}, got {args.depth}")
+    rerankers = {folder.name: load_reranker(folder, device=args.device) for folder in args.rerank or []}
     modes = args.modes or (list(EVAL_MODES) if searcher.bm25 is not None else ["dense"])
     runs, table = {}, {}
-    for mode in modes:
-        started = time.perf_counter()
-        runs[mode] = run_queries(searcher, queries, args.k, **EVAL_MODES[mode])
-        seconds = time.perf_counter() - started
-        table[mode] = {**metrics(qrels, runs[mode]), "ms/query": 1000 * seconds / len(queries)}
+
+    def record(name: str, run: Run, seconds: float) -> None:
+        runs[name] = run
+        table[name] = {**metrics(qrels, run), "ms/query": 1000 * seconds / len(queries)}
         if args.runs_dir:
             args.runs_dir.mkdir(parents=True, exist_ok=True)
-            write_run(args.runs_dir / f"{mode}.run", runs[mode], tag=mode)
+            write_run(args.runs_dir / f"{name}.run", run, tag=name)
+
+    for mode in modes:
+        started = time.perf_counter()
+        record(mode, run_queries(searcher, queries, args.k, **EVAL_MODES[mode]), time.perf_counter() - started)
+        if rerankers:
+            started = time.perf_counter()
+            retrieved = retrieve(searcher, queries, args.depth, **EVAL_MODES[mode])
+            retrieval_seconds = time.perf_counter() - started
+        for name, reranker in rerankers.items():
+            started = time.perf_counter()
+            run = rerank_run(reranker, queries, retrieved, label=f"{mode}+{name}")
+            record(f"{mode}+{name}", run, retrieval_seconds + time.perf_counter() - started)
     print(format_table(table))
     comparisons = {"bm25": runs["bm25"]} if "dense" in runs and "bm25" in runs else {}
     if reference is not None:
@@ -131,7 +156,8 @@ def _eval(args: argparse.Namespace) -> None:
     for name, other in comparisons.items():
         values = ", ".join(f"C(dense, {n}) = {consistency_factor(runs['dense'], other, n):.4f}" for n in CONSISTENCY_DEPTHS)
         print(f"consistency of dense with {name}'s top 1000: {values}")
-    print(f"evaluated {len(queries)} queries x {len(modes)} modes at k={args.k}")
+    reranked = f", {len(rerankers)} rerankers at depth {args.depth}" if rerankers else ""
+    print(f"evaluated {len(queries)} queries x {len(modes)} modes at k={args.k}{reranked}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,9 +11,12 @@ from typing import Mapping
 
 import ir_measures
 from ir_measures import AP, RR, R, nDCG
+from tqdm import tqdm
 
+from models.reranker import Reranker
 from retrieval.readers import Qrels, Run
-from retrieval.searcher import Searcher
+from retrieval.rerank import rerank
+from retrieval.searcher import Hit, Searcher
 
 MEASURES = {"MRR@10": RR @ 10, "nDCG@10": nDCG @ 10, "Recall@100": R @ 100, "Recall@1000": R @ 1000, "MAP": AP}
 CONSISTENCY_DEPTHS = (10, 100, 1000)
@@ -27,15 +30,33 @@ EVAL_MODES = {
 }
 
 
-def run_queries(searcher: Searcher, queries: Mapping[str, str], k: int, batch_size: int = 64, **retrieval) -> Run:
-    """`retrieval`: the Searcher's mode, fusion and lead (see EVAL_MODES)."""
-    run: Run = {}
+def retrieve(searcher: Searcher, queries: Mapping[str, str], k: int, batch_size: int = 64,
+             **retrieval) -> dict[str, list[Hit]]:
+    """Each query's top k hits, with their texts; `retrieval`: the Searcher's mode, fusion and lead."""
+    hits: dict[str, list[Hit]] = {}
     ids = list(queries)
     for start in range(0, len(ids), batch_size):
         part = ids[start : start + batch_size]
-        for qid, hits in zip(part, searcher.batch_search([queries[q] for q in part], k, **retrieval)):
-            run[qid] = [(hit.id, hit.score) for hit in hits]
-    return run
+        hits.update(zip(part, searcher.batch_search([queries[q] for q in part], k, **retrieval)))
+    return hits
+
+
+def as_run(hits: Mapping[str, list[Hit]]) -> Run:
+    return {qid: [(hit.id, hit.score) for hit in found] for qid, found in hits.items()}
+
+
+def run_queries(searcher: Searcher, queries: Mapping[str, str], k: int, batch_size: int = 64, **retrieval) -> Run:
+    """`retrieval`: the Searcher's mode, fusion and lead (see EVAL_MODES)."""
+    return as_run(retrieve(searcher, queries, k, batch_size, **retrieval))
+
+
+def rerank_run(reranker: Reranker, queries: Mapping[str, str], retrieved: Mapping[str, list[Hit]],
+               label: str = "reranking") -> Run:
+    """Every retrieved list rescored by `reranker` and sorted by its score, as the service reranks."""
+    return {
+        qid: [(hit.id, hit.score) for hit in rerank(reranker, queries[qid], hits, len(hits))]
+        for qid, hits in tqdm(retrieved.items(), desc=label, unit=" queries", leave=False)
+    }
 
 
 def metrics(qrels: Qrels, run: Run) -> dict[str, float]:

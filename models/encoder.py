@@ -16,6 +16,7 @@ from models.checkpoint import length_sorted_batches, load_pretrained, padded_bat
 Pooling = Literal["mean", "cls"]
 Similarity = Literal["ip", "cosine"]
 DEFAULT_MODEL_NAME = "all-MiniLM-L6-v2"
+MAX_TOKENS = 512  # the default limit of a model that declares no max_seq_length: BERT's positions
 # sentence-transformers files that tell BiEncoder (and sentence-transformers) how to pool and normalise.
 SENTENCE_TRANSFORMERS_FILES = ("modules.json", "sentence_bert_config.json", "config_sentence_transformers.json")
 
@@ -86,8 +87,8 @@ class BiEncoder:
         path: str | Path | None = None,
         *,
         device: str = "auto",
-        query_max_tokens: int = 20,
-        passage_max_tokens: int = 256,
+        query_max_tokens: int | None = None,
+        passage_max_tokens: int | None = None,
         query_segment_id: int = 0,
         passage_segment_id: int | None = None,
         batch_size: int = 64,
@@ -105,8 +106,10 @@ class BiEncoder:
 
         layout = _sentence_transformers_layout(self.path)
         pooling, normalise = layout if layout else ("mean", False)
+        # The model's own declared maximum: a sentence-transformers folder's max_seq_length, else its
+        # position limit (at most 512). Limits asked for are capped by it; None means the maximum itself.
         model_max = (read_json(self.path / "sentence_bert_config.json") or {}).get(
-            "max_seq_length", self.model.config.max_position_embeddings
+            "max_seq_length", min(self.model.config.max_position_embeddings, MAX_TOKENS)
         )
         if passage_segment_id is None:
             # RepBERT gives passages segment 1; sentence-transformers models were trained with 0 for all text.
@@ -118,8 +121,8 @@ class BiEncoder:
             similarity="cosine" if normalise else "ip",
             query_segment_id=query_segment_id,
             passage_segment_id=passage_segment_id,
-            query_max_tokens=min(query_max_tokens, model_max),
-            passage_max_tokens=min(passage_max_tokens, model_max),
+            query_max_tokens=min(query_max_tokens or model_max, model_max),
+            passage_max_tokens=min(passage_max_tokens or model_max, model_max),
             weights_sha256=weights_sha256(self.path),
         )
 
@@ -130,6 +133,10 @@ class BiEncoder:
     def encode_queries(self, queries: Sequence[str]) -> np.ndarray:
         """(len(queries), dimension) float32 embeddings."""
         return self._encode(queries, self.spec.query_max_tokens, self.spec.query_segment_id)
+
+    def query_tokens(self, query: str) -> int:
+        """How many tokens `query` has, special tokens included, before any truncation."""
+        return len(self.tokenizer(query, truncation=False)["input_ids"])
 
     def encode_passages(self, passages: Sequence[str], progress: tqdm | None = None) -> np.ndarray:
         """(len(passages), dimension) float32 embeddings; `progress` advances by each batch's size."""

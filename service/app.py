@@ -183,6 +183,9 @@ def create_app(settings: ServiceSettings | None = None, engine: SearchEngine | N
         limits.check_query(settings, request.query)
         limits.check_k(settings, request.k)
         engine = runtime.ready_engine()
+        if not request.truncate:
+            encoder = engine.searcher.encoder
+            limits.check_tokens(encoder.spec.query_max_tokens, encoder.query_tokens(request.query))
         retrieval = plan(settings, engine, request)
         if settings.microbatch:
             result = await runtime.batcher.search(request.query, request.k, **retrieval)
@@ -199,6 +202,10 @@ def create_app(settings: ServiceSettings | None = None, engine: SearchEngine | N
         limits.check_batch(settings, request.queries)
         limits.check_k(settings, request.k)
         engine = runtime.ready_engine()
+        if not request.truncate:
+            encoder = engine.searcher.encoder
+            for position, query in enumerate(request.queries):
+                limits.check_tokens(encoder.spec.query_max_tokens, encoder.query_tokens(query), ("queries", position))
         retrieval = plan(settings, engine, request)
         call = functools.partial(engine.search_batch, request.queries, request.k, **retrieval)
         results = await asyncio.get_running_loop().run_in_executor(runtime.executor, call)
@@ -237,6 +244,6 @@ def create_app(settings: ServiceSettings | None = None, engine: SearchEngine | N
                 raise limits.refuse(("index",), f"reload failed, the previous index keeps serving: {error}") from None
         return IndexInfo(**engine.describe())
 
-    app.add_middleware(limits.BodySizeLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(limits.BodySizeLimit, max_bytes=settings.body_limit)
     app.add_middleware(_RequestCounter, monitor=runtime.monitor, paths={r.path for r in app.routes})
     return app

@@ -102,4 +102,4 @@ class MicroBatcher:
         for item, result in zip(batch, results):
             timings = replace(result.timings, queue=1000 * (started - item.arrived), total=1000 * (finished - item.arrived))
             if not item.future.done():
-                item.future.set_result(SearchResult(result.query, result.hits[: item.k], timings))
+                item.future.set_result(replace(result, hits=result.hits[: item.k], timings=timings))

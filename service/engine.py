@@ -34,8 +34,8 @@ class StageTimings:
 class SearchResult:
     query: str
     hits: list[Hit]
+    score_kind: str  # what `Hit.score` is (see Searcher.score_kind and Reranker.score_kind)
     timings: StageTimings = field(default_factory=StageTimings)
-    score_kind: str = "cosine"  # what `Hit.score` is (see Searcher.score_kind and Reranker.score_kind)
 
 
 class ReloadError(Exception):
@@ -105,7 +105,7 @@ class SearchEngine:
             rerank=1000 * (reranked - retrieved) if rerank_depth is not None else 0.0,
             total=1000 * (reranked - started),
         )
-        return [SearchResult(query, found, timings, score_kind) for query, found in zip(queries, hits)]
+        return [SearchResult(query, found, score_kind, timings) for query, found in zip(queries, hits)]
 
     @property
     def default_reranker(self) -> str | None:

@@ -25,6 +25,16 @@ def check_query(settings: ServiceSettings, query: str, field: tuple = ("query",)
         )
 
 
+def check_tokens(limit: int, tokens: int, field: tuple = ("query",)) -> None:
+    """With `truncate: false`: a query longer than the index's query token limit is refused."""
+    if tokens > limit:
+        raise refuse(
+            field,
+            f"query is {tokens} tokens, over the query token limit of {limit} (the index's query_max_tokens, "
+            "or SEARCH_QUERY_MAX_TOKENS); send truncate: true to cut it",
+        )
+
+
 def check_k(settings: ServiceSettings, k: int) -> None:
     if k > settings.max_k:
         raise refuse(("k",), f"k={k} is over the max_k limit of {settings.max_k} (SEARCH_MAX_K)", k)

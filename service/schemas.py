@@ -27,9 +27,15 @@ class RetrievalOptions(BaseModel):
         return {"mode": self.mode, "fusion": self.fusion, "lead": self.lead}
 
 
+TRUNCATE = Field(True, description=(
+    "cut a query past the index's query token limit (as text-embeddings-inference does); false: such a "
+    "query is refused with 422 naming the limit and its token count"))
+
+
 class SearchRequest(RetrievalOptions):
     query: str = Field(description="free text; not empty, at most SEARCH_MAX_QUERY_CHARS characters")
     k: int = Field(10, ge=1, le=MAX_K, description="passages to return")
+    truncate: bool = TRUNCATE
     rerank: bool = Field(False, description="rescore the top `depth` passages with the configured reranker")
     depth: int | None = Field(
         None, ge=1, le=MAX_K, description="passages the reranker rescores (>= k; default SEARCH_RERANK_DEPTH or k)"
@@ -40,6 +46,7 @@ class SearchRequest(RetrievalOptions):
 class BatchSearchRequest(RetrievalOptions):
     queries: list[str] = Field(min_length=1, description="at most SEARCH_MAX_BATCH_QUERIES queries")
     k: int = Field(10, ge=1, le=MAX_K)
+    truncate: bool = TRUNCATE
     rerank: bool = False
     depth: int | None = Field(None, ge=1, le=MAX_K)
     reranker: RerankerKind | None = None

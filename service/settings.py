@@ -24,10 +24,16 @@ class ServiceSettings(BaseSettings):
     rerank_depth: int = Field(100, ge=1, le=1000, description="passages rescored when a request gives no depth")
     max_rerank_depth: int = Field(1000, ge=1, le=1000, description="largest depth a request may ask for")
 
-    max_query_chars: int = Field(1000, ge=1, description="longest query accepted, in characters")
+    max_query_chars: int = Field(
+        20_000, ge=1, description="longest query accepted, in characters: an abuse guard only, since tokens "
+        "past the query token limit are cut anyway (or refused with truncate: false)",
+    )
     max_k: int = Field(1000, ge=1, le=1000, description="largest k accepted")
     max_batch_queries: int = Field(64, ge=1, description="most queries in one /search/batch request")
-    max_body_bytes: int = Field(65536, ge=1, description="largest request body accepted, in bytes")
+    max_body_bytes: int | None = Field(
+        None, ge=1, description="largest request body accepted, in bytes (default: a full batch of maximal "
+        "queries, each character written as a 6-byte JSON escape, plus 64 KiB)",
+    )
     api_key: SecretStr | None = Field(None, description="bearer key for every route but /health and /ready")
 
     microbatch: bool = Field(True, description="fuse concurrent /search requests into one forward pass")
@@ -43,6 +49,13 @@ class ServiceSettings(BaseSettings):
     )
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
+
+    @property
+    def body_limit(self) -> int:
+        """max_body_bytes, or what a full /search/batch of queries at max_query_chars takes."""
+        if self.max_body_bytes is not None:
+            return self.max_body_bytes
+        return self.max_batch_queries * self.max_query_chars * 6 + 65_536
 
     @property
     def reload_root(self) -> Path:

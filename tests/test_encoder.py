@@ -6,6 +6,7 @@ import numpy as np
 import torch
 
 from models.checkpoint import length_sorted_batches
+from models.encoder import BiEncoder
 
 TEXTS = [
     "Return the absolute version of a path.",
@@ -52,15 +53,23 @@ def test_widths_rounded_up_for_the_gpu_change_no_embedding(encoder):
     np.testing.assert_allclose(queries, encoder.encode_queries(TEXTS), atol=1e-5)
 
 
-def test_queries_are_truncated_to_their_token_limit(encoder):
-    assert encoder.spec.query_max_tokens == 20
+def test_limits_default_to_the_models_own_maximum(encoder):
+    # all-MiniLM-L6-v2's sentence_bert_config.json declares max_seq_length 256 (its positions: 512).
+    assert (encoder.spec.query_max_tokens, encoder.spec.passage_max_tokens) == (256, 256)
+
+
+def test_queries_are_truncated_to_their_token_limit():
+    repbert_limits = BiEncoder(device="cpu", query_max_tokens=20, passage_max_tokens=256)
+    assert (repbert_limits.spec.query_max_tokens, repbert_limits.spec.passage_max_tokens) == (20, 256)
+    tokenizer = repbert_limits.tokenizer
     long_query = "aerodynamic heating of a wing " * 20
-    truncated = encoder.tokenizer.decode(encoder.tokenizer(long_query, truncation=True, max_length=20)["input_ids"])
+    truncated = tokenizer.decode(tokenizer(long_query, truncation=True, max_length=20)["input_ids"])
     np.testing.assert_allclose(
-        encoder.encode_queries([long_query]),
-        encoder.encode_queries([truncated.removeprefix("[CLS] ").removesuffix(" [SEP]")]),
+        repbert_limits.encode_queries([long_query]),
+        repbert_limits.encode_queries([truncated.removeprefix("[CLS] ").removesuffix(" [SEP]")]),
         atol=1e-5,
     )
+    assert repbert_limits.query_tokens(long_query) == 5 * 20 + 2  # uncut, [CLS] and [SEP] included
 
 
 def test_sentence_transformers_folder_settings_are_honoured(encoder):

@@ -11,10 +11,12 @@ from index_builder.build import BuildOptions, build_index
 from index_builder.cli import main as cli_main
 from index_builder.evaluate import consistency_factor, metrics, run_queries
 from index_builder.smart import convert_cranfield, read_smart
+from models.cross_encoder import CrossEncoder
 from models.encoder import BiEncoder
 from retrieval.readers import InputFileError, read_qrels, read_queries, read_run, write_run
 from retrieval.searcher import Searcher
 from tests.conftest import CRANFIELD
+from tests.test_cross_encoder import tiny_bert
 
 needs_cranfield = pytest.mark.skipif(not CRANFIELD.is_dir(), reason="../shared/data/cranfield is absent")
 
@@ -76,6 +78,29 @@ def test_eval_cli_writes_a_run_and_prints_the_measures(small_index, tmp_path, ca
     assert "consistency of dense with reference's top 1000" in printed
 
 
+def test_eval_rerank_ranks_as_the_reranker_called_by_hand(small_index, searcher, demo_queries, tmp_path, capsys):
+    # A plain Hugging Face sequence-classification folder with one logit, like the public ms-marco cross-encoders.
+    folder = tiny_bert(tmp_path / "one-logit", num_labels=1)
+    queries = {q: demo_queries[q] for q in ("q0001", "q0002", "q0003")}
+    (tmp_path / "q.tsv").write_text("".join(f"{q}\t{text}\n" for q, text in queries.items()))
+    (tmp_path / "qrels").write_text("q0001 0 p00154 1\n")
+    args = ["eval", "--index", str(small_index), "--queries", str(tmp_path / "q.tsv"), "--qrels", str(tmp_path / "qrels"),
+            "--modes", "dense", "bm25", "--rerank", str(folder), "--depth", "20", "--runs-dir", str(tmp_path / "runs"),
+            "--device", "cpu"]
+    assert cli_main(args) == 0
+    printed = capsys.readouterr().out
+    assert "\ndense+one-logit " in printed and "\nbm25+one-logit " in printed
+    assert "1 rerankers at depth 20" in printed
+    by_hand = CrossEncoder(folder, device="cpu")
+    for mode in ("dense", "bm25"):
+        run = read_run(tmp_path / "runs" / f"{mode}+one-logit.run")
+        for qid, query in queries.items():
+            hits = searcher.search(query, k=20, mode=mode)
+            scores = by_hand.score(query, [hit.text for hit in hits])
+            expected = [hits[i].id for i in sorted(range(len(hits)), key=lambda i: (-scores[i], i))]
+            assert [docid for docid, _ in run[qid]] == expected, (mode, qid)
+
+
 @needs_cranfield
 def test_cranfield_query_ids_are_positions_not_dot_i_numbers(tmp_path):
     dot_i = [record_id for record_id, _ in read_smart(CRANFIELD / "cran.qry")]
@@ -94,7 +119,7 @@ def test_dense_retrieval_quality_on_cranfield_matches_the_reference(tmp_path_fac
     data = tmp_path_factory.mktemp("cranfield")
     convert_cranfield(CRANFIELD, data)
     build_index(BuildOptions(data / "corpus.tsv", data / "index"), encoder)
-    # Cranfield's queries run past RepBERT's 20-token default; the reference used the model's full 256.
-    searcher = Searcher(data / "index", BiEncoder(device="cpu", query_max_tokens=256))
+    # Cranfield's queries run past RepBERT's 20 tokens; the reference used the model's own 256, now the default.
+    searcher = Searcher(data / "index", BiEncoder(device="cpu"))
     values = metrics(read_qrels(data / "qrels.txt"), run_queries(searcher, read_queries(data / "queries.tsv"), 100))
     assert values["nDCG@10"] > 0.35 and values["MRR@10"] > 0.50  # measured 0.374 / 0.535

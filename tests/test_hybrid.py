@@ -82,13 +82,16 @@ def test_hybrid_fuses_the_dense_and_bm25_lists(searcher, demo_queries, fusion, l
 def test_hybrid_and_bm25_are_served_over_http(small_index, engine, demo_queries):
     app = create_app(ServiceSettings(index_dir=small_index, device="cpu"), engine)
     query = demo_queries["q0007"]
-    for body in ({"mode": "bm25"}, {"mode": "hybrid"}, {"mode": "hybrid", "fusion": "rrf"}):
+    kinds = {"dense": "cosine", "bm25": "bm25", "hybrid": "interleave", "hybrid-rrf": "rrf"}
+    for body in ({"mode": "dense"}, {"mode": "bm25"}, {"mode": "hybrid"}, {"mode": "hybrid", "fusion": "rrf"}):
         response = one(app, "POST", "/search", {"query": query, "k": 5, **body})
         assert response.status_code == 200, response.text
         expected = engine.search(query, 5, **{"fusion": "interleave", "lead": "dense", **body})
         assert [r["id"] for r in response.json()["results"]] == [h.id for h in expected.hits]
+        # The response says what its scores are (MiniLM normalises, so dense scores are cosines).
+        assert response.json()["score_kind"] == kinds[body["mode"] + ("-rrf" if "fusion" in body else "")]
     batch = one(app, "POST", "/search/batch", {"queries": [query, "socket"], "k": 3, "mode": "hybrid"})
-    assert batch.status_code == 200 and len(batch.json()["results"]) == 2
+    assert batch.status_code == 200 and len(batch.json()["results"]) == 2 and batch.json()["score_kind"] == "interleave"
     bad = one(app, "POST", "/search", {"query": query, "mode": "sparse"})
     assert bad.status_code == 422 and bad.json()["detail"][0]["loc"] == ["body", "mode"]
 

@@ -254,12 +254,13 @@ def test_random_negatives_are_never_a_judged_positive():
 
 
 def test_a_passage_relevant_to_two_queries_of_a_batch_is_a_positive_in_both_rows():
-    pairs = [("q1", "p1"), ("q2", "p2"), ("q3", "p3")]
     positives = {"q1": {"p1", "p2"}, "q2": {"p2"}, "q3": {"p3"}}
-    assert in_batch_positives(pairs, positives).tolist() == [
-        [True, True, False],
-        [False, True, False],
-        [False, False, True],
+    # Candidates: the three pairs' passages, then one mined negative per query: p9 for q1, p1 for q2, p2 for q3.
+    mask = in_batch_positives(["q1", "q2", "q3"], ["p1", "p2", "p3", "p9", "p1", "p2"], positives)
+    assert mask.tolist() == [
+        [True, True, False, False, True, True],  # p2, q3's mined negative, is relevant to q1: a positive here
+        [False, True, False, False, False, True],
+        [False, False, True, False, False, False],
     ]
 
 

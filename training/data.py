@@ -80,6 +80,16 @@ class Collection:
         return sampled
 
 
+def pool_runs(runs: list[Run]) -> Run:
+    """One run whose list for a query is the union of the runs' lists (first appearance kept)."""
+    pooled: dict[str, dict[str, float]] = {}
+    for run in runs:
+        for qid, ranked in run.items():
+            for pid, score in ranked:
+                pooled.setdefault(qid, {}).setdefault(pid, score)
+    return {qid: list(hits.items()) for qid, hits in pooled.items()}
+
+
 def load_judged(corpus: Path, queries: Path, qrels: Path) -> Collection:
     """Qrels + queries + corpus. Judgements naming a query or passage absent from the files are skipped."""
     passages = read_passages(corpus)

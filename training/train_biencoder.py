@@ -3,13 +3,16 @@
 Each micro-batch holds `--batch-size` (query, relevant passage) pairs. Every query is
 scored against every passage of the batch (Q @ P^T, eq. 3); the other pairs' passages
 are its negatives, except those judged relevant to it, which count as positives; the
-loss is MultiLabelMarginLoss (eq. 4).
+loss is MultiLabelMarginLoss (eq. 4). `--negatives N` adds N mined hard negatives per
+pair to the batch's passages (from `--negatives-run`, e.g. the dense and BM25 runs of
+the training queries; random passages without one); every query is scored against
+them too. RepBERT itself used in-batch negatives only (N = 0, the default).
 
     python -m training.train_biencoder --corpus C.tsv --queries Q.tsv --qrels QRELS --output OUT
-    python -m training.train_biencoder --triples TRIPLES.tsv --output OUT   # positives only; see below
+        [--negatives 1 --negatives-run DENSE.run BM25.run --negatives-depth 100]
+    python -m training.train_biencoder --triples TRIPLES.tsv --output OUT
 
-A triples file contributes its (query, positive) pairs: RepBERT trains on in-batch
-negatives only, so the triples' negatives are not used.
+A triples file's negatives serve as the mined negatives where `--negatives` is given.
 """
 
 from __future__ import annotations
@@ -22,19 +25,20 @@ import torch
 
 from models.checkpoint import padded_batch
 from models.encoder import BiEncoder, default_model_path
-from training.data import Collection, batch_positions, load_collection
+from training.data import Collection, TrainingDataError, batch_positions, batch_rng
 from training.losses import multilabel_margin_loss
-from training.trainer import add_training_arguments, run_cli
+from training.trainer import add_negatives_arguments, add_training_arguments, load_training_data, run_cli
 
 
 class BiEncoderTrainee:
     """A BiEncoder whose weights are being fine-tuned; scores keep its pooling and normalisation."""
 
-    def __init__(self, encoder: BiEncoder, data: Collection, batch_size: int, seed: int) -> None:
+    def __init__(self, encoder: BiEncoder, data: Collection, batch_size: int, negatives: int, seed: int) -> None:
         self.encoder = encoder
         self.model = encoder.model
         self.data = data
         self.batch_size = batch_size
+        self.negatives = negatives
         self.seed = seed
 
     def scores(self, queries: list[str], passages: list[str]) -> torch.Tensor:
@@ -52,19 +56,23 @@ class BiEncoderTrainee:
     def loss(self, batch_index: int) -> torch.Tensor:
         positions = batch_positions(len(self.data.pairs), self.batch_size, batch_index, self.seed)
         pairs = [self.data.pairs[i] for i in positions]
-        positive = in_batch_positives(pairs, self.data.positives).to(self.encoder.device)
-        queries = [self.data.queries[qid] for qid, _ in pairs]
-        scores = self.scores(queries, [self.data.passages[pid] for _, pid in pairs])
+        qids = [qid for qid, _ in pairs]
+        candidates = [pid for _, pid in pairs]
+        if self.negatives:
+            rng = batch_rng(self.seed, batch_index)
+            candidates += [pid for qid in qids for pid in self.data.sample_negatives(qid, self.negatives, rng)]
+        positive = in_batch_positives(qids, candidates, self.data.positives).to(self.encoder.device)
+        scores = self.scores([self.data.queries[qid] for qid in qids], [self.data.passages[p] for p in candidates])
         return multilabel_margin_loss(scores, positive)
 
     def save(self, folder: Path) -> None:
         self.encoder.save(folder)
 
 
-def in_batch_positives(pairs: list[tuple[str, str]], positives: dict[str, set[str]]) -> torch.Tensor:
-    """mask[r, c]: the passage of pair c is relevant to the query of pair r. A passage judged relevant to
-    two queries of the batch is a positive in both rows, never a negative (paper 000 section 3.2)."""
-    return torch.tensor([[pid in positives[qid] for _, pid in pairs] for qid, _ in pairs])
+def in_batch_positives(qids: list[str], candidates: list[str], positives: dict[str, set[str]]) -> torch.Tensor:
+    """mask[r, c]: candidate passage c is relevant to query r. A passage judged relevant to two queries of
+    the batch is a positive in both rows, never a negative (paper 000 section 3.2)."""
+    return torch.tensor([[pid in positives[qid] for pid in candidates] for qid in qids])
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -73,14 +81,17 @@ def build_parser() -> argparse.ArgumentParser:
         description="Fine-tune the RepBERT bi-encoder: in-batch negatives, MultiLabelMarginLoss (paper 000 eq. 4).",
     )
     parser.add_argument("--model", type=Path, default=None, help="starting checkpoint (default: the packaged MiniLM)")
-    parser.add_argument("--query-max-tokens", type=int, default=20)
-    parser.add_argument("--passage-max-tokens", type=int, default=256)
+    parser.add_argument("--query-max-tokens", type=int, help="default: the model's own maximum (RepBERT: 20)")
+    parser.add_argument("--passage-max-tokens", type=int, help="default: the model's own maximum (RepBERT: 256)")
+    add_negatives_arguments(parser, 0, "mined hard negatives per pair beside the in-batch ones (default 0)")
     add_training_arguments(parser, lr=3e-6, batch_size=32, pairs="query, passage")
     return parser
 
 
 def _build(args: argparse.Namespace, start: Path | None):
-    data = load_collection(triples=args.triples, corpus=args.corpus, queries=args.queries, qrels=args.qrels)
+    if args.negatives < 0:
+        raise TrainingDataError(f"--negatives must be >= 0, got {args.negatives}")
+    data = load_training_data(args)
     model = start or args.model or default_model_path()
     encoder = BiEncoder(
         model,
@@ -91,7 +102,7 @@ def _build(args: argparse.Namespace, start: Path | None):
         fp16=False,
     )
     about = {"model": "biencoder", "started_from": str(args.model or default_model_path()), "pairs": len(data.pairs)}
-    return BiEncoderTrainee(encoder, data, args.batch_size, args.seed), about
+    return BiEncoderTrainee(encoder, data, args.batch_size, args.negatives, args.seed), about
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,7 +25,7 @@ from tqdm import tqdm
 from transformers import get_linear_schedule_with_warmup
 
 from retrieval.readers import read_run
-from training.data import Collection, TrainingDataError, load_collection, sampled_groups
+from training.data import Collection, TrainingDataError, load_collection, pool_runs, sampled_groups
 
 CHECKPOINT_PREFIX = "checkpoint-"
 STATE_FILE = "trainer_state.json"
@@ -277,8 +277,9 @@ def add_data_arguments(parser: argparse.ArgumentParser) -> None:
 def add_negatives_arguments(parser: argparse.ArgumentParser, default: int | None, help: str) -> None:
     """`--negatives` (sampled per positive), and `--negatives-run` / `--negatives-depth`, read by `load_training_data`."""
     parser.add_argument("--negatives", type=int, default=default, help=help)
-    parser.add_argument("--negatives-run", type=Path, help="TREC run whose top-k supplies the negatives")
-    parser.add_argument("--negatives-depth", type=int, default=1000, help="k of the run's top-k (default 1000)")
+    parser.add_argument("--negatives-run", type=Path, nargs="+", metavar="RUN",
+                        help="TREC runs whose top-k (pooled, e.g. dense and BM25) supply the negatives")
+    parser.add_argument("--negatives-depth", type=int, default=1000, help="k of each run's top-k (default 1000)")
 
 
 def load_training_data(args: argparse.Namespace) -> Collection:
@@ -286,13 +287,14 @@ def load_training_data(args: argparse.Namespace) -> Collection:
     if args.negatives_depth < 1:
         raise TrainingDataError(f"--negatives-depth must be >= 1, got {args.negatives_depth}")
     data = load_collection(triples=args.triples, corpus=args.corpus, queries=args.queries, qrels=args.qrels)
-    if args.negatives_run is not None:
+    if args.negatives_run:
         if args.triples is not None:
             raise TrainingDataError("--negatives-run names corpus passage ids; use it with --corpus/--queries/--qrels")
-        covered = data.use_run_negatives(read_run(args.negatives_run, args.negatives_depth))
+        names = " + ".join(str(path) for path in args.negatives_run)
+        covered = data.use_run_negatives(pool_runs([read_run(path, args.negatives_depth) for path in args.negatives_run]))
         if not covered:
-            raise TrainingDataError(f"{args.negatives_run}: no query of the qrels has an unjudged passage in its top-k")
-        print(f"negatives from {args.negatives_run} for {covered} of {len(data.positives)} queries", file=sys.stderr)
+            raise TrainingDataError(f"{names}: no query of the qrels has an unjudged passage in its top-k")
+        print(f"negatives from {names} for {covered} of {len(data.positives)} queries", file=sys.stderr)
     return data
 
 

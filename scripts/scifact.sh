@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# The SciFact recipe: every model fine-tuned on a seeded 80% of SciFact's training claims and
+# scored on the held-out 20% only (seed 13: 647 train, 162 dev claims).
+#
+#   bash scripts/scifact.sh STEP [STEP ...]
+#
+# Steps (each skips what its output folder already holds; `all` runs them in this order):
+#   split        the seeded train/dev split of the judged claims      -> $WORK/split
+#   index        dense (packaged MiniLM) + BM25 index of the corpus   -> $WORK/index
+#   runs         dense and BM25 top-100 of the train claims           -> $WORK/train-runs (hard negatives)
+#   monobert     monoBERT cross-encoder from MiniLM (paper 004)       -> $WORK/models/monobert
+#   coattention  n-gram co-attention reranker (paper 002)              -> $WORK/models/coattention
+#   biencoder    RepBERT bi-encoder from MiniLM (paper 000, eq. 4,
+#                in-batch + mined hard negatives), and its index      -> $WORK/models/biencoder, $WORK/index-biencoder
+#   table        the dev-split table of every pipeline                -> $WORK/table-*.txt
+# The generative reranker (paper 003, SmolLM2-135M) is not in `all`: see README "SciFact recipe".
+#
+# Environment: SCIFACT (data folder, default ../shared/data/scifact-train), WORK (default
+# runs/scifact), PYTHON (default .venv/bin/python), DEVICE (auto), and per model STEPS_* (see below).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+DATA=${SCIFACT:-../shared/data/scifact-train}
+WORK=${WORK:-runs/scifact}
+PY=${PYTHON:-.venv/bin/python}
+DEVICE=${DEVICE:-auto}
+SPLIT=$WORK/split
+TRAIN=(--corpus "$DATA/corpus.jsonl" --queries "$SPLIT/queries-train.tsv" --qrels "$SPLIT/qrels-train.txt")
+NEGATIVES=(--negatives-run "$WORK/train-runs/dense.run" "$WORK/train-runs/bm25.run" --negatives-depth 100)
+DEV=(--queries "$SPLIT/queries-dev.tsv" --qrels "$SPLIT/qrels-dev.txt" --k 100 --device "$DEVICE")
+
+if [ ! -f "$DATA/corpus.jsonl" ]; then
+    echo "error: no SciFact data at $DATA (set SCIFACT)" >&2
+    exit 2
+fi
+
+timed() {  # timed NAME COMMAND...: runs it and prints how many minutes it took
+    local started=$SECONDS
+    "${@:2}"
+    echo "$1: $(( (SECONDS - started) / 60 )) min $(( (SECONDS - started) % 60 )) s" | tee -a "$WORK/minutes.txt"
+}
+
+newest() {  # the newest checkpoint folder of a training output
+    ls -d "$1"/checkpoint-* | sort | tail -1
+}
+
+step() {
+    mkdir -p "$WORK"
+    case $1 in
+    split)
+        [ -f "$SPLIT/qrels-dev.txt" ] || $PY -m training.split --queries "$DATA/queries-train.jsonl" \
+            --qrels "$DATA/qrels-train.tsv" --out "$SPLIT" --dev-share 0.2 --seed 13 ;;
+    index)
+        timed index $PY -m index_builder build --corpus "$DATA/corpus.jsonl" --out "$WORK/index" --bm25 \
+            --device "$DEVICE" --if-missing ;;
+    runs)
+        [ -f "$WORK/train-runs/bm25.run" ] || $PY -m index_builder eval --index "$WORK/index" \
+            --queries "$SPLIT/queries-train.tsv" --qrels "$SPLIT/qrels-train.txt" --modes dense bm25 --k 100 \
+            --runs-dir "$WORK/train-runs" --device "$DEVICE" ;;
+    monobert)
+        [ -d "$WORK/models/monobert" ] || timed monobert $PY -m training.train_cross_encoder "${TRAIN[@]}" \
+            "${NEGATIVES[@]}" --negatives 1 --batch-size 8 --lr 3e-5 --max-steps "${STEPS_MONOBERT:-240}" \
+            --max-tokens 256 --save-every 1000 --device "$DEVICE" --output "$WORK/models/monobert" ;;
+    coattention)
+        [ -d "$WORK/models/coattention" ] || timed coattention $PY -m training.train_coattention "${TRAIN[@]}" \
+            "${NEGATIVES[@]}" --negatives 5 --batch-size 16 --lr 1e-3 --max-steps "${STEPS_COATTENTION:-600}" \
+            --save-every 1000 --device "$DEVICE" --output "$WORK/models/coattention" ;;
+    biencoder)
+        [ -d "$WORK/models/biencoder" ] || timed biencoder $PY -m training.train_biencoder "${TRAIN[@]}" \
+            "${NEGATIVES[@]}" --negatives 1 --batch-size 16 --lr 2e-5 --max-steps "${STEPS_BIENCODER:-200}" \
+            --save-every 1000 --device "$DEVICE" --output "$WORK/models/biencoder"
+        timed index-biencoder $PY -m index_builder build --corpus "$DATA/corpus.jsonl" \
+            --out "$WORK/index-biencoder" --model "$(newest "$WORK/models/biencoder")" --bm25 --device "$DEVICE" \
+            --if-missing ;;
+    table)
+        # Co-attention is fast enough for depth 100 on every mode; monoBERT is timed at depth 20 on a CPU.
+        local modes=(dense bm25 hybrid-interleave hybrid-rrf)
+        $PY -m index_builder eval --index "$WORK/index" "${DEV[@]}" --modes "${modes[@]}" \
+            --rerank "$(newest "$WORK/models/coattention")" --depth 100 | tee "$WORK/table-coattention-100.txt"
+        $PY -m index_builder eval --index "$WORK/index" "${DEV[@]}" --modes "${modes[@]}" \
+            --rerank "$(newest "$WORK/models/monobert")" --depth "${MONOBERT_DEPTH:-20}" \
+            | tee "$WORK/table-monobert-${MONOBERT_DEPTH:-20}.txt"
+        $PY -m index_builder eval --index "$WORK/index-biencoder" "${DEV[@]}" --modes dense hybrid-interleave \
+            hybrid-rrf | tee "$WORK/table-biencoder.txt" ;;
+    all)
+        for name in split index runs monobert coattention biencoder table; do step $name; done ;;
+    *)
+        echo "error: unknown step $1 (split, index, runs, monobert, coattention, biencoder, table, all)" >&2
+        exit 2 ;;
+    esac
+}
+
+[ $# -gt 0 ] || { sed -n '2,22p' "$0"; exit 2; }
+for name in "$@"; do step "$name"; done
