@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sqlite3
 import sys
 import time
 from pathlib import Path
@@ -27,7 +28,8 @@ from retrieval.index_format import IndexFormatError, read_manifest
 from retrieval.readers import InputFileError, Run, read_qrels, read_queries, read_run, write_run
 from retrieval.searcher import MAX_K, EncoderMismatch, Searcher, encoder_for
 
-USAGE_ERRORS = (BuildError, InputFileError, IndexFormatError, EncoderMismatch, FileNotFoundError, ValueError)
+# OSError and sqlite3.Error cover a full disk too: the build's partial folder stays for a resume.
+USAGE_ERRORS = (BuildError, InputFileError, IndexFormatError, EncoderMismatch, OSError, sqlite3.Error, ValueError)
 
 
 def _positive(text: str) -> int:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import BinaryIO, Iterator, Literal
 
 CorpusFormat = Literal["tsv", "jsonl"]
+BOM = b"\xef\xbb\xbf"
 
 
 @dataclass(frozen=True)
@@ -38,7 +39,7 @@ def detect_format(path: Path) -> CorpusFormat:
     with path.open("rb") as handle:
         for raw in handle:
             if raw.strip():
-                return "jsonl" if raw.lstrip().startswith(b"{") else "tsv"
+                return "jsonl" if raw.removeprefix(BOM).lstrip().startswith(b"{") else "tsv"
     return "tsv"
 
 
@@ -61,6 +62,8 @@ def _parse_jsonl(text: str, line: int) -> Passage | BadLine:
         record = json.loads(text)
     except json.JSONDecodeError as error:
         return BadLine(line, f"not valid JSON ({error.msg})")
+    except RecursionError:
+        return BadLine(line, "JSON nested too deeply")
     if not isinstance(record, dict):
         return BadLine(line, "expected a JSON object")
     pid = record.get("id", record.get("_id"))
@@ -73,6 +76,11 @@ def _parse_jsonl(text: str, line: int) -> Passage | BadLine:
     body = " ".join(part for part in (title.strip(), body.strip()) if part)
     if not body:
         return BadLine(line, f"empty text for id {pid!r}")
+    for name, value in (("id", str(pid)), ("text", body)):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as error:  # JSON may escape a lone surrogate, "\ud800"; no model reads it
+            return BadLine(line, f"{name} is not valid Unicode text: a lone surrogate at character {error.start}")
     return Passage(str(pid).strip(), body, line)
 
 
@@ -86,5 +94,12 @@ def read_corpus(
             text = raw.decode("utf-8").rstrip("\r\n")
         except UnicodeDecodeError:
             yield BadLine(line, "not UTF-8"), raw
+            continue
+        if line == 1:
+            text = text.removeprefix("\ufeff")  # a UTF-8 byte order mark is no part of the first id
+        if "\r" in text:
+            # Lines end at LF (or CRLF) only: a CR inside a line is most likely a file with old Mac
+            # (CR-only) line endings, whose records would silently run together.
+            yield BadLine(line, "carriage return inside a line: CR-only line endings? convert them to LF"), raw
             continue
         yield (parse(text, line) if text.strip() else None), raw

@@ -10,6 +10,7 @@ last and atomically, so a directory with a manifest is a finished index.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -74,6 +75,9 @@ class Manifest(BaseModel):
     files: dict[str, FileRecord]  # every file of the index, by path relative to the directory
     bm25: Bm25Record | None = None  # present when built with --bm25
     shard: str | None = None  # "i/N" for one job of a sharded build (index_builder.shard); None for a whole index
+    # sha256 of the manifest's own other fields (`manifest_digest`), so an edited manifest is refused;
+    # None in manifests written before it existed, which load unchecked as before.
+    manifest_sha256: str | None = None
 
     @property
     def dimension(self) -> int:
@@ -82,6 +86,18 @@ class Manifest(BaseModel):
     @property
     def similarity(self) -> str:
         return self.encoder.similarity
+
+
+def manifest_digest(fields: dict) -> str:
+    """sha256 of a manifest's fields (all but manifest_sha256 itself), in a canonical JSON form."""
+    content = {name: value for name, value in fields.items() if name != "manifest_sha256"}
+    return hashlib.sha256(json.dumps(content, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def sealed(manifest: Manifest) -> dict:
+    """The manifest as written to disk: its fields and their digest."""
+    fields = manifest.model_dump(exclude={"manifest_sha256"})
+    return {**fields, "manifest_sha256": manifest_digest(fields)}
 
 
 def file_record(path: Path) -> FileRecord:
@@ -113,6 +129,8 @@ def read_manifest(directory: str | Path, *, verify_checksums: bool = False) -> M
         raise IndexFormatError(
             f"{path}: format_version {raw.get('format_version')!r}, this code reads {FORMAT_VERSION}"
         )
+    if raw.get("manifest_sha256") is not None and raw["manifest_sha256"] != manifest_digest(raw):
+        raise IndexFormatError(f"{path}: changed after it was written (its content does not match its manifest_sha256)")
     try:
         manifest = Manifest.model_validate(raw)
     except ValidationError as error:

@@ -7,6 +7,8 @@ of the destination sees the old index or the new one, never half of one.
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
 import shutil
 import sqlite3
@@ -27,10 +29,13 @@ from retrieval.index_format import (
     EncoderRecord,
     Manifest,
     file_record,
+    sealed,
     write_json_atomic,
 )
 from retrieval.passage_store import SCHEMA
 
+_LIBC = ctypes.CDLL(None, use_errno=True)
+AT_FDCWD, RENAME_EXCHANGE = -100, 2  # <fcntl.h>, <linux/fs.h>
 INSERT = "INSERT INTO passages (row, id, text, line) VALUES (?, ?, ?, ?)"
 PassageRow = tuple[int, str, str, int]  # (row, id, text, corpus line)
 
@@ -86,19 +91,38 @@ def write_manifest(work: Path, *, encoder: EncoderRecord, corpus: CorpusRecord, 
         bm25=bm25_record() if bm25 else None,
         shard=shard,
     )
-    write_json_atomic(work / MANIFEST_FILE, manifest.model_dump())
+    write_json_atomic(work / MANIFEST_FILE, sealed(manifest))
     return manifest
 
 
+def _exchange(first: Path, second: Path) -> bool:
+    """Swap two paths in one step (Linux renameat2 with RENAME_EXCHANGE); False where the system or
+    the file system cannot."""
+    renameat2 = getattr(_LIBC, "renameat2", None)
+    if renameat2 is None:
+        return False
+    if renameat2(AT_FDCWD, os.fsencode(first), AT_FDCWD, os.fsencode(second), RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
+        return False
+    raise OSError(code, os.strerror(code), str(second))
+
+
 def move_into_place(work: Path, out: Path, scratch: Sequence[str] = ()) -> None:
-    """Swap the finished `work` folder in for `out` by rename; only then drop the old index and the
-    writer's `scratch` entries (files or folders inside the new index that are not part of it)."""
+    """Put the finished `work` folder at `out`, then drop the old index and the writer's `scratch`
+    entries (files or folders inside the new index that are not part of it). An index already at
+    `out` is swapped out in one step, so a reader of `out` always finds a whole index, old or new;
+    where the system cannot swap, two renames leave a moment with nothing at `out`."""
     old = out.parent / f".{out.name}.old"
     if old.exists():
         shutil.rmtree(old)
-    if out.exists():
-        os.replace(out, old)
-    os.replace(work, out)
+    if out.exists() and _exchange(work, out):
+        os.replace(work, old)  # `work` now names the old index
+    else:
+        if out.exists():
+            os.replace(out, old)
+        os.replace(work, out)
     for name in scratch:
         path = out / name
         if path.is_dir():

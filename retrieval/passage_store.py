@@ -33,6 +33,11 @@ class PassageStore:
             self._local.connection = connection
         return connection
 
+    def row_range(self) -> tuple[int, int, int]:
+        """(rows stored, smallest row, largest row); an index's rows are 0 .. count - 1."""
+        count, low, high = self._connection().execute("SELECT COUNT(*), MIN(row), MAX(row) FROM passages").fetchone()
+        return count, (low if low is not None else 0), (high if high is not None else -1)
+
     def get(self, rows: Sequence[int]) -> list[tuple[str, str]]:
         """(id, text) for each row, in the order asked."""
         if not rows:

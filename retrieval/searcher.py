@@ -12,7 +12,7 @@ from models.encoder import BiEncoder
 from retrieval import dense_index
 from retrieval.bm25_index import BM25_DIR, Bm25Index
 from retrieval.fusion import interleave, reciprocal_rank_fusion
-from retrieval.index_format import INDEX_FILE, PASSAGES_FILE, Manifest, read_manifest
+from retrieval.index_format import INDEX_FILE, PASSAGES_FILE, IndexFormatError, Manifest, read_manifest
 from retrieval.passage_store import PassageStore
 
 MAX_K = 1000
@@ -64,6 +64,20 @@ def encoder_for(manifest: Manifest, device: str = "auto", query_max_tokens: int 
     )
 
 
+def check_rows(index_dir: Path, manifest: Manifest, index, passages: PassageStore) -> None:
+    """IndexFormatError unless the manifest, the FAISS index and the passage store agree on the rows
+    (count, and rows 0 .. count - 1) and the vectors' dimension: a mismatch would serve short lists or 500s."""
+    if index.d != manifest.dimension:
+        raise IndexFormatError(f"{index_dir}: {INDEX_FILE} holds {index.d}-d vectors, the manifest says "
+                               f"{manifest.dimension}-d")
+    stored, low, high = passages.row_range()
+    if not manifest.count == index.ntotal == stored or (stored and (low, high) != (0, stored - 1)):
+        raise IndexFormatError(
+            f"{index_dir}: the manifest counts {manifest.count} passages, {INDEX_FILE} holds {index.ntotal} "
+            f"vectors and {PASSAGES_FILE} {stored} rows ({low} .. {high}); they must agree, rows 0 .. count - 1"
+        )
+
+
 def validate_k(k: int) -> None:
     if not 1 <= k <= MAX_K:
         raise ValueError(f"k must be between 1 and {MAX_K}, got {k}")
@@ -91,6 +105,7 @@ class Searcher:
         check_encoder(self.manifest, self.encoder)
         self.index = dense_index.load_index(self.index_dir / INDEX_FILE, device)
         self.passages = PassageStore(self.index_dir / PASSAGES_FILE)
+        check_rows(self.index_dir, self.manifest, self.index, self.passages)
         self.bm25 = Bm25Index(self.index_dir / BM25_DIR) if self.manifest.bm25 is not None else None
 
     @property

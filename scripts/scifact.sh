@@ -9,7 +9,8 @@
 #   index        dense (packaged MiniLM) + BM25 index of the corpus   -> $WORK/index
 #   runs         dense and BM25 top-100 of the train claims           -> $WORK/train-runs (hard negatives)
 #   monobert     monoBERT cross-encoder from MiniLM (paper 004)       -> $WORK/models/monobert
-#   coattention  n-gram co-attention reranker (paper 002)              -> $WORK/models/coattention
+#   coattention  n-gram co-attention reranker (paper 002; biGRU hidden 64, not 200, and 128 passage
+#                words, to train on a CPU: COATTENTION_HIDDEN=200 for the paper's) -> $WORK/models/coattention
 #   biencoder    RepBERT bi-encoder from MiniLM (paper 000, eq. 4,
 #                in-batch + mined hard negatives), and its index      -> $WORK/models/biencoder, $WORK/index-biencoder
 #   table        the dev-split table of every pipeline                -> $WORK/table-*.txt
@@ -62,8 +63,9 @@ step() {
             --max-tokens 256 --save-every 1000 --device "$DEVICE" --output "$WORK/models/monobert" ;;
     coattention)
         [ -d "$WORK/models/coattention" ] || timed coattention $PY -m training.train_coattention "${TRAIN[@]}" \
-            "${NEGATIVES[@]}" --negatives 5 --batch-size 16 --lr 1e-3 --max-steps "${STEPS_COATTENTION:-600}" \
-            --save-every 1000 --device "$DEVICE" --output "$WORK/models/coattention" ;;
+            "${NEGATIVES[@]}" --negatives 5 --batch-size 16 --lr 1e-3 --max-steps "${STEPS_COATTENTION:-300}" \
+            --hidden "${COATTENTION_HIDDEN:-64}" --passage-max-words 128 --save-every 1000 --device "$DEVICE" \
+            --output "$WORK/models/coattention" ;;
     biencoder)
         [ -d "$WORK/models/biencoder" ] || timed biencoder $PY -m training.train_biencoder "${TRAIN[@]}" \
             "${NEGATIVES[@]}" --negatives 1 --batch-size 16 --lr 2e-5 --max-steps "${STEPS_BIENCODER:-200}" \

@@ -10,11 +10,13 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI, HTTPException, Response
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
+from fastapi.responses import HTMLResponse, JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic_core import to_json
 
-from service import limits
+from service import errors, limits
 from service.batcher import MicroBatcher
 from service.engine import ReloadError, SearchEngine
 from service.monitoring import Monitor
@@ -69,7 +71,7 @@ class _Runtime:
             self.engine = engine
             log.info("ready: %s", engine.describe())
         except Exception as error:  # noqa: BLE001 - reported by /ready; /health stays up
-            self.load_error = f"loading {settings.index_dir} failed: {error}"
+            self.load_error = f"loading {settings.index_dir} failed: {str(error) or type(error).__name__}"
             log.error(self.load_error)
 
 
@@ -150,8 +152,11 @@ def create_app(settings: ServiceSettings | None = None, engine: SearchEngine | N
         await runtime.batcher.close()
         runtime.executor.shutdown(wait=False, cancel_futures=True)
 
+    # With a key, the docs and the spec need it too, unless SEARCH_OPEN_DOCS opens them.
+    docs_open = settings.api_key is None or settings.open_docs
     app = FastAPI(title="dense-search", version="0.1.0", lifespan=lifespan,
-                  description="Dense retrieval (RepBERT bi-encoder, exact FAISS search) over one index directory.")
+                  description="Dense retrieval (RepBERT bi-encoder, exact FAISS search) over one index directory.",
+                  **({} if docs_open else {"docs_url": None, "redoc_url": None, "openapi_url": None}))
     app.state.runtime = runtime
     bearer = HTTPBearer(auto_error=False, description="the SEARCH_API_KEY value")
 
@@ -163,6 +168,19 @@ def create_app(settings: ServiceSettings | None = None, engine: SearchEngine | N
 
     # Without a key the spec declares no security scheme, since none is enforced.
     protected = [Depends(require_key)] if settings.api_key is not None else []
+
+    if not docs_open:
+        @app.get("/openapi.json", include_in_schema=False, dependencies=protected)
+        async def openapi() -> JSONResponse:
+            return JSONResponse(app.openapi())
+
+        @app.get("/docs", include_in_schema=False, dependencies=protected)
+        async def docs() -> HTMLResponse:
+            return get_swagger_ui_html(openapi_url="/openapi.json", title=f"{app.title} - docs")
+
+        @app.get("/redoc", include_in_schema=False, dependencies=protected)
+        async def redoc() -> HTMLResponse:
+            return get_redoc_html(openapi_url="/openapi.json", title=f"{app.title} - ReDoc")
 
     @app.get("/health", response_model=Status, summary="the process is alive")
     async def health() -> Status:
@@ -244,6 +262,7 @@ def create_app(settings: ServiceSettings | None = None, engine: SearchEngine | N
                 raise limits.refuse(("index",), f"reload failed, the previous index keeps serving: {error}") from None
         return IndexInfo(**engine.describe())
 
+    errors.install(app)
     app.add_middleware(limits.BodySizeLimit, max_bytes=settings.body_limit)
     app.add_middleware(_RequestCounter, monitor=runtime.monitor, paths={r.path for r in app.routes})
     return app

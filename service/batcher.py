@@ -90,10 +90,14 @@ class MicroBatcher:
         self._running = True
         try:
             results = await asyncio.get_running_loop().run_in_executor(self._executor, call)
-        except Exception as error:  # noqa: BLE001 - every waiting caller gets the error
-            for item in batch:
-                if not item.future.done():
-                    item.future.set_exception(error)
+        except Exception as error:  # noqa: BLE001
+            self._running = False
+            if len(batch) > 1:  # one request must not fail its neighbours: run each alone, so only it fails
+                for item in batch:
+                    await self._run([item], retrieval)
+                return
+            if not batch[0].future.done():
+                batch[0].future.set_exception(error)
             return
         finally:
             self._running = False

@@ -14,9 +14,21 @@ def refuse(field: tuple, message: str, value=None) -> RequestValidationError:
     return RequestValidationError([{"type": "limit", "loc": ("body", *field), "msg": message, "input": value}])
 
 
+def unencodable(text: str) -> str | None:
+    """Why `text` cannot be encoded as UTF-8 (JSON allows lone surrogates such as "\\ud800"), or None."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        return f"is not valid Unicode text: a lone surrogate at character {error.start}"
+    return None
+
+
 def check_query(settings: ServiceSettings, query: str, field: tuple = ("query",)) -> None:
     if not query.strip():
         raise refuse(field, "query must not be empty or only whitespace", query)
+    reason = unencodable(query)
+    if reason:
+        raise refuse(field, f"query {reason}")
     if len(query) > settings.max_query_chars:
         raise refuse(
             field,
@@ -51,8 +63,9 @@ def check_batch(settings: ServiceSettings, queries: list[str]) -> None:
         check_query(settings, query, ("queries", position))
 
 
-class _TooLarge(Exception):
-    pass
+class _TooLarge(BaseException):
+    """Raised from `receive` past the limit. Not an Exception: FastAPI turns any Exception met while it
+    reads a body into 400 "error parsing the body", and the limit's answer is a 422."""
 
 
 class BodySizeLimit:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -35,6 +35,7 @@ class ServiceSettings(BaseSettings):
         "queries, each character written as a 6-byte JSON escape, plus 64 KiB)",
     )
     api_key: SecretStr | None = Field(None, description="bearer key for every route but /health and /ready")
+    open_docs: bool = Field(False, description="with a key: serve /docs, /redoc and /openapi.json without it")
 
     microbatch: bool = Field(True, description="fuse concurrent /search requests into one forward pass")
     microbatch_window_ms: float = Field(
@@ -49,6 +50,14 @@ class ServiceSettings(BaseSettings):
     )
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
+
+    @field_validator("api_key")
+    @classmethod
+    def _key_not_empty(cls, key: SecretStr | None) -> SecretStr | None:
+        # An empty key would match a request without one: authentication silently off.
+        if key is not None and not key.get_secret_value().strip():
+            raise ValueError("is set but empty: set a key, or unset SEARCH_API_KEY to serve without one")
+        return key
 
     @property
     def body_limit(self) -> int:

@@ -32,12 +32,17 @@ def settings_for(index_dir: Path, **overrides) -> ServiceSettings:
 
 
 def call(app, *requests: tuple, headers: dict | None = None) -> list[httpx.Response]:
-    """Send the (method, path, json) requests concurrently to the app in one event loop."""
+    """Send the (method, path, json) requests concurrently to the app in one event loop; a `bytes`
+    body is sent as it is, as JSON."""
+
+    def body_of(body) -> dict:
+        return {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) else {
+            "json": body}
 
     async def send_all():
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://test", headers=headers or {}) as client:
-            return await asyncio.gather(*(client.request(m, p, json=body) for m, p, body in requests))
+            return await asyncio.gather(*(client.request(m, p, **body_of(body)) for m, p, body in requests))
 
     return asyncio.run(send_all())
 
