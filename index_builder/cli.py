@@ -89,7 +89,8 @@ def _parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--k", type=_positive, default=MAX_K)
     evaluate.add_argument("--rerank", type=Path, nargs="+", metavar="DIR",
                           help="reranker folders (monoBERT, co-attention, generative, or a Hugging Face "
-                          "sequence-classification folder with one logit); each adds a row per mode: MODE+DIRNAME")
+                          "sequence-classification folder with one logit); each adds a row per mode: MODE+DIRNAME "
+                          "(OUTPUT-checkpoint-N for a training checkpoint)")
     evaluate.add_argument("--depth", type=_positive, default=100,
                           help="with --rerank: passages of each mode's list the reranker rescores (default 100)")
     evaluate.add_argument("--query-max-tokens", type=_positive, help="override the index's query token limit")
@@ -121,6 +122,12 @@ def _build(args: argparse.Namespace) -> None:
     print(build_index(options, encoder).summary())
 
 
+def _row_name(folder: Path) -> str:
+    """A reranker's name in the table: its folder's, with the training output's for a checkpoint folder."""
+    folder = folder.resolve()
+    return f"{folder.parent.name}-{folder.name}" if folder.name.startswith("checkpoint-") else folder.name
+
+
 def _eval(args: argparse.Namespace) -> None:
     queries = read_queries(args.queries)
     qrels = read_qrels(args.qrels)
@@ -129,7 +136,7 @@ def _eval(args: argparse.Namespace) -> None:
                         device=args.device)
     if args.rerank and args.depth > MAX_K:
         raise ValueError(f"--depth must be at most {MAX_K}, got {args.depth}")
-    rerankers = {folder.name: load_reranker(folder, device=args.device) for folder in args.rerank or []}
+    rerankers = {_row_name(folder): load_reranker(folder, device=args.device) for folder in args.rerank or []}
     modes = args.modes or (list(EVAL_MODES) if searcher.bm25 is not None else ["dense"])
     runs, table = {}, {}
 
@@ -145,11 +152,11 @@ def _eval(args: argparse.Namespace) -> None:
         record(mode, run_queries(searcher, queries, args.k, **EVAL_MODES[mode]), time.perf_counter() - started)
         if rerankers:
             started = time.perf_counter()
-            retrieved = retrieve(searcher, queries, args.depth, **EVAL_MODES[mode])
+            retrieved = retrieve(searcher, queries, max(args.k, args.depth), **EVAL_MODES[mode])
             retrieval_seconds = time.perf_counter() - started
         for name, reranker in rerankers.items():
             started = time.perf_counter()
-            run = rerank_run(reranker, queries, retrieved, label=f"{mode}+{name}")
+            run = rerank_run(reranker, queries, retrieved, args.depth, args.k, label=f"{mode}+{name}")
             record(f"{mode}+{name}", run, retrieval_seconds + time.perf_counter() - started)
     print(format_table(table))
     comparisons = {"bm25": runs["bm25"]} if "dense" in runs and "bm25" in runs else {}

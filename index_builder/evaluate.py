@@ -50,13 +50,18 @@ def run_queries(searcher: Searcher, queries: Mapping[str, str], k: int, batch_si
     return as_run(retrieve(searcher, queries, k, batch_size, **retrieval))
 
 
-def rerank_run(reranker: Reranker, queries: Mapping[str, str], retrieved: Mapping[str, list[Hit]],
-               label: str = "reranking") -> Run:
-    """Every retrieved list rescored by `reranker` and sorted by its score, as the service reranks."""
-    return {
-        qid: [(hit.id, hit.score) for hit in rerank(reranker, queries[qid], hits, len(hits))]
-        for qid, hits in tqdm(retrieved.items(), desc=label, unit=" queries", leave=False)
-    }
+def rerank_run(reranker: Reranker, queries: Mapping[str, str], retrieved: Mapping[str, list[Hit]], depth: int,
+               k: int, label: str = "reranking") -> Run:
+    """Each retrieved list's top `depth` rescored by `reranker` and sorted by its score, as the service
+    reranks; the rest of its top `k` follows in retrieval order, so a measure deeper than `depth` (Recall@100
+    after reranking 20) sees the same passages as the retrieval row. A tail hit's score is put below every
+    reranked score (the two kinds of score are not comparable, and a run is ordered by score)."""
+    run = {}
+    for qid, hits in tqdm(retrieved.items(), desc=label, unit=" queries", leave=False):
+        head = [(hit.id, hit.score) for hit in rerank(reranker, queries[qid], hits[:depth], depth)]
+        floor = min((score for _, score in head), default=0.0)
+        run[qid] = head + [(hit.id, floor - i) for i, hit in enumerate(hits[depth:k], start=1)]
+    return run
 
 
 def metrics(qrels: Qrels, run: Run) -> dict[str, float]:

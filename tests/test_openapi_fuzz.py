@@ -22,7 +22,7 @@ KEY = "fuzz-key"
 @pytest.fixture(scope="module")
 def api_schema(small_index, searcher):
     app = create_app(ServiceSettings(index_dir=small_index, device="cpu", api_key=KEY), SearchEngine(searcher))
-    return schemathesis.openapi.from_asgi("/openapi.json", app)
+    return schemathesis.openapi.from_asgi("/openapi.json", app, headers={"Authorization": f"Bearer {KEY}"})
 
 
 def test_no_request_from_the_spec_gets_a_server_error(api_schema):

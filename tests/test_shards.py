@@ -15,7 +15,7 @@ from index_builder.build import BuildError, BuildOptions, build_index
 from index_builder.cli import main as cli_main
 from index_builder.merge import merge_shards
 from index_builder.shard import Shard
-from retrieval.index_format import INDEX_FILE, MANIFEST_FILE, PASSAGES_FILE, read_manifest
+from retrieval.index_format import INDEX_FILE, MANIFEST_FILE, PASSAGES_FILE, manifest_digest, read_manifest
 from retrieval.searcher import Searcher
 from tests.conftest import demo_corpus_head
 
@@ -159,6 +159,7 @@ def test_merge_refuses_shards_of_another_encoder_naming_both_values(shards, tmp_
     shutil.copytree(shards[2], changed)
     manifest = json.loads((shards[2] / MANIFEST_FILE).read_text())
     manifest["encoder"]["weights_sha256"] = "0" * 64
+    manifest["manifest_sha256"] = manifest_digest(manifest)  # a sealed manifest: another encoder, not tampering
     (changed / MANIFEST_FILE).write_text(json.dumps(manifest))
     message = merge_error(capsys, "--shards", str(shards[0]), str(shards[1]), str(changed), "--out", str(tmp_path / "m"))
     expected = read_manifest(shards[0]).encoder.weights_sha256
