@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 
-def multilabel_margin_loss(scores: torch.Tensor, positive: torch.Tensor) -> torch.Tensor:
+def multilabel_margin_loss(scores: torch.Tensor, positive: torch.Tensor, margin: float = 1.0) -> torch.Tensor:
     """Paper 000 eq. 4, averaged over the rows of a batch.
 
     `scores` is (queries, candidates): Rel(q, d) for every query against every candidate
@@ -25,18 +25,21 @@ def multilabel_margin_loss(scores: torch.Tensor, positive: torch.Tensor) -> torc
     mask of the same shape: True where the passage is relevant to the query. For one
     row with n candidates, m of them positive:
 
-        L = (1/n) * sum over positive i, negative j of max(0, 1 - (s_i - s_j))
+        L = (1/n) * sum over positive i, negative j of max(0, margin - (s_i - s_j))
 
     This is exactly `torch.nn.MultiLabelMarginLoss` (which also divides a row's sum by
     its number of classes, n, and averages rows); the mask replaces torch's
     -1-terminated index targets, so a passage relevant to two queries of the batch is
     a positive in both rows. A row with no positive, or no negative, contributes 0.
+
+    Eq. 4's margin is 1, sized for raw inner products; a model that normalises scores by cosine,
+    in [-1, 1], where 1 is never met, so every pair keeps pulling at full strength, may want less.
     """
     if scores.shape != positive.shape:
         raise ValueError(f"scores {tuple(scores.shape)} and positive mask {tuple(positive.shape)} differ in shape")
     positive = positive.bool()
-    # margins[r, i, j] = 1 - (s_ri - s_rj); only (positive i, negative j) pairs count.
-    margins = 1.0 - (scores.unsqueeze(2) - scores.unsqueeze(1))
+    # margins[r, i, j] = margin - (s_ri - s_rj); only (positive i, negative j) pairs count.
+    margins = margin - (scores.unsqueeze(2) - scores.unsqueeze(1))
     pairs = positive.unsqueeze(2) & ~positive.unsqueeze(1)
     hinge = margins.clamp(min=0.0) * pairs
     return (hinge.sum(dim=(1, 2)) / scores.shape[1]).mean()

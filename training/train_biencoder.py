@@ -33,13 +33,15 @@ from training.trainer import add_negatives_arguments, add_training_arguments, lo
 class BiEncoderTrainee:
     """A BiEncoder whose weights are being fine-tuned; scores keep its pooling and normalisation."""
 
-    def __init__(self, encoder: BiEncoder, data: Collection, batch_size: int, negatives: int, seed: int) -> None:
+    def __init__(self, encoder: BiEncoder, data: Collection, batch_size: int, negatives: int, seed: int,
+                 margin: float = 1.0) -> None:
         self.encoder = encoder
         self.model = encoder.model
         self.data = data
         self.batch_size = batch_size
         self.negatives = negatives
         self.seed = seed
+        self.margin = margin
 
     def scores(self, queries: list[str], passages: list[str]) -> torch.Tensor:
         """Rel(q, p) for every query and passage, eq. 3, with gradients."""
@@ -63,7 +65,7 @@ class BiEncoderTrainee:
             candidates += [pid for qid in qids for pid in self.data.sample_negatives(qid, self.negatives, rng)]
         positive = in_batch_positives(qids, candidates, self.data.positives).to(self.encoder.device)
         scores = self.scores([self.data.queries[qid] for qid in qids], [self.data.passages[p] for p in candidates])
-        return multilabel_margin_loss(scores, positive)
+        return multilabel_margin_loss(scores, positive, self.margin)
 
     def save(self, folder: Path) -> None:
         self.encoder.save(folder)
@@ -83,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", type=Path, default=None, help="starting checkpoint (default: the packaged MiniLM)")
     parser.add_argument("--query-max-tokens", type=int, help="default: the model's own maximum (RepBERT: 20)")
     parser.add_argument("--passage-max-tokens", type=int, help="default: the model's own maximum (RepBERT: 256)")
+    parser.add_argument("--margin", type=float, default=1.0,
+                        help="the hinge's margin (eq. 4: 1, for raw inner products; a cosine model such as "
+                        "MiniLM, whose scores lie in [-1, 1], trains better with a smaller one, e.g. 0.1)")
     add_negatives_arguments(parser, 0, "mined hard negatives per pair beside the in-batch ones (default 0)")
     add_training_arguments(parser, lr=3e-6, batch_size=32, pairs="query, passage")
     return parser
@@ -91,6 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _build(args: argparse.Namespace, start: Path | None):
     if args.negatives < 0:
         raise TrainingDataError(f"--negatives must be >= 0, got {args.negatives}")
+    if not 0 < args.margin < float("inf"):
+        raise TrainingDataError(f"--margin must be a positive number, got {args.margin}")
     data = load_training_data(args)
     model = start or args.model or default_model_path()
     encoder = BiEncoder(
@@ -102,7 +109,8 @@ def _build(args: argparse.Namespace, start: Path | None):
         fp16=False,
     )
     about = {"model": "biencoder", "started_from": str(args.model or default_model_path()), "pairs": len(data.pairs)}
-    return BiEncoderTrainee(encoder, data, args.batch_size, args.negatives, args.seed), about
+    about["margin"] = args.margin
+    return BiEncoderTrainee(encoder, data, args.batch_size, args.negatives, args.seed, args.margin), about
 
 
 def main(argv: list[str] | None = None) -> int:
