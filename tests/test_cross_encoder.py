@@ -107,8 +107,8 @@ def test_multilabel_margin_loss_equals_eq_4_by_hand_and_torch():
     assert loss.item() == pytest.approx(0.55, abs=1e-6)
     targets = torch.tensor([[0, 2, -1], [1, -1, -1]])  # torch's format: positive indices, -1 ends the list
     assert loss.item() == pytest.approx(torch.nn.MultiLabelMarginLoss()(scores, targets).item(), abs=1e-6)
-    # margin 0.5: row 0 keeps only 0.5 - (0.5 - 1.5) = 1.5, row 1 nothing (both gaps exceed 0.4): 1.5 / 3 / 2
-    assert multilabel_margin_loss(scores, positive, margin=0.5).item() == pytest.approx(0.25, abs=1e-6)
+    # margin 0.5: row 0 keeps 0.5 - (0.5 - 1.5) = 1.5 (its gap of 0.5 is met), row 1 keeps 0.5 - 0.4 = 0.1 only
+    assert multilabel_margin_loss(scores, positive, margin=0.5).item() == pytest.approx((1.5 / 3 + 0.1 / 3) / 2, abs=1e-6)
 
 
 def test_cross_entropy_equals_eq_1_by_hand_for_two_label_and_one_logit_heads():
