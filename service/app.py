@@ -9,7 +9,7 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
-from fastapi import Depends, FastAPI, HTTPException, Response
+from fastapi import Depends, FastAPI, HTTPException, Request, Response
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
@@ -17,6 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic_core import to_json
 
 from service import errors, limits
+from service.admission import Admission, Occupancy
 from service.batcher import MicroBatcher
 from service.engine import ReloadError, SearchEngine
 from service.monitoring import Monitor
@@ -48,8 +49,12 @@ class _Runtime:
         self.monitor = Monitor(settings.stats_window)
         self.batcher = MicroBatcher(
             self._search_batch, self.executor, settings.microbatch_window_ms / 1000, settings.microbatch_max,
-            on_batch=self.monitor.observe_batch,
+            on_batch=self.monitor.observe_batch, max_tokens=settings.max_batch_tokens,
+            on_drop=self.monitor.dropped.inc,
         )
+        self.occupancy = Occupancy(settings.max_concurrent_requests)
+        self.monitor.queued.set_function(lambda: self.batcher.waiting)
+        self.monitor.in_flight.set_function(lambda: self.occupancy.in_flight)
         self.reload_lock = asyncio.Lock()
 
     def _search_batch(self, queries, k, **retrieval):
@@ -125,6 +130,27 @@ def plan(settings: ServiceSettings, engine: SearchEngine, request: SearchRequest
     return retrieval
 
 
+async def _disconnect(receive) -> None:
+    """Returns once the client has gone (read after the body: the server then reports only that)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_gone(http: Request, work):
+    """`work`'s result, or None when the client disconnects first: `work` is cancelled then, so a
+    request still queued for the model is dropped before it reaches it."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnect(http.receive))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    return None
+
+
 def _json(body: dict) -> Response:
     """`body` serialised once, in Rust (hits are `Hit` dataclasses, the shape of `SearchHit`). Returning
     a model instead makes FastAPI validate every passage again before serialising it. The declared
@@ -169,6 +195,16 @@ def create_app(settings: ServiceSettings | None = None, engine: SearchEngine | N
     # Without a key the spec declares no security scheme, since none is enforced.
     protected = [Depends(require_key)] if settings.api_key is not None else []
 
+    def responses(errors: dict[int, str] | None = None, search: bool = False) -> dict:
+        """The error answers a route may give, for the spec (422 FastAPI adds itself)."""
+        described = {503: "the index is loading, or failed to load", **(errors or {})}
+        if settings.api_key is not None:
+            described[401] = "missing or wrong API key"
+        if search:
+            described[408] = "the request body stopped arriving (SEARCH_READ_TIMEOUT_S)"
+            described[429] = "overloaded: retry after the Retry-After header's seconds (SEARCH_MAX_CONCURRENT_REQUESTS)"
+        return {status: {"description": text} for status, text in sorted(described.items())}
+
     if not docs_open:
         @app.get("/openapi.json", include_in_schema=False, dependencies=protected)
         async def openapi() -> JSONResponse:
@@ -195,18 +231,18 @@ def create_app(settings: ServiceSettings | None = None, engine: SearchEngine | N
         return Status(status="ready", index=IndexInfo(**runtime.engine.describe()))
 
     @app.post("/search", response_model=SearchResponse, dependencies=protected,
-              responses={400: {"description": "rerank without a reranker, or a mode the index lacks"},
-                         503: {"description": "loading"}})
-    async def search(request: SearchRequest) -> Response:
+              responses=responses({400: "rerank without a reranker, or a mode the index lacks"}, search=True))
+    async def search(request: SearchRequest, http: Request) -> Response:
         limits.check_query(settings, request.query)
         limits.check_k(settings, request.k)
         engine = runtime.ready_engine()
-        if not request.truncate:
-            encoder = engine.searcher.encoder
-            limits.check_tokens(encoder.spec.query_max_tokens, encoder.query_tokens(request.query))
+        tokens = limits.query_tokens(engine.searcher.encoder, request.query, request.truncate)
         retrieval = plan(settings, engine, request)
         if settings.microbatch:
-            result = await runtime.batcher.search(request.query, request.k, **retrieval)
+            result = await unless_gone(http, runtime.batcher.search(request.query, request.k, tokens=tokens,
+                                                                    **retrieval))
+            if result is None:
+                return Response(status_code=499)  # nginx's "client closed request": nobody reads it
         else:
             call = functools.partial(engine.search, request.query, request.k, **retrieval)
             result = await asyncio.get_running_loop().run_in_executor(runtime.executor, call)
@@ -215,15 +251,14 @@ def create_app(settings: ServiceSettings | None = None, engine: SearchEngine | N
                       "latency_ms": result.timings.as_dict()})
 
     @app.post("/search/batch", response_model=BatchSearchResponse, dependencies=protected,
-              responses={400: {"description": "a mode the index lacks"}, 503: {"description": "loading"}})
+              responses=responses({400: "a mode the index lacks"}, search=True))
     async def search_batch(request: BatchSearchRequest) -> Response:
         limits.check_batch(settings, request.queries)
         limits.check_k(settings, request.k)
         engine = runtime.ready_engine()
-        if not request.truncate:
-            encoder = engine.searcher.encoder
-            for position, query in enumerate(request.queries):
-                limits.check_tokens(encoder.spec.query_max_tokens, encoder.query_tokens(query), ("queries", position))
+        tokens = [limits.query_tokens(engine.searcher.encoder, query, request.truncate, ("queries", position))
+                  for position, query in enumerate(request.queries)]
+        limits.check_batch_tokens(settings, sum(tokens))
         retrieval = plan(settings, engine, request)
         call = functools.partial(engine.search_batch, request.queries, request.k, **retrieval)
         results = await asyncio.get_running_loop().run_in_executor(runtime.executor, call)
@@ -234,17 +269,17 @@ def create_app(settings: ServiceSettings | None = None, engine: SearchEngine | N
                       "score_kind": results[0].score_kind, "latency_ms": results[0].timings.as_dict()})
 
     @app.get("/metrics", dependencies=protected, response_class=Response,
-             responses={200: {"content": {CONTENT_TYPE_LATEST: {}}, "description": "Prometheus text format"}})
+             responses={200: {"content": {CONTENT_TYPE_LATEST: {}}, "description": "Prometheus text format"},
+                        **({401: {"description": "missing or wrong API key"}} if settings.api_key else {})})
     async def metrics() -> Response:
         return Response(runtime.monitor.exposition(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/stats", response_model=Stats, dependencies=protected, responses={503: {"description": "loading"}})
+    @app.get("/stats", response_model=Stats, dependencies=protected, responses=responses())
     async def stats() -> Stats:
         engine = runtime.ready_engine()
         return Stats(**runtime.monitor.stats(), index=IndexInfo(**engine.describe()))
 
-    @app.post("/admin/reload", response_model=IndexInfo, dependencies=protected,
-              responses={503: {"description": "loading"}})
+    @app.post("/admin/reload", response_model=IndexInfo, dependencies=protected, responses=responses())
     async def reload(request: ReloadRequest) -> IndexInfo:
         engine = runtime.ready_engine()
         root = settings.reload_root
@@ -263,6 +298,9 @@ def create_app(settings: ServiceSettings | None = None, engine: SearchEngine | N
         return IndexInfo(**engine.describe())
 
     errors.install(app)
-    app.add_middleware(limits.BodySizeLimit, max_bytes=settings.body_limit)
+    app.add_middleware(limits.BodyLimits, max_bytes=settings.body_limit, timeout_s=settings.read_timeout_s)
+    # Outside the body limits: an overloaded service refuses before reading a byte of the body.
+    app.add_middleware(Admission, occupancy=runtime.occupancy, retry_after_s=settings.retry_after_s,
+                       on_reject=runtime.monitor.rejected.inc)
     app.add_middleware(_RequestCounter, monitor=runtime.monitor, paths={r.path for r in app.routes})
     return app

@@ -20,9 +20,10 @@ class _Pending:
     query: str
     k: int
     retrieval: tuple[tuple[str, str], ...]  # sorted (name, value) pairs: requests fuse only with their like
-    future: asyncio.Future
+    future: asyncio.Future  # cancelled when its client has gone: dropped before it reaches the model
     arrived: float
     behind: bool  # arrived while the model was running a batch
+    tokens: int  # its share of the batch token budget
 
 
 class MicroBatcher:
@@ -31,29 +32,42 @@ class MicroBatcher:
     would only idle the model. A request that finds no other waiting waits `window_s` for company
     only while traffic overlaps (the last batch was shared, or its request had queued): one client
     at a time pays it at most once, right after overlapping traffic, and a burst's first request
-    goes while the rest queue."""
+    goes while the rest queue.
+
+    A batch holds at most `max_batch` requests and `max_tokens` query tokens (one request over the
+    budget runs alone); the request that would overflow it heads the next batch. A request whose
+    caller cancelled it (its client disconnected) is dropped from the queue unrun, and counted by
+    `on_drop`."""
 
     def __init__(
         self, run_batch: RunBatch, executor: Executor, window_s: float, max_batch: int,
-        on_batch: Callable[[int], None] = lambda size: None,
+        on_batch: Callable[[int], None] = lambda size: None, max_tokens: int | None = None,
+        on_drop: Callable[[], None] = lambda: None,
     ) -> None:
         self._run_batch, self._executor = run_batch, executor
         self._window_s, self._max_batch, self._on_batch = window_s, max_batch, on_batch
+        self._max_tokens, self._on_drop = max_tokens, on_drop
         self._queue: asyncio.Queue[_Pending] | None = None
+        self._held: _Pending | None = None  # took from the queue, but over the last batch's budget
         self._worker: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._running = False  # a batch is on the model now
         self._overlapping = False  # did the last batch show concurrent traffic?
 
-    async def search(self, query: str, k: int, **retrieval: str) -> SearchResult:
+    @property
+    def waiting(self) -> int:
+        """Requests queued for the model (not yet in a running batch)."""
+        return (self._queue.qsize() if self._queue is not None else 0) + (self._held is not None)
+
+    async def search(self, query: str, k: int, *, tokens: int = 1, **retrieval: str) -> SearchResult:
         loop = asyncio.get_running_loop()
         if self._loop is not loop:  # first use, or a new event loop (test clients start one per session)
-            self._loop, self._queue = loop, asyncio.Queue()
+            self._loop, self._queue, self._held = loop, asyncio.Queue(), None
             self._running = self._overlapping = False
             self._worker = loop.create_task(self._serve())
         future = asyncio.get_running_loop().create_future()
         retrieval_key = tuple(sorted(retrieval.items()))
-        await self._queue.put(_Pending(query, k, retrieval_key, future, time.perf_counter(), self._running))
+        await self._queue.put(_Pending(query, k, retrieval_key, future, time.perf_counter(), self._running, tokens))
         return await future
 
     async def close(self) -> None:
@@ -62,15 +76,32 @@ class MicroBatcher:
             await asyncio.gather(self._worker, return_exceptions=True)
             self._worker = None
 
+    async def _next(self) -> _Pending:
+        """The next request whose caller still waits for it."""
+        while True:
+            item, self._held = self._held or await self._queue.get(), None
+            if not item.future.cancelled():
+                return item
+            self._on_drop()
+
     async def _collect(self) -> list[_Pending]:
-        """The first waiting request, plus the others waiting (up to max_batch); when it is alone
-        while traffic overlaps, plus whatever arrives within the window. Sleeping then draining,
+        """The first waiting request, plus the others waiting (up to max_batch and max_tokens); when it
+        is alone while traffic overlaps, plus whatever arrives within the window. Sleeping then draining,
         rather than a timed get, can never drop a request on a timeout race."""
-        batch = [await self._queue.get()]
+        batch = [await self._next()]
+        tokens = batch[0].tokens
         if self._window_s > 0 and self._max_batch > 1 and self._overlapping and self._queue.empty():
             await asyncio.sleep(self._window_s)
         while len(batch) < self._max_batch and not self._queue.empty():
-            batch.append(self._queue.get_nowait())
+            item = self._queue.get_nowait()
+            if item.future.cancelled():
+                self._on_drop()
+                continue
+            if self._max_tokens is not None and tokens + item.tokens > self._max_tokens:
+                self._held = item
+                break
+            batch.append(item)
+            tokens += item.tokens
         self._overlapping = len(batch) > 1 or batch[0].behind
         return batch
 
@@ -94,7 +125,8 @@ class MicroBatcher:
             self._running = False
             if len(batch) > 1:  # one request must not fail its neighbours: run each alone, so only it fails
                 for item in batch:
-                    await self._run([item], retrieval)
+                    if not item.future.done():
+                        await self._run([item], retrieval)
                 return
             if not batch[0].future.done():
                 batch[0].future.set_exception(error)

@@ -3,10 +3,11 @@ naming the field, the limit and the environment variable that sets it."""
 
 from __future__ import annotations
 
-import json
+import asyncio
 
 from fastapi.exceptions import RequestValidationError
 
+from service.admission import send_json
 from service.settings import ServiceSettings
 
 
@@ -47,6 +48,22 @@ def check_tokens(limit: int, tokens: int, field: tuple = ("query",)) -> None:
         )
 
 
+def query_tokens(encoder, query: str, truncate: bool, field: tuple = ("query",)) -> int:
+    """The tokens `query` takes in a forward pass (at most the query token limit); with `truncate`
+    false, a query over the limit is refused instead of cut."""
+    limit = encoder.spec.query_max_tokens
+    tokens = encoder.query_tokens(query)
+    if not truncate:
+        check_tokens(limit, tokens, field)
+    return min(tokens, limit)
+
+
+def check_batch_tokens(settings: ServiceSettings, tokens: int) -> None:
+    if tokens > settings.max_batch_tokens:
+        raise refuse(("queries",), f"the queries are {tokens} tokens in all, over the max_batch_tokens limit of "
+                                   f"{settings.max_batch_tokens} (SEARCH_MAX_BATCH_TOKENS): send fewer at a time")
+
+
 def check_k(settings: ServiceSettings, k: int) -> None:
     if k > settings.max_k:
         raise refuse(("k",), f"k={k} is over the max_k limit of {settings.max_k} (SEARCH_MAX_K)", k)
@@ -68,26 +85,40 @@ class _TooLarge(BaseException):
     reads a body into 400 "error parsing the body", and the limit's answer is a 422."""
 
 
-class BodySizeLimit:
-    """ASGI middleware: a body over `max_bytes` (declared or streamed) gets 422 before any parsing."""
+class _TooSlow(BaseException):
+    """Raised from `receive` when the body stops arriving (see _TooLarge for why not an Exception)."""
 
-    def __init__(self, app, max_bytes: int) -> None:
-        self.app, self.max_bytes = app, max_bytes
+
+class BodyLimits:
+    """ASGI middleware: a body over `max_bytes` (declared or streamed) gets 422 before any parsing; a
+    body whose next part takes more than `timeout_s` to arrive gets 408, so a half-sent request does
+    not hold the service forever. Reading for a disconnect after the body is not timed."""
+
+    def __init__(self, app, max_bytes: int, timeout_s: float) -> None:
+        self.app, self.max_bytes, self.timeout_s = app, max_bytes, timeout_s
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            return await self._refuse(send)
+            return await self._refuse(send, 422, f"request body is over the max_body_bytes limit of "
+                                                 f"{self.max_bytes} bytes (SEARCH_MAX_BODY_BYTES)")
         received = 0
+        body_done = False
         started = False
 
         async def counted_receive():
-            nonlocal received
-            message = await receive()
+            nonlocal received, body_done
+            if body_done:
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), self.timeout_s)
+            except asyncio.TimeoutError:
+                raise _TooSlow from None
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
+                body_done = not message.get("more_body", False)
                 if received > self.max_bytes:
                     raise _TooLarge
             return message
@@ -101,13 +132,14 @@ class BodySizeLimit:
             await self.app(scope, counted_receive, tracked_send)
         except _TooLarge:
             if not started:
-                await self._refuse(send)
+                await self._refuse(send, 422, f"request body is over the max_body_bytes limit of "
+                                              f"{self.max_bytes} bytes (SEARCH_MAX_BODY_BYTES)")
+        except _TooSlow:
+            if not started:
+                await self._refuse(send, 408, f"request body not received: no part of it arrived within "
+                                              f"{self.timeout_s:g} s, the read_timeout_s limit (SEARCH_READ_TIMEOUT_S)")
 
-    async def _refuse(self, send) -> None:
-        body = json.dumps({"detail": [{
-            "type": "limit", "loc": ["body"], "input": None,
-            "msg": f"request body is over the max_body_bytes limit of {self.max_bytes} bytes (SEARCH_MAX_BODY_BYTES)",
-        }]}).encode()
-        await send({"type": "http.response.start", "status": 422,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
-        await send({"type": "http.response.body", "body": body})
+    @staticmethod
+    async def _refuse(send, status: int, message: str) -> None:
+        detail = message if status != 422 else [{"type": "limit", "loc": ["body"], "input": None, "msg": message}]
+        await send_json(send, status, {"detail": detail})

@@ -6,7 +6,7 @@ import threading
 from collections import deque
 
 import numpy as np
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from service.engine import STAGES, StageTimings
 
@@ -37,6 +37,17 @@ class Monitor:
         self.batch_size = Histogram(
             "search_batch_size", "Queries per encoder forward pass", buckets=BATCH_BUCKETS, registry=self.registry
         )
+        self.rejected = Counter(
+            "search_rejected_requests", "Search requests refused with 429: the service was at its concurrency cap",
+            registry=self.registry,
+        )
+        self.dropped = Counter(
+            "search_dropped_requests", "Queued search requests dropped unrun because their client disconnected",
+            registry=self.registry,
+        )
+        self.queued = Gauge("search_queue_size", "Search requests waiting for the model", registry=self.registry)
+        self.in_flight = Gauge("search_in_flight_requests", "Search requests in the service (queued or running)",
+                               registry=self.registry)
         # Children looked up once: `labels()` on every request is a locked dict lookup per stage.
         self._stage_children = {stage: self.stage_seconds.labels(stage=stage) for stage in STAGES}
         self._window = {stage: deque(maxlen=window) for stage in STAGES}

@@ -37,6 +37,19 @@ class ServiceSettings(BaseSettings):
     api_key: SecretStr | None = Field(None, description="bearer key for every route but /health and /ready")
     open_docs: bool = Field(False, description="with a key: serve /docs, /redoc and /openapi.json without it")
 
+    max_concurrent_requests: int = Field(
+        512, ge=1, description="search requests in the service at once (queued or running); past it, 429 at once "
+        "with Retry-After (text-embeddings-inference's max_concurrent_requests)",
+    )
+    retry_after_s: int = Field(1, ge=0, description="the Retry-After of a 429, in seconds")
+    max_batch_tokens: int = Field(
+        16_384, ge=1, description="most query tokens in one forward pass: a micro-batch stops short of it, and a "
+        "/search/batch over it is refused (text-embeddings-inference's max_batch_tokens)",
+    )
+    read_timeout_s: float = Field(
+        10.0, gt=0, description="longest wait for a request's head, and for each part of its body (408)",
+    )
+
     microbatch: bool = Field(True, description="fuse concurrent /search requests into one forward pass")
     microbatch_window_ms: float = Field(
         2.0, ge=0, description="how long a lone request waits for others to join, while traffic overlaps"

@@ -1,0 +1,173 @@
+"""Overload and soak: does the service refuse what it cannot take, quickly, and stay healthy?
+
+    python bench/overload.py [--index indexes/demo] [--cap 64] [--clients 1000] [--seconds 20]
+                             [--soak-clients 64] [--soak-seconds 120] [--device cpu]
+
+Starts `python -m service` with SEARCH_MAX_CONCURRENT_REQUESTS=--cap, then:
+1. at the cap: `--cap` clients for `--seconds`, the service's own p99 when full;
+2. overload: `--clients` clients for `--seconds` (each posts /search again as soon as it is answered,
+   429 or not), with one more client polling /health every 50 ms: the share answered 429 and their
+   p50/p99, the accepted requests' p99 against the p99 at the cap, /health's p99, answers other than
+   200 and 429, and the server's RSS before and after;
+3. soak: `--soak-clients` clients for `--soak-seconds`, RSS sampled every 10 s.
+Goals (issue 14): 429 p99 < 50 ms, accepted p99 < 3x the p99 at the cap, /health p99 < 100 ms,
+0 errors other than 429; soak: 0 errors, RSS flat. The clients run in this process on the same
+machine as the server, so on a small host they take a share of its CPU (printed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.load import QUERIES, Server, own_cpu_seconds  # noqa: E402
+from index_builder.build import BuildOptions, build_index  # noqa: E402
+from models.encoder import BiEncoder  # noqa: E402
+
+
+@dataclass
+class Answers:
+    """Every answer of one phase: latencies by status, and failures without a status."""
+
+    by_status: dict[int, list[float]] = field(default_factory=dict)
+    failures: Counter = field(default_factory=Counter)  # exception name -> count
+    seconds: float = 0.0
+
+    def add(self, status: int, ms: float) -> None:
+        self.by_status.setdefault(status, []).append(ms)
+
+    def count(self, *statuses: int) -> int:
+        return sum(len(self.by_status.get(status, [])) for status in statuses)
+
+    def total(self) -> int:
+        return sum(len(values) for values in self.by_status.values()) + sum(self.failures.values())
+
+    def errors(self) -> int:
+        """Answers other than 200 and 429, and requests that got no answer."""
+        return self.total() - self.count(200, 429)
+
+    def p(self, status: int, q: float) -> float:
+        values = self.by_status.get(status)
+        return float(np.percentile(values, q)) if values else float("nan")
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+async def drive(base: str, clients: int, seconds: float, k: int = 10, health: Answers | None = None) -> Answers:
+    """`clients` concurrent /search loops for `seconds` (connections opened before the clock starts);
+    with `health`, a /health poll every 50 ms alongside."""
+    answers = Answers()
+    limits = httpx.Limits(max_connections=clients + 1, max_keepalive_connections=clients + 1)
+    async with httpx.AsyncClient(base_url=base, timeout=60, limits=limits, trust_env=False) as http:
+        await asyncio.gather(*(http.get("/health") for _ in range(clients)))  # open the connections
+        deadline = time.perf_counter() + seconds
+
+        async def searcher(number: int) -> None:
+            i = number
+            while time.perf_counter() < deadline:
+                started = time.perf_counter()
+                try:
+                    response = await http.post("/search", json={"query": QUERIES[i % len(QUERIES)], "k": k})
+                    answers.add(response.status_code, 1000 * (time.perf_counter() - started))
+                except httpx.HTTPError as error:
+                    answers.failures[type(error).__name__] += 1
+                i += clients
+
+        async def prober() -> None:
+            while time.perf_counter() < deadline:
+                started = time.perf_counter()
+                try:
+                    response = await http.get("/health")
+                    health.add(response.status_code, 1000 * (time.perf_counter() - started))
+                except httpx.HTTPError as error:
+                    health.failures[type(error).__name__] += 1
+                await asyncio.sleep(0.05)
+
+        started = time.perf_counter()
+        await asyncio.gather(*(searcher(n) for n in range(clients)), *([prober()] if health is not None else []))
+        answers.seconds = time.perf_counter() - started
+    return answers
+
+
+async def soak(base: str, pid: int, clients: int, seconds: float) -> tuple[Answers, list[float]]:
+    """`clients` loops for `seconds` in 10 s slices, the server's RSS after each."""
+    total, rss = Answers(), [rss_mib(pid)]
+    remaining = seconds
+    while remaining > 0:
+        part = await drive(base, clients, min(10.0, remaining))
+        for status, values in part.by_status.items():
+            total.by_status.setdefault(status, []).extend(values)
+        total.failures.update(part.failures)
+        total.seconds += part.seconds
+        rss.append(rss_mib(pid))
+        remaining -= 10.0
+    return total, rss
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--index", type=Path, default=ROOT / "indexes/demo")
+    parser.add_argument("--cap", type=int, default=64)
+    parser.add_argument("--clients", type=int, default=1000)
+    parser.add_argument("--seconds", type=float, default=20.0)
+    parser.add_argument("--soak-clients", type=int, default=64)
+    parser.add_argument("--soak-seconds", type=float, default=120.0)
+    parser.add_argument("--device", default="cpu")
+    args = parser.parse_args(argv)
+    for name in ("cap", "clients", "soak_clients", "seconds", "soak_seconds"):
+        if getattr(args, name) < (0 if name == "soak_seconds" else 1):
+            parser.exit(2, f"error: --{name.replace('_', '-')} must be positive, got {getattr(args, name)}\n")
+    if not (args.index / "manifest.json").exists():
+        build_index(BuildOptions(corpus=ROOT / "data/demo/corpus.tsv", out=args.index, bm25=True),
+                    BiEncoder(device=args.device))
+
+    with Server(args.index, args.device, max_concurrent_requests=str(args.cap)) as server:
+        pid = server.process.pid
+        asyncio.run(drive(server.base, args.cap, 2))  # warm-up
+        rss_before = rss_mib(pid)
+        at_cap = asyncio.run(drive(server.base, args.cap, args.seconds))
+        health = Answers()
+        cpu = own_cpu_seconds()
+        over = asyncio.run(drive(server.base, args.clients, args.seconds, health=health))
+        client_cpu = own_cpu_seconds() - cpu
+        rss_after = rss_mib(pid)
+        soaked, rss = asyncio.run(soak(server.base, pid, args.soak_clients, args.soak_seconds)) \
+            if args.soak_seconds > 0 else (Answers(), [])
+
+    accepted_p99, cap_p99 = over.p(200, 99), at_cap.p(200, 99)
+    print(f"at the cap ({args.cap} clients, {args.seconds:g} s): {at_cap.count(200)} answered, "
+          f"{at_cap.count(200) / at_cap.seconds:.1f}/s, p50 {at_cap.p(200, 50):.1f} ms, p99 {cap_p99:.1f} ms, "
+          f"{at_cap.count(429)} x 429, {at_cap.errors()} errors")
+    print(f"overload ({args.clients} clients, {args.seconds:g} s): {over.total()} requests, "
+          f"{over.count(429) / max(over.total(), 1):.1%} answered 429 (p50 {over.p(429, 50):.1f} ms, "
+          f"p99 {over.p(429, 99):.1f} ms), {over.count(200)} accepted ({over.count(200) / over.seconds:.1f}/s, "
+          f"p50 {over.p(200, 50):.1f} ms, p99 {accepted_p99:.1f} ms = {accepted_p99 / cap_p99:.2f}x the cap's), "
+          f"/health p99 {health.p(200, 99):.1f} ms over {health.count(200)} polls, "
+          f"{over.errors() + health.errors()} errors {dict(over.failures + health.failures) or ''}".rstrip())
+    print(f"server RSS {rss_before:.0f} MiB before overload, {rss_after:.0f} MiB after; "
+          f"the clients used {client_cpu:.1f} CPU s in {over.seconds:.1f} s")
+    if rss:
+        print(f"soak ({args.soak_clients} clients, {soaked.seconds:.0f} s): {soaked.count(200)} answered, "
+              f"p99 {soaked.p(200, 99):.1f} ms, {soaked.errors() + soaked.count(429)} errors; RSS MiB every 10 s: "
+              + " ".join(f"{value:.0f}" for value in rss))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,191 @@
+"""Admission control on a real uvicorn server: past the cap a search is refused at once with 429 and
+Retry-After; a queued request whose client has gone never reaches the model; half-sent heads and
+bodies do not hold the service; a micro-batch keeps to its token budget."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+
+import httpx
+import pytest
+import uvicorn
+
+from service.admission import header_timeout_protocol
+from service.app import create_app
+from service.batcher import MicroBatcher
+from tests.test_service import call, one, settings_for
+
+READ_TIMEOUT_S = 0.5
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextmanager
+def serving(small_index, engine, **overrides):
+    """The app on a loopback port, served by uvicorn as `python -m service` serves it."""
+    settings = settings_for(small_index, read_timeout_s=READ_TIMEOUT_S, **overrides)
+    app = create_app(settings, engine)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                           http=header_timeout_protocol(READ_TIMEOUT_S)))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        wait_until(lambda: server.started)
+        yield app, f"http://127.0.0.1:{port}", port
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+def wait_until(condition, seconds: float = 10.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.01)
+
+
+def send_search(port: int, query: str) -> socket.socket:
+    """A /search sent whole on its own connection, its answer left unread."""
+    body = json.dumps({"query": query, "k": 3}).encode()
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.sendall(b"POST /search HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    return sock
+
+
+def metric(base: str, name: str) -> float:
+    for line in httpx.get(f"{base}/metrics", trust_env=False).text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
+@contextmanager
+def model_busy(app):
+    """Holds the model thread until the block ends, as a long batch would."""
+    gate = threading.Event()
+    app.state.runtime.executor.submit(gate.wait)
+    try:
+        yield
+    finally:
+        gate.set()
+
+
+def test_past_the_concurrency_cap_a_search_is_refused_at_once_with_retry_after(small_index, engine, demo_queries):
+    with serving(small_index, engine, max_concurrent_requests=1) as (app, base, port):
+        with model_busy(app):
+            first = send_search(port, demo_queries["q0001"])
+            wait_until(lambda: app.state.runtime.occupancy.in_flight == 1)
+            assert metric(base, "search_in_flight_requests") == 1
+            started = time.perf_counter()
+            refused = httpx.post(f"{base}/search", json={"query": demo_queries["q0002"]}, trust_env=False)
+            assert time.perf_counter() - started < 2  # not queued behind the busy model
+        assert refused.status_code == 429
+        assert refused.headers["retry-after"] == "1"
+        assert "SEARCH_MAX_CONCURRENT_REQUESTS" in refused.json()["detail"]
+        first.settimeout(60)
+        assert first.recv(64).startswith(b"HTTP/1.1 200")
+        first.close()
+        assert metric(base, "search_rejected_requests_total") == 1
+        wait_until(lambda: app.state.runtime.occupancy.in_flight == 0)
+        assert httpx.post(f"{base}/search", json={"query": demo_queries["q0002"]}, trust_env=False).status_code == 200
+
+
+def test_a_queued_request_whose_client_has_gone_never_reaches_the_model(small_index, engine, demo_queries):
+    with serving(small_index, engine) as (app, base, port):
+        runtime = app.state.runtime
+        with model_busy(app):
+            running = send_search(port, demo_queries["q0001"])  # taken by the batcher, waits for the model
+            wait_until(lambda: runtime.occupancy.in_flight == 1 and runtime.batcher.waiting == 0)
+            gone = send_search(port, demo_queries["q0002"])  # queued behind it
+            wait_until(lambda: runtime.batcher.waiting == 1)
+            assert metric(base, "search_queue_size") == 1
+            gone.close()
+            wait_until(lambda: runtime.occupancy.in_flight == 1)  # its route has given up on it
+        running.settimeout(60)
+        assert running.recv(64).startswith(b"HTTP/1.1 200")
+        running.close()
+        wait_until(lambda: runtime.batcher.waiting == 0)
+        assert metric(base, "search_dropped_requests_total") == 1
+        assert metric(base, "search_batch_size_count") == 1  # one forward pass: the request still wanted
+
+
+def test_a_half_sent_request_head_is_closed_after_the_read_timeout(small_index, engine):
+    with serving(small_index, engine) as (app, base, port):
+        sock = socket.create_connection(("127.0.0.1", port))
+        sock.sendall(b"POST /search HTTP/1.1\r\nHost: t\r\n")  # the head never ends
+        sock.settimeout(10 * READ_TIMEOUT_S)
+        started = time.perf_counter()
+        assert sock.recv(64) == b""  # closed by the server
+        assert time.perf_counter() - started < 5 * READ_TIMEOUT_S
+        sock.close()
+        assert httpx.get(f"{base}/health", trust_env=False).status_code == 200
+
+
+def test_a_half_sent_body_is_answered_408_after_the_read_timeout(small_index, engine):
+    with serving(small_index, engine) as (app, base, port):
+        sock = socket.create_connection(("127.0.0.1", port))
+        sock.sendall(b"POST /search HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n{\"query\": ")
+        sock.settimeout(10 * READ_TIMEOUT_S)
+        answer = sock.recv(4096)
+        sock.close()
+        assert answer.startswith(b"HTTP/1.1 408")
+        assert b"SEARCH_READ_TIMEOUT_S" in answer
+
+
+def test_a_micro_batch_keeps_to_its_token_budget(engine, demo_queries):
+    sizes: list[int] = []
+    gate = threading.Event()
+
+    def held(queries, k, **retrieval):
+        gate.wait()
+        return engine.search_batch(queries, k, **retrieval)
+
+    async def scenario():
+        with ThreadPoolExecutor(max_workers=1) as executor:
+            batcher = MicroBatcher(held, executor, 0.0, max_batch=8, on_batch=sizes.append, max_tokens=10)
+            first = asyncio.create_task(batcher.search(demo_queries["q0001"], 3, tokens=6))
+            await asyncio.sleep(0.05)  # on the model
+            queued = [asyncio.create_task(batcher.search(demo_queries[q], 3, tokens=t))
+                      for q, t in (("q0002", 6), ("q0003", 6), ("q0004", 3))]
+            await asyncio.sleep(0.05)
+            gate.set()
+            await asyncio.wait_for(asyncio.gather(first, *queued), timeout=60)
+            await batcher.close()
+
+    asyncio.run(scenario())
+    assert sizes == [1, 1, 2]  # 6 | 6 (6 + 6 > 10) | 6 + 3
+
+
+def test_a_search_batch_over_the_token_budget_is_a_422_naming_the_limit(small_index, engine, demo_queries):
+    app = create_app(settings_for(small_index, max_batch_tokens=20), engine)
+    queries = [demo_queries[q] for q in ("q0001", "q0002", "q0003", "q0004")]
+    response = one(app, "POST", "/search/batch", {"queries": queries, "k": 3})
+    assert response.status_code == 422
+    problem = response.json()["detail"][0]
+    assert problem["loc"] == ["body", "queries"]
+    assert "over the max_batch_tokens limit of 20 (SEARCH_MAX_BATCH_TOKENS)" in problem["msg"]
+    assert one(app, "POST", "/search/batch", {"queries": queries[:1], "k": 3}).status_code == 200
+
+
+@pytest.mark.parametrize("key", [None, "k3y"])
+def test_the_spec_declares_every_refusal_a_search_may_get(small_index, engine, key):
+    app = create_app(settings_for(small_index, api_key=key), engine)
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    spec = call(app, ("GET", "/openapi.json", None), headers=headers)[0].json()
+    for path in ("/search", "/search/batch"):
+        declared = set(spec["paths"][path]["post"]["responses"])
+        assert {"200", "400", "408", "422", "429", "503"} <= declared
+        assert ("401" in declared) == (key is not None)
