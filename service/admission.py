@@ -9,9 +9,10 @@ connections forever (the body's timeout is in `limits.BodyLimits`)."""
 from __future__ import annotations
 
 import asyncio
-import json
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from service.errors import Overloaded, send_error
 
 SEARCH_PATHS = frozenset({"/search", "/search/batch"})
 
@@ -22,14 +23,6 @@ class Occupancy:
     def __init__(self, cap: int) -> None:
         self.cap = cap
         self.in_flight = 0
-
-
-async def send_json(send, status: int, body: dict, headers: tuple = ()) -> None:
-    """A whole JSON response from ASGI middleware, where no route or exception handler runs."""
-    payload = json.dumps(body).encode()
-    await send({"type": "http.response.start", "status": status, "headers": [
-        (b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()), *headers]})
-    await send({"type": "http.response.body", "body": payload})
 
 
 class Admission:
@@ -44,11 +37,9 @@ class Admission:
         occupancy = self.occupancy
         if occupancy.in_flight >= occupancy.cap:
             self.on_reject()
-            message = (f"overloaded: {occupancy.cap} search requests are in the service, the "
-                       f"max_concurrent_requests limit (SEARCH_MAX_CONCURRENT_REQUESTS); retry after "
-                       f"{self.retry_after_s} s")
-            return await send_json(send, 429, {"detail": message},
-                                   ((b"retry-after", str(self.retry_after_s).encode()),))
+            return await send_error(send, Overloaded(
+                f"overloaded: {occupancy.cap} search requests are in the service, the max_concurrent_requests "
+                f"limit (SEARCH_MAX_CONCURRENT_REQUESTS); retry after {self.retry_after_s} s", self.retry_after_s))
         occupancy.in_flight += 1
         try:
             await self.app(scope, receive, send)

@@ -9,7 +9,7 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
-from fastapi import Depends, FastAPI, HTTPException, Request, Response
+from fastapi import Depends, FastAPI, Request, Response
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
@@ -19,7 +19,8 @@ from pydantic_core import to_json
 from service import errors, limits
 from service.admission import Admission, Occupancy
 from service.batcher import MicroBatcher
-from service.engine import ReloadError, SearchEngine
+from service.engine import ReloadError, SearchEngine, SearchPlan
+from service.errors import NotReady, Unauthorized
 from service.monitoring import Monitor
 from service.schemas import (
     BatchSearchRequest,
@@ -48,7 +49,7 @@ class _Runtime:
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
         self.monitor = Monitor(settings.stats_window)
         self.batcher = MicroBatcher(
-            self._search_batch, self.executor, settings.microbatch_window_ms / 1000, settings.microbatch_max,
+            self._run, self.executor, settings.microbatch_window_ms / 1000, settings.microbatch_max,
             on_batch=self.monitor.observe_batch, max_tokens=settings.max_batch_tokens,
             on_drop=self.monitor.dropped.inc,
         )
@@ -57,12 +58,12 @@ class _Runtime:
         self.monitor.in_flight.set_function(lambda: self.occupancy.in_flight)
         self.reload_lock = asyncio.Lock()
 
-    def _search_batch(self, queries, k, **retrieval):
-        return self.engine.search_batch(queries, k, **retrieval)
+    def _run(self, queries, plan):
+        return self.engine.run(queries, plan)
 
     def ready_engine(self) -> SearchEngine:
         if self.engine is None:
-            raise HTTPException(503, self.load_error or "the index is still loading")
+            raise NotReady(self.load_error or "the index is still loading")
         return self.engine
 
     def load(self) -> None:
@@ -105,29 +106,12 @@ class _RequestCounter:
             self.monitor.observe_request(path if path in self.paths else "unmatched", status)
 
 
-def plan(settings: ServiceSettings, engine: SearchEngine, request: SearchRequest | BatchSearchRequest) -> dict:
-    """The engine's keyword arguments for a request: retrieval options and the rerank depth.
-    Bad values are a 422 naming the field; what this service or index cannot do is a 400."""
-    retrieval = request.retrieval()
-    if request.rerank:
-        if not engine.rerankers:
-            raise HTTPException(400, "rerank: no reranker is configured on this service (set SEARCH_RERANKERS)")
-        if request.reranker is not None and request.reranker not in engine.rerankers:
-            raise HTTPException(400, f"reranker: {request.reranker!r} is not configured here; "
-                                     f"configured: {', '.join(engine.rerankers)}")
-        retrieval["reranker"] = request.reranker or engine.default_reranker
-        depth = request.depth or max(settings.rerank_depth, request.k)
-        if depth > settings.max_rerank_depth:
-            raise limits.refuse(("depth",), f"depth={depth} is over the max_rerank_depth limit of "
-                                f"{settings.max_rerank_depth} (SEARCH_MAX_RERANK_DEPTH)", depth)
-        if depth < request.k:
-            raise limits.refuse(("depth",), f"depth={depth} is smaller than k={request.k}: rescore at least k", depth)
-        retrieval["rerank_depth"] = depth
-    try:
-        engine.searcher.check(retrieval.get("rerank_depth", request.k), **retrieval)
-    except ValueError as error:
-        raise HTTPException(400, f"mode: {error}") from None
-    return retrieval
+def plan(settings: ServiceSettings, engine: SearchEngine, request: SearchRequest | BatchSearchRequest) -> SearchPlan:
+    """The request checked once, into the plan the engine runs (OverLimit: 422, NotServable: 400)."""
+    limits.check_k(settings, request.k)
+    depth = (request.depth or max(settings.rerank_depth, request.k)) if request.rerank else None
+    return engine.plan(request.k, rerank_depth=depth, reranker=request.reranker if request.rerank else None,
+                       max_rerank_depth=settings.max_rerank_depth, **request.retrieval())
 
 
 async def _disconnect(receive) -> None:
@@ -190,7 +174,7 @@ def create_app(settings: ServiceSettings | None = None, engine: SearchEngine | N
         expected = settings.api_key.get_secret_value().encode()
         given = credentials.credentials.encode() if credentials is not None else b""
         if not hmac.compare_digest(given, expected):
-            raise HTTPException(401, "missing or wrong API key", headers={"WWW-Authenticate": "Bearer"})
+            raise Unauthorized("missing or wrong API key")
 
     # Without a key the spec declares no security scheme, since none is enforced.
     protected = [Depends(require_key)] if settings.api_key is not None else []
@@ -234,19 +218,17 @@ def create_app(settings: ServiceSettings | None = None, engine: SearchEngine | N
               responses=responses({400: "rerank without a reranker, or a mode the index lacks"}, search=True))
     async def search(request: SearchRequest, http: Request) -> Response:
         limits.check_query(settings, request.query)
-        limits.check_k(settings, request.k)
         engine = runtime.ready_engine()
         tokens = limits.query_tokens(engine.searcher.encoder, request.query, request.truncate)
-        retrieval = plan(settings, engine, request)
+        checked = plan(settings, engine, request)
         if settings.microbatch:
-            result = await unless_gone(http, runtime.batcher.search(request.query, request.k, tokens=tokens,
-                                                                    **retrieval))
+            result = await unless_gone(http, runtime.batcher.search(request.query, checked, tokens=tokens))
             if result is None:
                 return Response(status_code=499)  # nginx's "client closed request": nobody reads it
         else:
-            call = functools.partial(engine.search, request.query, request.k, **retrieval)
-            result = await asyncio.get_running_loop().run_in_executor(runtime.executor, call)
-        runtime.monitor.observe_search(result.timings, retrieval.get("reranker"))
+            call = functools.partial(engine.run, [request.query], checked)
+            result = (await asyncio.get_running_loop().run_in_executor(runtime.executor, call))[0]
+        runtime.monitor.observe_search(result.timings, checked.reranker)
         return _json({"query": request.query, "results": result.hits, "score_kind": result.score_kind,
                       "latency_ms": result.timings.as_dict()})
 
@@ -254,17 +236,16 @@ def create_app(settings: ServiceSettings | None = None, engine: SearchEngine | N
               responses=responses({400: "a mode the index lacks"}, search=True))
     async def search_batch(request: BatchSearchRequest) -> Response:
         limits.check_batch(settings, request.queries)
-        limits.check_k(settings, request.k)
         engine = runtime.ready_engine()
         tokens = [limits.query_tokens(engine.searcher.encoder, query, request.truncate, ("queries", position))
                   for position, query in enumerate(request.queries)]
         limits.check_batch_tokens(settings, sum(tokens))
-        retrieval = plan(settings, engine, request)
-        call = functools.partial(engine.search_batch, request.queries, request.k, **retrieval)
+        checked = plan(settings, engine, request)
+        call = functools.partial(engine.run, request.queries, checked)
         results = await asyncio.get_running_loop().run_in_executor(runtime.executor, call)
         runtime.monitor.observe_batch(len(results))
         for result in results:
-            runtime.monitor.observe_search(result.timings, retrieval.get("reranker"))
+            runtime.monitor.observe_search(result.timings, checked.reranker)
         return _json({"results": [{"query": r.query, "results": r.hits} for r in results],
                       "score_kind": results[0].score_kind, "latency_ms": results[0].timings.as_dict()})
 

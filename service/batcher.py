@@ -10,16 +10,15 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, replace
 from typing import Callable
 
-from service.engine import SearchResult
+from service.engine import SearchPlan, SearchResult
 
-RunBatch = Callable[..., list[SearchResult]]  # (queries, k, **retrieval) -> one result per query
+RunBatch = Callable[[list[str], SearchPlan], list[SearchResult]]  # one result per query, e.g. SearchEngine.run
 
 
 @dataclass
 class _Pending:
     query: str
-    k: int
-    retrieval: tuple[tuple[str, str], ...]  # sorted (name, value) pairs: requests fuse only with their like
+    plan: SearchPlan
     future: asyncio.Future  # cancelled when its client has gone: dropped before it reaches the model
     arrived: float
     behind: bool  # arrived while the model was running a batch
@@ -59,15 +58,16 @@ class MicroBatcher:
         """Requests queued for the model (not yet in a running batch)."""
         return (self._queue.qsize() if self._queue is not None else 0) + (self._held is not None)
 
-    async def search(self, query: str, k: int, *, tokens: int = 1, **retrieval: str) -> SearchResult:
+    async def search(self, query: str, plan: SearchPlan, *, tokens: int = 1) -> SearchResult:
+        """`query` run by `plan` (checked by SearchEngine.plan), in a batch with others of the same plan
+        but for k; `tokens`: its share of the batch token budget."""
         loop = asyncio.get_running_loop()
         if self._loop is not loop:  # first use, or a new event loop (test clients start one per session)
             self._loop, self._queue, self._held = loop, asyncio.Queue(), None
             self._running = self._overlapping = False
             self._worker = loop.create_task(self._serve())
         future = asyncio.get_running_loop().create_future()
-        retrieval_key = tuple(sorted(retrieval.items()))
-        await self._queue.put(_Pending(query, k, retrieval_key, future, time.perf_counter(), self._running, tokens))
+        await self._queue.put(_Pending(query, plan, future, time.perf_counter(), self._running, tokens))
         return await future
 
     async def close(self) -> None:
@@ -108,16 +108,17 @@ class MicroBatcher:
     async def _serve(self) -> None:
         while True:
             batch = await self._collect()
-            groups: dict[tuple, list[_Pending]] = {}
-            for item in batch:
-                groups.setdefault(item.retrieval, []).append(item)
-            for retrieval, group in groups.items():
-                await self._run(group, dict(retrieval))
+            groups: dict[SearchPlan, list[_Pending]] = {}
+            for item in batch:  # requests fuse only with their like
+                groups.setdefault(item.plan.fusing_key, []).append(item)
+            for group in groups.values():
+                await self._run(group)
 
-    async def _run(self, batch: list[_Pending], retrieval: dict[str, str]) -> None:
+    async def _run(self, batch: list[_Pending]) -> None:
         started = time.perf_counter()
-        k = max(item.k for item in batch)  # the top-k of an exact top-K (K >= k) is the exact top-k
-        call = functools.partial(self._run_batch, [item.query for item in batch], k, **retrieval)
+        # The top-k of an exact top-K (K >= k) is the exact top-k; a rerank depth is the same for all.
+        plan = replace(batch[0].plan, k=max(item.plan.k for item in batch))
+        call = functools.partial(self._run_batch, [item.query for item in batch], plan)
         self._running = True
         try:
             results = await asyncio.get_running_loop().run_in_executor(self._executor, call)
@@ -126,7 +127,7 @@ class MicroBatcher:
             if len(batch) > 1:  # one request must not fail its neighbours: run each alone, so only it fails
                 for item in batch:
                     if not item.future.done():
-                        await self._run([item], retrieval)
+                        await self._run([item])
                 return
             if not batch[0].future.done():
                 batch[0].future.set_exception(error)
@@ -138,4 +139,4 @@ class MicroBatcher:
         for item, result in zip(batch, results):
             timings = replace(result.timings, queue=1000 * (started - item.arrived), total=1000 * (finished - item.arrived))
             if not item.future.done():
-                item.future.set_result(replace(result, hits=result.hits[: item.k], timings=timings))
+                item.future.set_result(replace(result, hits=result.hits[: item.plan.k], timings=timings))

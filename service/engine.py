@@ -4,7 +4,7 @@ timings. Plain Python: the HTTP layer, tests and benchmarks all drive this same 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Sequence
 
@@ -12,6 +12,7 @@ from models.reranker import Reranker, load_reranker, reranker_kind
 from retrieval.index_format import INDEX_FILE, PASSAGES_FILE, read_manifest
 from retrieval.rerank import rerank
 from retrieval.searcher import EncoderMismatch, Hit, Searcher, encoder_for
+from service.errors import NotServable, OverLimit
 
 STAGES = ("queue", "encode", "retrieve", "rerank", "total")
 
@@ -36,6 +37,32 @@ class SearchResult:
     hits: list[Hit]
     score_kind: str  # what `Hit.score` is (see Searcher.score_kind and Reranker.score_kind)
     timings: StageTimings = field(default_factory=StageTimings)
+
+
+@dataclass(frozen=True)
+class SearchPlan:
+    """A request checked once (`SearchEngine.plan`): the engine runs it without checking again, and
+    the micro-batcher fuses requests whose plans differ in k at most (`fusing_key`)."""
+
+    k: int
+    mode: str = "dense"
+    fusion: str = "interleave"
+    lead: str = "dense"
+    rerank_depth: int | None = None  # with a reranker: passages rescored (>= k)
+    reranker: str | None = None  # a configured reranker's kind
+
+    @property
+    def depth(self) -> int:
+        """Passages retrieved: the rerank depth, or k."""
+        return self.rerank_depth or self.k
+
+    @property
+    def retrieval(self) -> dict[str, str]:
+        return {"mode": self.mode, "fusion": self.fusion, "lead": self.lead}
+
+    @property
+    def fusing_key(self) -> "SearchPlan":
+        return replace(self, k=0)
 
 
 class ReloadError(Exception):
@@ -74,29 +101,53 @@ class SearchEngine:
     def searcher(self) -> Searcher:
         return self._searcher
 
-    def search(self, query: str, k: int, **retrieval) -> SearchResult:
-        return self.search_batch([query], k, **retrieval)[0]
-
-    def search_batch(
-        self, queries: Sequence[str], k: int, rerank_depth: int | None = None, reranker: str | None = None,
-        **retrieval,
-    ) -> list[SearchResult]:
-        """All queries through one encoder forward pass and one search of each index; with
-        `rerank_depth`, the top `rerank_depth` (>= k) are rescored by `reranker` (a kind; default:
-        the first configured) and the best k kept. `retrieval`: mode, fusion, lead (see Searcher).
-        ValueError for what cannot be served."""
-        searcher = self._searcher
-        depth = self.check_rerank(k, rerank_depth, reranker)
-        searcher.check(depth, **retrieval)
-        started = time.perf_counter()
-        vectors = searcher.encode(queries) if retrieval.get("mode", "dense") != "bm25" else None
-        encoded = time.perf_counter()
-        hits = searcher.hits(searcher.rank(queries, vectors, depth, **retrieval))
-        retrieved = time.perf_counter()
-        score_kind = searcher.score_kind(**retrieval)
+    def plan(self, k: int, *, rerank_depth: int | None = None, reranker: str | None = None,
+             max_rerank_depth: int | None = None, **retrieval) -> SearchPlan:
+        """`k` hits by `retrieval` (mode, fusion, lead; see Searcher), with `rerank_depth` the top
+        `rerank_depth` (>= k, <= `max_rerank_depth`) rescored by `reranker` (a kind; default: the first
+        configured), checked once: NotServable for what this service or its index cannot do,
+        OverLimit for a value past a limit."""
         if rerank_depth is not None:
-            model = self.rerankers[reranker or self.default_reranker]
-            hits = [rerank(model, query, found, k) for query, found in zip(queries, hits)]
+            if not self.rerankers:
+                raise NotServable("rerank: no reranker is configured on this service (set SEARCH_RERANKERS)")
+            if reranker is not None and reranker not in self.rerankers:
+                raise NotServable(f"reranker: {reranker!r} is not configured here; "
+                                  f"configured: {', '.join(self.rerankers)}")
+            if max_rerank_depth is not None and rerank_depth > max_rerank_depth:
+                raise OverLimit(("depth",), f"depth={rerank_depth} is over the max_rerank_depth limit of "
+                                            f"{max_rerank_depth} (SEARCH_MAX_RERANK_DEPTH)", rerank_depth)
+            if rerank_depth < k:
+                raise OverLimit(("depth",), f"depth={rerank_depth} is smaller than k={k}: rescore at least k",
+                                rerank_depth)
+            reranker = reranker or self.default_reranker
+        plan = SearchPlan(k, rerank_depth=rerank_depth, reranker=reranker, **retrieval)
+        try:
+            self._searcher.check(plan.depth, **plan.retrieval)
+        except ValueError as error:
+            raise NotServable(f"mode: {error}") from None
+        return plan
+
+    def search(self, query: str, k: int, **options) -> SearchResult:
+        return self.search_batch([query], k, **options)[0]
+
+    def search_batch(self, queries: Sequence[str], k: int, **options) -> list[SearchResult]:
+        """`run` with the plan of `k` and `options` (see `plan`)."""
+        return self.run(queries, self.plan(k, **options))
+
+    def run(self, queries: Sequence[str], plan: SearchPlan) -> list[SearchResult]:
+        """All queries through one encoder forward pass and one search of each index, then the
+        rerank the plan asks for."""
+        searcher = self._searcher
+        started = time.perf_counter()
+        vectors = searcher.encode(queries) if plan.mode != "bm25" else None
+        encoded = time.perf_counter()
+        hits = searcher.hits(searcher.rank(queries, vectors, plan.depth, **plan.retrieval))
+        retrieved = time.perf_counter()
+        score_kind = searcher.score_kind(**plan.retrieval)
+        rerank_depth = plan.rerank_depth
+        if rerank_depth is not None:
+            model = self.rerankers[plan.reranker]
+            hits = [rerank(model, query, found, plan.k) for query, found in zip(queries, hits)]
             score_kind = model.score_kind
         reranked = time.perf_counter()
         timings = StageTimings(
@@ -110,19 +161,6 @@ class SearchEngine:
     @property
     def default_reranker(self) -> str | None:
         return next(iter(self.rerankers), None)
-
-    def check_rerank(self, k: int, rerank_depth: int | None, reranker: str | None = None) -> int:
-        """The retrieval depth for a request; ValueError when it asks a reranker that is absent or
-        a depth smaller than k."""
-        if rerank_depth is None:
-            return k
-        if not self.rerankers:
-            raise ValueError("rerank: no reranker is configured on this service")
-        if reranker is not None and reranker not in self.rerankers:
-            raise ValueError(f"reranker: {reranker!r} is not configured here; configured: {', '.join(self.rerankers)}")
-        if rerank_depth < k:
-            raise ValueError(f"rerank: depth {rerank_depth} is smaller than k {k}; rescore at least k passages")
-        return rerank_depth
 
     def warm_up(self) -> None:
         """A real query through every stage, so the first user request pays no lazy initialisation."""

@@ -1,13 +1,54 @@
-"""Errors mapped to HTTP status codes, in one place."""
+"""The service's errors and their HTTP answers, in one place.
+
+The engine, the limits and the middleware raise these domain errors; only this module knows their
+status codes and bodies, for routes (through exception handlers) and for ASGI middleware, which
+answers before any route or handler runs (`send_error`)."""
 
 from __future__ import annotations
 
+import json
 import math
 
 from fastapi import FastAPI, Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+
+
+class ServiceError(Exception):
+    """A request the service refuses; `str(error)` is the message its client reads."""
+
+
+class NotServable(ServiceError, ValueError):
+    """What this service or its index cannot do (no reranker configured, a mode the index lacks): 400."""
+
+
+class OverLimit(ServiceError, ValueError):
+    """A value past a limit, or not usable: 422 naming the field, in FastAPI's validation shape."""
+
+    def __init__(self, field: tuple, message: str, value=None) -> None:
+        super().__init__(message)
+        self.field, self.value = field, value
+
+
+class Unauthorized(ServiceError):
+    """A missing or wrong API key: 401."""
+
+
+class TimedOut(ServiceError):
+    """The request stopped arriving: 408."""
+
+
+class Overloaded(ServiceError):
+    """The service is at its concurrency cap: 429 with Retry-After."""
+
+    def __init__(self, message: str, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class NotReady(ServiceError):
+    """No index loaded yet, or loading failed: 503."""
 
 
 def _json_safe(value):
@@ -22,6 +63,34 @@ def _json_safe(value):
     return value
 
 
+def answer(error: ServiceError) -> tuple[int, dict, dict[str, str]]:
+    """Status code, JSON body and headers for `error`."""
+    if isinstance(error, OverLimit):
+        problem = {"type": "limit", "loc": ["body", *error.field], "msg": str(error), "input": error.value}
+        return 422, {"detail": _json_safe(jsonable_encoder([problem]))}, {}
+    if isinstance(error, Overloaded):
+        return 429, {"detail": str(error)}, {"Retry-After": str(error.retry_after_s)}
+    if isinstance(error, Unauthorized):
+        return 401, {"detail": str(error)}, {"WWW-Authenticate": "Bearer"}
+    status = {NotServable: 400, TimedOut: 408, NotReady: 503}[type(error)]
+    return status, {"detail": str(error)}, {}
+
+
+async def send_error(send, error: ServiceError) -> None:
+    """`error`'s whole answer from ASGI middleware."""
+    status, body, headers = answer(error)
+    payload = json.dumps(body).encode()
+    await send({"type": "http.response.start", "status": status, "headers": [
+        (b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()),
+        *((name.lower().encode(), value.encode()) for name, value in headers.items())]})
+    await send({"type": "http.response.body", "body": payload})
+
+
+async def service_error(request: Request, error: ServiceError) -> JSONResponse:
+    status, body, headers = answer(error)
+    return JSONResponse(status_code=status, content=body, headers=headers)
+
+
 async def validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
     """422 in FastAPI's own shape, `{"detail": [{"loc", "msg", "type", "input"}]}`, whatever the input held."""
     return JSONResponse(status_code=422, content={"detail": _json_safe(jsonable_encoder(error.errors()))})
@@ -29,3 +98,4 @@ async def validation_error(request: Request, error: RequestValidationError) -> J
 
 def install(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, validation_error)
+    app.add_exception_handler(ServiceError, service_error)

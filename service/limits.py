@@ -1,18 +1,16 @@
-"""Limits that are settings, refused with 422 in FastAPI's validation-error shape, each message
-naming the field, the limit and the environment variable that sets it."""
+"""Limits that are settings, checked at the edge: each refusal an OverLimit (422) naming the field,
+the limit and the environment variable that sets it."""
 
 from __future__ import annotations
 
 import asyncio
 
-from fastapi.exceptions import RequestValidationError
-
-from service.admission import send_json
+from service.errors import OverLimit, TimedOut, send_error
 from service.settings import ServiceSettings
 
 
-def refuse(field: tuple, message: str, value=None) -> RequestValidationError:
-    return RequestValidationError([{"type": "limit", "loc": ("body", *field), "msg": message, "input": value}])
+def refuse(field: tuple, message: str, value=None) -> OverLimit:
+    return OverLimit(field, message, value)
 
 
 def unencodable(text: str) -> str | None:
@@ -102,8 +100,7 @@ class BodyLimits:
             return await self.app(scope, receive, send)
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            return await self._refuse(send, 422, f"request body is over the max_body_bytes limit of "
-                                                 f"{self.max_bytes} bytes (SEARCH_MAX_BODY_BYTES)")
+            return await send_error(send, self._too_large())
         received = 0
         body_done = False
         started = False
@@ -132,14 +129,13 @@ class BodyLimits:
             await self.app(scope, counted_receive, tracked_send)
         except _TooLarge:
             if not started:
-                await self._refuse(send, 422, f"request body is over the max_body_bytes limit of "
-                                              f"{self.max_bytes} bytes (SEARCH_MAX_BODY_BYTES)")
+                await send_error(send, self._too_large())
         except _TooSlow:
             if not started:
-                await self._refuse(send, 408, f"request body not received: no part of it arrived within "
-                                              f"{self.timeout_s:g} s, the read_timeout_s limit (SEARCH_READ_TIMEOUT_S)")
+                await send_error(send, TimedOut(
+                    f"request body not received: no part of it arrived within {self.timeout_s:g} s, the "
+                    "read_timeout_s limit (SEARCH_READ_TIMEOUT_S)"))
 
-    @staticmethod
-    async def _refuse(send, status: int, message: str) -> None:
-        detail = message if status != 422 else [{"type": "limit", "loc": ["body"], "input": None, "msg": message}]
-        await send_json(send, status, {"detail": detail})
+    def _too_large(self) -> OverLimit:
+        return OverLimit((), f"request body is over the max_body_bytes limit of {self.max_bytes} bytes "
+                             "(SEARCH_MAX_BODY_BYTES)")

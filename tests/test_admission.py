@@ -149,16 +149,16 @@ def test_a_micro_batch_keeps_to_its_token_budget(engine, demo_queries):
     sizes: list[int] = []
     gate = threading.Event()
 
-    def held(queries, k, **retrieval):
+    def held(queries, plan):
         gate.wait()
-        return engine.search_batch(queries, k, **retrieval)
+        return engine.run(queries, plan)
 
     async def scenario():
         with ThreadPoolExecutor(max_workers=1) as executor:
             batcher = MicroBatcher(held, executor, 0.0, max_batch=8, on_batch=sizes.append, max_tokens=10)
-            first = asyncio.create_task(batcher.search(demo_queries["q0001"], 3, tokens=6))
+            first = asyncio.create_task(batcher.search(demo_queries["q0001"], engine.plan(3), tokens=6))
             await asyncio.sleep(0.05)  # on the model
-            queued = [asyncio.create_task(batcher.search(demo_queries[q], 3, tokens=t))
+            queued = [asyncio.create_task(batcher.search(demo_queries[q], engine.plan(3), tokens=t))
                       for q, t in (("q0002", 6), ("q0003", 6), ("q0004", 3))]
             await asyncio.sleep(0.05)
             gate.set()

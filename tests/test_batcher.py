@@ -9,26 +9,27 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 from service.batcher import MicroBatcher
+from service.engine import SearchPlan
 
 FOREVER_S = 600.0  # a window no test could sit out: any wait on it ends in the timeout below
 WINDOW_S = 1.0  # long enough that a request sent 0.2 s into it surely joins, on any machine
 
 
 def held_until(gate: threading.Event, engine):
-    """The engine's search_batch, with the model kept busy until the test opens `gate`."""
+    """The engine's run, with the model kept busy until the test opens `gate`."""
 
-    def run_batch(queries, k, **retrieval):
+    def run_batch(queries, plan):
         gate.wait(timeout=60)
-        return engine.search_batch(queries, k, **retrieval)
+        return engine.run(queries, plan)
 
     return run_batch
 
 
 async def one_then_one_behind(batcher: MicroBatcher, gate: threading.Event, demo_queries) -> None:
     """A request the model takes alone, a second that queues while it runs, then the gate opens."""
-    first = asyncio.create_task(batcher.search(demo_queries["q0001"], 3))
+    first = asyncio.create_task(batcher.search(demo_queries["q0001"], SearchPlan(3)))
     await asyncio.sleep(0.2)
-    behind = asyncio.create_task(batcher.search(demo_queries["q0002"], 3))
+    behind = asyncio.create_task(batcher.search(demo_queries["q0002"], SearchPlan(3)))
     await asyncio.sleep(0.2)
     gate.set()
     await asyncio.wait_for(asyncio.gather(first, behind), timeout=60)
@@ -36,9 +37,9 @@ async def one_then_one_behind(batcher: MicroBatcher, gate: threading.Event, demo
 
 async def lone_then_late(batcher: MicroBatcher, demo_queries) -> None:
     """A lone request, then another 0.2 s later: one batch if the first waited the window."""
-    alone = asyncio.create_task(batcher.search(demo_queries["q0003"], 3))
+    alone = asyncio.create_task(batcher.search(demo_queries["q0003"], SearchPlan(3)))
     await asyncio.sleep(0.2)
-    late = asyncio.create_task(batcher.search(demo_queries["q0004"], 3))
+    late = asyncio.create_task(batcher.search(demo_queries["q0004"], SearchPlan(3)))
     await asyncio.wait_for(asyncio.gather(alone, late), timeout=60)
 
 
@@ -51,10 +52,10 @@ def test_waiting_requests_run_together_at_once_and_never_wait_for_the_window(eng
         with ThreadPoolExecutor(max_workers=1) as executor:
             batcher = MicroBatcher(held_until(gate, engine), executor, FOREVER_S, max_batch=8, on_batch=sizes.append)
             # Two arrive together: neither is alone, so they go without waiting for company.
-            first = [asyncio.create_task(batcher.search(demo_queries[q], 3)) for q in names[:2]]
+            first = [asyncio.create_task(batcher.search(demo_queries[q], SearchPlan(3))) for q in names[:2]]
             await asyncio.sleep(0.2)
             # Three queue while the model is busy with those two; they go as one batch when it frees.
-            behind = [asyncio.create_task(batcher.search(demo_queries[q], 3)) for q in names[2:]]
+            behind = [asyncio.create_task(batcher.search(demo_queries[q], SearchPlan(3))) for q in names[2:]]
             await asyncio.sleep(0.2)
             gate.set()
             results = await asyncio.wait_for(asyncio.gather(*first, *behind), timeout=60)
@@ -72,8 +73,8 @@ def test_one_client_at_a_time_never_waits_for_the_window(engine, demo_queries):
 
     async def scenario():
         with ThreadPoolExecutor(max_workers=1) as executor:
-            batcher = MicroBatcher(engine.search_batch, executor, FOREVER_S, max_batch=8, on_batch=sizes.append)
-            results = [await asyncio.wait_for(batcher.search(demo_queries[q], 3), timeout=60)
+            batcher = MicroBatcher(engine.run, executor, FOREVER_S, max_batch=8, on_batch=sizes.append)
+            results = [await asyncio.wait_for(batcher.search(demo_queries[q], SearchPlan(3)), timeout=60)
                        for q in ("q0001", "q0002", "q0003")]
             await batcher.close()
         return results
@@ -88,8 +89,8 @@ def test_after_a_shared_batch_a_lone_request_waits_for_company(engine, demo_quer
 
     async def scenario():
         with ThreadPoolExecutor(max_workers=1) as executor:
-            batcher = MicroBatcher(engine.search_batch, executor, WINDOW_S, max_batch=8, on_batch=sizes.append)
-            together = [batcher.search(demo_queries[q], 3) for q in ("q0001", "q0002")]
+            batcher = MicroBatcher(engine.run, executor, WINDOW_S, max_batch=8, on_batch=sizes.append)
+            together = [batcher.search(demo_queries[q], SearchPlan(3)) for q in ("q0001", "q0002")]
             await asyncio.wait_for(asyncio.gather(*together), timeout=60)
             await lone_then_late(batcher, demo_queries)
             await batcher.close()
@@ -123,6 +124,6 @@ def test_after_a_request_queued_behind_a_batch_a_lone_request_waits_for_company(
 
 def test_with_batches_of_one_nothing_ever_waits_for_company(engine, demo_queries):
     def alone(batcher):  # no one could join it
-        return asyncio.wait_for(batcher.search(demo_queries["q0003"], 3), timeout=60)
+        return asyncio.wait_for(batcher.search(demo_queries["q0003"], SearchPlan(3)), timeout=60)
 
     assert batch_sizes_after_one_queued_behind(engine, demo_queries, FOREVER_S, 1, then=alone) == [1, 1, 1]

@@ -66,12 +66,12 @@ def test_a_fused_batch_that_fails_is_retried_one_by_one_so_only_the_guilty_reque
     # Past the HTTP edge nothing refuses the text: the real tokenizer raises on it inside the batch.
     executor = ThreadPoolExecutor(max_workers=1)
     sizes: list[int] = []
-    batcher = MicroBatcher(engine.search_batch, executor, window_s=1.0, max_batch=64, on_batch=sizes.append)
+    batcher = MicroBatcher(engine.run, executor, window_s=1.0, max_batch=64, on_batch=sizes.append)
 
     async def scenario():
         # Four requests queued in one go: the batcher takes them as one batch.
         queries = [demo_queries["q0002"], LONE_SURROGATE, demo_queries["q0003"], demo_queries["q0004"]]
-        results = await asyncio.gather(*(batcher.search(q, 3) for q in queries), return_exceptions=True)
+        results = await asyncio.gather(*(batcher.search(q, engine.plan(3)) for q in queries), return_exceptions=True)
         await batcher.close()
         return results
 

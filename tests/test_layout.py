@@ -55,6 +55,24 @@ def test_no_folder_imports_against_the_direction_of_the_data(package):
     assert {path: names for path, names in offenders.items() if names} == {}
 
 
+def test_refusals_get_their_status_codes_in_one_module():
+    # Routes, limits and middleware raise the domain errors of service/errors.py; only it picks codes.
+    offenders = {}
+    for path in sorted((ROOT / "service").glob("*.py")):
+        if path.name == "errors.py":
+            continue
+        tree = ast.parse(path.read_text(), filename=str(path))
+        names = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)}
+        names |= {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)}
+        found = sorted(names & {"HTTPException", "RequestValidationError"})
+        found += [f"JSONResponse(status_code=...) at line {node.lineno}" for node in ast.walk(tree)
+                  if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "JSONResponse"
+                  and any(keyword.arg == "status_code" for keyword in node.keywords)]
+        if found:
+            offenders[path.name] = found
+    assert offenders == {}
+
+
 def test_a_device_string_has_one_meaning():
     assert resolve_device("cpu") == torch.device("cpu")
     assert resolve_device("cuda:1") == torch.device("cuda", 1)
