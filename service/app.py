@@ -20,7 +20,7 @@ from service import errors, limits
 from service.admission import Admission, Occupancy
 from service.batcher import MicroBatcher
 from service.engine import ReloadError, SearchEngine, SearchPlan
-from service.errors import NotReady, Unauthorized
+from service.errors import NotFound, NotReady, Unauthorized
 from service.monitoring import Monitor
 from service.schemas import (
     BatchSearchRequest,
@@ -133,6 +133,25 @@ async def unless_gone(http: Request, work):
         return task.result()
     task.cancel()
     return None
+
+
+def _spec_with_limits(app: FastAPI, spec, settings: ServiceSettings) -> dict:
+    """FastAPI's spec (`spec()`), with the limits that are settings written into the request schemas,
+    so that every request the spec allows is one this service accepts."""
+    if app.openapi_schema is None:
+        schemas = spec()["components"]["schemas"]
+        for name in ("SearchRequest", "BatchSearchRequest"):
+            fields = schemas[name]["properties"]
+            fields["k"]["maximum"] = settings.max_k
+            if not settings.rerankers:
+                fields["rerank"] = {"const": False, "default": False, "description": "no reranker is configured"}
+            for field in ("depth",):
+                fields[field]["anyOf"][0]["maximum"] = settings.max_rerank_depth
+        schemas["SearchRequest"]["properties"]["query"]["maxLength"] = settings.max_query_chars
+        queries = schemas["BatchSearchRequest"]["properties"]["queries"]
+        queries["maxItems"] = settings.max_batch_queries
+        queries["items"]["maxLength"] = settings.max_query_chars
+    return app.openapi_schema
 
 
 def _json(body: dict) -> Response:
@@ -260,16 +279,21 @@ def create_app(settings: ServiceSettings | None = None, engine: SearchEngine | N
         engine = runtime.ready_engine()
         return Stats(**runtime.monitor.stats(), index=IndexInfo(**engine.describe()))
 
-    @app.post("/admin/reload", response_model=IndexInfo, dependencies=protected, responses=responses())
+    @app.post("/admin/reload", response_model=IndexInfo, dependencies=protected,
+              responses=responses({404: "no such folder in the index root"}))
     async def reload(request: ReloadRequest) -> IndexInfo:
         engine = runtime.ready_engine()
         root = settings.reload_root
         try:
             target = (root / request.index).resolve()
+            inside = target.is_relative_to(root) and target != root
+            found = inside and target.is_dir()
         except (ValueError, OSError) as error:  # a NUL byte, a name too long for the file system
             raise limits.refuse(("index",), f"index is not a usable folder name: {error}") from None
-        if not target.is_relative_to(root) or target == root:
+        if not inside:
             raise limits.refuse(("index",), f"index must name a folder inside the index root {root}", request.index)
+        if not found:
+            raise NotFound(f"index: no folder {request.index!r} in the index root {root}")
         async with runtime.reload_lock:
             try:  # loading runs beside the model thread, so searches go on; the warm-up runs on it
                 candidate = await asyncio.to_thread(engine.prepare, target, verify_checksums=settings.verify_checksums)
@@ -278,6 +302,7 @@ def create_app(settings: ServiceSettings | None = None, engine: SearchEngine | N
                 raise limits.refuse(("index",), f"reload failed, the previous index keeps serving: {error}") from None
         return IndexInfo(**engine.describe())
 
+    app.openapi = functools.partial(_spec_with_limits, app, app.openapi, settings)
     errors.install(app)
     app.add_middleware(limits.BodyLimits, max_bytes=settings.body_limit, timeout_s=settings.read_timeout_s)
     # Outside the body limits: an overloaded service refuses before reading a byte of the body.

@@ -31,6 +31,10 @@ class OverLimit(ServiceError, ValueError):
         self.field, self.value = field, value
 
 
+class NotFound(ServiceError):
+    """A name that names nothing here (an index folder to reload): 404."""
+
+
 class Unauthorized(ServiceError):
     """A missing or wrong API key: 401."""
 
@@ -72,7 +76,7 @@ def answer(error: ServiceError) -> tuple[int, dict, dict[str, str]]:
         return 429, {"detail": str(error)}, {"Retry-After": str(error.retry_after_s)}
     if isinstance(error, Unauthorized):
         return 401, {"detail": str(error)}, {"WWW-Authenticate": "Bearer"}
-    status = {NotServable: 400, TimedOut: 408, NotReady: 503}[type(error)]
+    status = {NotServable: 400, NotFound: 404, TimedOut: 408, NotReady: 503}[type(error)]
     return status, {"detail": str(error)}, {}
 
 

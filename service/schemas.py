@@ -32,8 +32,15 @@ TRUNCATE = Field(True, description=(
     "query is refused with 422 naming the limit and its token count"))
 
 
+# Declared in the spec, checked by `limits.check_query` (whose message says more than a pattern's): a
+# character that is not whitespace as Python's str.isspace has it (ECMA's \S differs, e.g. on U+001E).
+NOT_BLANK = {"minLength": 1, "pattern": (
+    "[^\\t\\n\\u000b\\f\\r\\u001c-\\u001f \\u0085\\u00a0\\u1680\\u2000-\\u200a\\u2028\\u2029\\u202f\\u205f\\u3000]")}
+
+
 class SearchRequest(RetrievalOptions):
-    query: str = Field(description="free text; not empty, at most SEARCH_MAX_QUERY_CHARS characters")
+    query: str = Field(description="free text; not empty, at most SEARCH_MAX_QUERY_CHARS characters",
+                       json_schema_extra=NOT_BLANK)
     k: int = Field(10, ge=1, le=MAX_K, description="passages to return")
     truncate: bool = TRUNCATE
     rerank: bool = Field(False, description="rescore the top `depth` passages with the configured reranker")
@@ -44,7 +51,8 @@ class SearchRequest(RetrievalOptions):
 
 
 class BatchSearchRequest(RetrievalOptions):
-    queries: list[str] = Field(min_length=1, description="at most SEARCH_MAX_BATCH_QUERIES queries")
+    queries: list[str] = Field(min_length=1, description="at most SEARCH_MAX_BATCH_QUERIES queries",
+                               json_schema_extra={"items": {"type": "string", **NOT_BLANK}})
     k: int = Field(10, ge=1, le=MAX_K)
     truncate: bool = TRUNCATE
     rerank: bool = False
@@ -89,7 +97,13 @@ class BatchSearchResponse(BaseModel):
 
 
 class ReloadRequest(BaseModel):
-    index: str = Field(description="index directory, relative to SEARCH_INDEX_ROOT")
+    index: str = Field(
+        description="index directory, relative to SEARCH_INDEX_ROOT; a name outside it, or an unusable one, is "
+        "a 422, a folder that is not there a 404",
+        # The spec's promise: a plain folder name that fits any file system (63 characters of at most 4
+        # UTF-8 bytes each, under the usual 255); the server also takes a path below the root.
+        json_schema_extra={"pattern": "^[^/\\u0000]*[^/.\\u0000][^/\\u0000]*$", "maxLength": 63},
+    )
 
 
 class IndexInfo(BaseModel):

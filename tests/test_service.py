@@ -207,16 +207,21 @@ def test_reload_switches_to_another_index_under_the_root(index_root, encoder):
     assert [h["id"] for h in hits] == ["t1", "t2"]
 
 
-@pytest.mark.parametrize("name,message", [("broken", "not valid JSON"), ("missing", "no manifest.json"),
+@pytest.mark.parametrize("name,message", [("broken", "not valid JSON"), ("empty", "no manifest.json"),
                                           ("../..", "inside the index root"), ("/etc", "inside the index root"),
-                                          ("bad\x00name", "not a usable folder name")])
+                                          ("bad\x00name", "not a usable folder name"), ("missing", "no folder 'missing'")])
 def test_a_failed_reload_keeps_the_old_index_serving(index_root, encoder, name, message):
+    (index_root / "empty").mkdir(exist_ok=True)
     engine = SearchEngine(Searcher(index_root / "small", encoder))
     app = create_app(settings_for(index_root / "small"), engine)
     before = one(app, "POST", "/search", {"query": "paths", "k": 3}).json()["results"]
     response = one(app, "POST", "/admin/reload", {"index": name})
-    assert response.status_code == 422
-    assert response.json()["detail"][0]["loc"] == ["body", "index"] and message in response.json()["detail"][0]["msg"]
+    if name == "missing":  # names nothing: 404
+        assert response.status_code == 404 and message in response.json()["detail"]
+    else:
+        assert response.status_code == 422
+        assert response.json()["detail"][0]["loc"] == ["body", "index"]
+        assert message in response.json()["detail"][0]["msg"]
     assert one(app, "POST", "/search", {"query": "paths", "k": 3}).json()["results"] == before
     assert one(app, "GET", "/ready").json()["index"]["count"] == 300
 
