@@ -13,7 +13,6 @@ from service.admission import header_timeout_protocol
 from service.app import create_app
 from service.settings import ServiceSettings
 
-
 M_ARENA_MAX = -8  # glibc's mallopt parameter
 
 

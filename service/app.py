@@ -127,6 +127,9 @@ async def unless_gone(http: Request, work):
     gone = asyncio.ensure_future(_disconnect(http.receive))
     try:
         await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:  # the route itself is cancelled (shutdown): so is its work
+        task.cancel()
+        raise
     finally:
         gone.cancel()
     if task.done():
