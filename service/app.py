@@ -20,7 +20,7 @@ from service import errors, limits
 from service.admission import Admission, Occupancy
 from service.batcher import MicroBatcher
 from service.engine import ReloadError, SearchEngine, SearchPlan
-from service.errors import NotFound, NotReady, Unauthorized
+from service.errors import NotFound, NotReady, OverLimit, Unauthorized
 from service.monitoring import Monitor
 from service.schemas import (
     BatchSearchRequest,
@@ -148,8 +148,7 @@ def _spec_with_limits(app: FastAPI, spec, settings: ServiceSettings) -> dict:
             fields["k"]["maximum"] = settings.max_k
             if not settings.rerankers:
                 fields["rerank"] = {"const": False, "default": False, "description": "no reranker is configured"}
-            for field in ("depth",):
-                fields[field]["anyOf"][0]["maximum"] = settings.max_rerank_depth
+            fields["depth"]["anyOf"][0]["maximum"] = settings.max_rerank_depth
         schemas["SearchRequest"]["properties"]["query"]["maxLength"] = settings.max_query_chars
         queries = schemas["BatchSearchRequest"]["properties"]["queries"]
         queries["maxItems"] = settings.max_batch_queries
@@ -292,9 +291,9 @@ def create_app(settings: ServiceSettings | None = None, engine: SearchEngine | N
             inside = target.is_relative_to(root) and target != root
             found = inside and target.is_dir()
         except (ValueError, OSError) as error:  # a NUL byte, a name too long for the file system
-            raise limits.refuse(("index",), f"index is not a usable folder name: {error}") from None
+            raise OverLimit(("index",), f"index is not a usable folder name: {error}") from None
         if not inside:
-            raise limits.refuse(("index",), f"index must name a folder inside the index root {root}", request.index)
+            raise OverLimit(("index",), f"index must name a folder inside the index root {root}", request.index)
         if not found:
             raise NotFound(f"index: no folder {request.index!r} in the index root {root}")
         async with runtime.reload_lock:
@@ -302,7 +301,7 @@ def create_app(settings: ServiceSettings | None = None, engine: SearchEngine | N
                 candidate = await asyncio.to_thread(engine.prepare, target, verify_checksums=settings.verify_checksums)
                 await asyncio.get_running_loop().run_in_executor(runtime.executor, engine.install, candidate)
             except ReloadError as error:
-                raise limits.refuse(("index",), f"reload failed, the previous index keeps serving: {error}") from None
+                raise OverLimit(("index",), f"reload failed, the previous index keeps serving: {error}") from None
         return IndexInfo(**engine.describe())
 
     app.openapi = functools.partial(_spec_with_limits, app, app.openapi, settings)

@@ -9,10 +9,6 @@ from service.errors import OverLimit, TimedOut, send_error
 from service.settings import ServiceSettings
 
 
-def refuse(field: tuple, message: str, value=None) -> OverLimit:
-    return OverLimit(field, message, value)
-
-
 def unencodable(text: str) -> str | None:
     """Why `text` cannot be encoded as UTF-8 (JSON allows lone surrogates such as "\\ud800"), or None."""
     try:
@@ -24,12 +20,12 @@ def unencodable(text: str) -> str | None:
 
 def check_query(settings: ServiceSettings, query: str, field: tuple = ("query",)) -> None:
     if not query.strip():
-        raise refuse(field, "query must not be empty or only whitespace", query)
+        raise OverLimit(field, "query must not be empty or only whitespace", query)
     reason = unencodable(query)
     if reason:
-        raise refuse(field, f"query {reason}")
+        raise OverLimit(field, f"query {reason}")
     if len(query) > settings.max_query_chars:
-        raise refuse(
+        raise OverLimit(
             field,
             f"query is {len(query)} characters, over the max_query_chars limit of {settings.max_query_chars} "
             "(SEARCH_MAX_QUERY_CHARS)",
@@ -39,7 +35,7 @@ def check_query(settings: ServiceSettings, query: str, field: tuple = ("query",)
 def check_tokens(limit: int, tokens: int, field: tuple = ("query",)) -> None:
     """With `truncate: false`: a query longer than the index's query token limit is refused."""
     if tokens > limit:
-        raise refuse(
+        raise OverLimit(
             field,
             f"query is {tokens} tokens, over the query token limit of {limit} (the index's query_max_tokens, "
             "or SEARCH_QUERY_MAX_TOKENS); send truncate: true to cut it",
@@ -58,18 +54,18 @@ def query_tokens(encoder, query: str, truncate: bool, field: tuple = ("query",))
 
 def check_batch_tokens(settings: ServiceSettings, tokens: int) -> None:
     if tokens > settings.max_batch_tokens:
-        raise refuse(("queries",), f"the queries are {tokens} tokens in all, over the max_batch_tokens limit of "
+        raise OverLimit(("queries",), f"the queries are {tokens} tokens in all, over the max_batch_tokens limit of "
                                    f"{settings.max_batch_tokens} (SEARCH_MAX_BATCH_TOKENS): send fewer at a time")
 
 
 def check_k(settings: ServiceSettings, k: int) -> None:
     if k > settings.max_k:
-        raise refuse(("k",), f"k={k} is over the max_k limit of {settings.max_k} (SEARCH_MAX_K)", k)
+        raise OverLimit(("k",), f"k={k} is over the max_k limit of {settings.max_k} (SEARCH_MAX_K)", k)
 
 
 def check_batch(settings: ServiceSettings, queries: list[str]) -> None:
     if len(queries) > settings.max_batch_queries:
-        raise refuse(
+        raise OverLimit(
             ("queries",),
             f"{len(queries)} queries, over the max_batch_queries limit of {settings.max_batch_queries} "
             "(SEARCH_MAX_BATCH_QUERIES)",
