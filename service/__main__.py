@@ -9,7 +9,7 @@ import sys
 import uvicorn
 from pydantic import ValidationError
 
-from service.admission import header_timeout_protocol
+from service.admission import timeout_protocol
 from service.app import create_app
 from service.settings import ServiceSettings
 
@@ -38,7 +38,7 @@ def main() -> int:
             print(f"error: {name}: {problem['msg'].removeprefix('Value error, ')}", file=sys.stderr)
         return 2
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info",
-                access_log=settings.access_log, http=header_timeout_protocol(settings.read_timeout_s))
+                access_log=settings.access_log, http=timeout_protocol(settings.read_timeout_s, settings.write_timeout_s))
     return 0
 
 

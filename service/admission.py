@@ -2,9 +2,10 @@
 
 A cap on search requests in the service (queued or running): past it the answer is 429 at once, with
 Retry-After, as text-embeddings-inference answers past its max_concurrent_requests, instead of a
-queue that only grows slower. And a header read timeout, which uvicorn lacks: a connection that has
-not sent a whole request head within the timeout is closed, so half-sent requests cannot hold
-connections forever (the body's timeout is in `limits.BodyLimits`)."""
+queue that only grows slower. And the two timeouts uvicorn lacks: a connection that has not sent a
+whole request head within the read timeout is closed, so half-sent requests cannot hold connections
+forever (the body's timeout is in `limits.BodyLimits`); one whose client stops reading its answer is
+aborted after the write timeout, so unread responses cannot pin memory."""
 
 from __future__ import annotations
 
@@ -47,17 +48,20 @@ class Admission:
             occupancy.in_flight -= 1
 
 
-def header_timeout_protocol(timeout_s: float) -> type[H11Protocol]:
+def timeout_protocol(read_timeout_s: float, write_timeout_s: float) -> type[H11Protocol]:
     """uvicorn's h11 protocol, closing a connection whose request head is not complete within
-    `timeout_s` of the connection opening or of the previous response (idle keep-alive connections
-    are closed sooner, by uvicorn's own keep-alive timeout)."""
+    `read_timeout_s` of the connection opening or of the previous response (idle keep-alive connections
+    are closed sooner, by uvicorn's own keep-alive timeout), and aborting one whose client has read
+    nothing of a response for `write_timeout_s`: the kernel's send buffer is full and asyncio's holds
+    the rest of the body (a 20 MB batch answer, for one), freed only when the connection goes."""
 
-    class HeaderTimeoutProtocol(H11Protocol):
+    class TimeoutProtocol(H11Protocol):
         _head_timer: asyncio.TimerHandle | None = None
+        _write_timer: asyncio.TimerHandle | None = None
 
         def _arm(self) -> None:
             self._disarm()
-            self._head_timer = self.loop.call_later(timeout_s, self._head_timed_out)
+            self._head_timer = self.loop.call_later(read_timeout_s, self._head_timed_out)
 
         def _disarm(self) -> None:
             if self._head_timer is not None:
@@ -86,8 +90,27 @@ def header_timeout_protocol(timeout_s: float) -> type[H11Protocol]:
             if self._awaiting_head():
                 self._arm()
 
+        def pause_writing(self) -> None:  # asyncio: the write buffer is over its high-water mark
+            super().pause_writing()
+            if self._write_timer is None:
+                self._write_timer = self.loop.call_later(write_timeout_s, self._write_timed_out)
+
+        def resume_writing(self) -> None:  # the client read enough for the buffer to drain below it
+            self._stop_write_timer()
+            super().resume_writing()
+
+        def _stop_write_timer(self) -> None:
+            if self._write_timer is not None:
+                self._write_timer.cancel()
+                self._write_timer = None
+
+        def _write_timed_out(self) -> None:
+            self._write_timer = None
+            self.transport.abort()  # drops the buffered body; connection_lost wakes the waiting send
+
         def connection_lost(self, exc) -> None:
             self._disarm()
+            self._stop_write_timer()
             super().connection_lost(exc)
 
-    return HeaderTimeoutProtocol
+    return TimeoutProtocol

@@ -6,7 +6,6 @@ import asyncio
 import functools
 import hmac
 import logging
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI, Request, Response
@@ -17,11 +16,11 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic_core import to_json
 
 from service import errors, limits
-from service.admission import Admission, Occupancy
-from service.batcher import MicroBatcher
+from service.admission import Admission
 from service.engine import ReloadError, SearchEngine, SearchPlan
-from service.errors import NotFound, NotReady, OverLimit, Unauthorized
+from service.errors import NotFound, OverLimit, Unauthorized
 from service.monitoring import Monitor
+from service.runtime import Runtime
 from service.schemas import (
     BatchSearchRequest,
     BatchSearchResponse,
@@ -35,50 +34,6 @@ from service.schemas import (
 from service.settings import ServiceSettings
 
 log = logging.getLogger("service")
-
-
-class _Runtime:
-    """What the routes share: the engine (once loaded), the one thread that runs the model, metrics."""
-
-    def __init__(self, settings: ServiceSettings, engine: SearchEngine | None) -> None:
-        self.settings = settings
-        self.engine = engine
-        self.load_error: str | None = None
-        # One model thread: torch already spreads a forward pass over the cores, and the
-        # encoder is not re-entrant; concurrency comes from batching, not from threads.
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
-        self.monitor = Monitor(settings.stats_window)
-        self.batcher = MicroBatcher(
-            self._run, self.executor, settings.microbatch_window_ms / 1000, settings.microbatch_max,
-            on_batch=self.monitor.observe_batch, max_tokens=settings.max_batch_tokens,
-            on_drop=self.monitor.dropped.inc,
-        )
-        self.occupancy = Occupancy(settings.max_concurrent_requests)
-        self.monitor.queued.set_function(lambda: self.batcher.waiting)
-        self.monitor.in_flight.set_function(lambda: self.occupancy.in_flight)
-        self.reload_lock = asyncio.Lock()
-
-    def _run(self, queries, plan):
-        return self.engine.run(queries, plan)
-
-    def ready_engine(self) -> SearchEngine:
-        if self.engine is None:
-            raise NotReady(self.load_error or "the index is still loading")
-        return self.engine
-
-    def load(self) -> None:
-        settings = self.settings
-        try:
-            engine = SearchEngine.open(
-                settings.index_dir, device=settings.device, query_max_tokens=settings.query_max_tokens,
-                verify_checksums=settings.verify_checksums, rerankers=settings.rerankers,
-            )
-            engine.warm_up()
-            self.engine = engine
-            log.info("ready: %s", engine.describe())
-        except Exception as error:  # noqa: BLE001 - reported by /ready; /health stays up
-            self.load_error = f"loading {settings.index_dir} failed: {str(error) or type(error).__name__}"
-            log.error(self.load_error)
 
 
 class _RequestCounter:
@@ -168,20 +123,14 @@ def _json(body: dict) -> Response:
 def create_app(settings: ServiceSettings | None = None, engine: SearchEngine | None = None) -> FastAPI:
     """The app for `settings`; pass a loaded `engine` to skip loading (it is warmed up here)."""
     settings = settings or ServiceSettings()
-    runtime = _Runtime(settings, engine)
-    if engine is not None:
-        # On the model thread: torch's OpenMP workers spin after each call, and two threads that
-        # both run torch fight over the cores (measured: 12 ms per query on one thread, 30 ms on two).
-        runtime.executor.submit(engine.warm_up).result()
+    runtime = Runtime(settings, engine)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         log.info("settings: %s", settings.describe())
-        if runtime.engine is None:  # load in the background: /health answers meanwhile, /ready says loading
-            asyncio.get_running_loop().run_in_executor(runtime.executor, runtime.load)
+        runtime.start()
         yield
-        await runtime.batcher.close()
-        runtime.executor.shutdown(wait=False, cancel_futures=True)
+        await runtime.close()
 
     # With a key, the docs and the spec need it too, unless SEARCH_OPEN_DOCS opens them.
     docs_open = settings.api_key is None or settings.open_docs
@@ -240,16 +189,10 @@ def create_app(settings: ServiceSettings | None = None, engine: SearchEngine | N
     async def search(request: SearchRequest, http: Request) -> Response:
         limits.check_query(settings, request.query)
         engine = runtime.ready_engine()
-        tokens = limits.query_tokens(engine.searcher.encoder, request.query, request.truncate)
-        checked = plan(settings, engine, request)
-        if settings.microbatch:
-            result = await unless_gone(http, runtime.batcher.search(request.query, checked, tokens=tokens))
-            if result is None:
-                return Response(status_code=499)  # nginx's "client closed request": nobody reads it
-        else:
-            call = functools.partial(engine.run, [request.query], checked)
-            result = (await asyncio.get_running_loop().run_in_executor(runtime.executor, call))[0]
-        runtime.monitor.observe_search(result.timings, checked.reranker)
+        tokens = engine.tokenize(request.query, request.truncate)
+        result = await unless_gone(http, runtime.search(request.query, plan(settings, engine, request), tokens))
+        if result is None:
+            return Response(status_code=499)  # nginx's "client closed request": nobody reads it
         return _json({"query": request.query, "results": result.hits, "score_kind": result.score_kind,
                       "latency_ms": result.timings.as_dict()})
 
@@ -258,15 +201,10 @@ def create_app(settings: ServiceSettings | None = None, engine: SearchEngine | N
     async def search_batch(request: BatchSearchRequest) -> Response:
         limits.check_batch(settings, request.queries)
         engine = runtime.ready_engine()
-        tokens = [limits.query_tokens(engine.searcher.encoder, query, request.truncate, ("queries", position))
+        tokens = [engine.tokenize(query, request.truncate, ("queries", position))
                   for position, query in enumerate(request.queries)]
-        limits.check_batch_tokens(settings, sum(tokens))
-        checked = plan(settings, engine, request)
-        call = functools.partial(engine.run, request.queries, checked)
-        results = await asyncio.get_running_loop().run_in_executor(runtime.executor, call)
-        runtime.monitor.observe_batch(len(results))
-        for result in results:
-            runtime.monitor.observe_search(result.timings, checked.reranker)
+        limits.check_batch_tokens(settings, sum(len(query.ids) for query in tokens))
+        results = await runtime.search_batch(request.queries, plan(settings, engine, request), tokens)
         return _json({"results": [{"query": r.query, "results": r.hits} for r in results],
                       "score_kind": results[0].score_kind, "latency_ms": results[0].timings.as_dict()})
 
@@ -284,7 +222,7 @@ def create_app(settings: ServiceSettings | None = None, engine: SearchEngine | N
     @app.post("/admin/reload", response_model=IndexInfo, dependencies=protected,
               responses=responses({404: "no such folder in the index root"}))
     async def reload(request: ReloadRequest) -> IndexInfo:
-        engine = runtime.ready_engine()
+        runtime.ready_engine()
         root = settings.reload_root
         try:
             target = (root / request.index).resolve()
@@ -296,13 +234,10 @@ def create_app(settings: ServiceSettings | None = None, engine: SearchEngine | N
             raise OverLimit(("index",), f"index must name a folder inside the index root {root}", request.index)
         if not found:
             raise NotFound(f"index: no folder {request.index!r} in the index root {root}")
-        async with runtime.reload_lock:
-            try:  # loading runs beside the model thread, so searches go on; the warm-up runs on it
-                candidate = await asyncio.to_thread(engine.prepare, target, verify_checksums=settings.verify_checksums)
-                await asyncio.get_running_loop().run_in_executor(runtime.executor, engine.install, candidate)
-            except ReloadError as error:
-                raise OverLimit(("index",), f"reload failed, the previous index keeps serving: {error}") from None
-        return IndexInfo(**engine.describe())
+        try:
+            return IndexInfo(**await runtime.reload(target))
+        except ReloadError as error:
+            raise OverLimit(("index",), f"reload failed, the previous index keeps serving: {error}") from None
 
     app.openapi = functools.partial(_spec_with_limits, app, app.openapi, settings)
     errors.install(app)

@@ -10,9 +10,11 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, replace
 from typing import Callable
 
+from models.encoder import QueryTokens
 from service.engine import SearchPlan, SearchResult
 
-RunBatch = Callable[[list[str], SearchPlan], list[SearchResult]]  # one result per query, e.g. SearchEngine.run
+# One result per query, e.g. SearchEngine.run; the tokens are None unless every query came with its own.
+RunBatch = Callable[[list[str], SearchPlan, list[QueryTokens] | None], list[SearchResult]]
 
 
 @dataclass
@@ -22,7 +24,11 @@ class _Pending:
     future: asyncio.Future  # cancelled when its client has gone: dropped before it reaches the model
     arrived: float
     behind: bool  # arrived while the model was running a batch
-    tokens: int  # its share of the batch token budget
+    tokens: QueryTokens | None  # tokenized where it was checked; its ids are its share of the token budget
+
+    @property
+    def cost(self) -> int:
+        return len(self.tokens.ids) if self.tokens is not None else 1
 
 
 class MicroBatcher:
@@ -58,9 +64,9 @@ class MicroBatcher:
         """Requests queued for the model (not yet in a running batch)."""
         return (self._queue.qsize() if self._queue is not None else 0) + (self._held is not None)
 
-    async def search(self, query: str, plan: SearchPlan, *, tokens: int = 1) -> SearchResult:
+    async def search(self, query: str, plan: SearchPlan, *, tokens: QueryTokens | None = None) -> SearchResult:
         """`query` run by `plan` (checked by SearchEngine.plan), in a batch with others of the same plan
-        but for k; `tokens`: its share of the batch token budget."""
+        but for k; `tokens`: the query tokenized, so the model thread does not tokenize it again."""
         loop = asyncio.get_running_loop()
         if self._loop is not loop:  # first use, or a new event loop (test clients start one per session)
             self._loop, self._queue, self._held = loop, asyncio.Queue(), None
@@ -89,7 +95,7 @@ class MicroBatcher:
         is alone while traffic overlaps, plus whatever arrives within the window. Sleeping then draining,
         rather than a timed get, can never drop a request on a timeout race."""
         batch = [await self._next()]
-        tokens = batch[0].tokens
+        tokens = batch[0].cost
         if self._window_s > 0 and self._max_batch > 1 and self._overlapping and self._queue.empty():
             await asyncio.sleep(self._window_s)
         while len(batch) < self._max_batch and not self._queue.empty():
@@ -97,11 +103,11 @@ class MicroBatcher:
             if item.future.cancelled():
                 self._on_drop()
                 continue
-            if self._max_tokens is not None and tokens + item.tokens > self._max_tokens:
+            if self._max_tokens is not None and tokens + item.cost > self._max_tokens:
                 self._held = item
                 break
             batch.append(item)
-            tokens += item.tokens
+            tokens += item.cost
         self._overlapping = len(batch) > 1 or batch[0].behind
         return batch
 
@@ -118,7 +124,9 @@ class MicroBatcher:
         started = time.perf_counter()
         # The top-k of an exact top-K (K >= k) is the exact top-k; a rerank depth is the same for all.
         plan = replace(batch[0].plan, k=max(item.plan.k for item in batch))
-        call = functools.partial(self._run_batch, [item.query for item in batch], plan)
+        tokens = [item.tokens for item in batch]
+        call = functools.partial(self._run_batch, [item.query for item in batch], plan,
+                                 None if None in tokens else tokens)
         self._running = True
         try:
             results = await asyncio.get_running_loop().run_in_executor(self._executor, call)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Sequence
 
+from models.encoder import QueryTokens
 from models.reranker import Reranker, load_reranker, reranker_kind
 from retrieval.index_format import INDEX_FILE, PASSAGES_FILE, read_manifest
 from retrieval.rerank import rerank
@@ -127,6 +128,16 @@ class SearchEngine:
             raise NotServable(f"mode: {error}") from None
         return plan
 
+    def tokenize(self, query: str, truncate: bool = True, field: tuple = ("query",)) -> QueryTokens:
+        """`query` tokenized for the serving encoder; with `truncate` false, a query over the query
+        token limit is an OverLimit naming `field` instead of being cut."""
+        tokens = self._searcher.encoder.tokenize_query(query)
+        limit = self._searcher.encoder.spec.query_max_tokens
+        if not truncate and tokens.count > limit:
+            raise OverLimit(field, f"query is {tokens.count} tokens, over the query token limit of {limit} (the "
+                                   "index's query_max_tokens, or SEARCH_QUERY_MAX_TOKENS); send truncate: true to cut it")
+        return tokens
+
     def search(self, query: str, k: int, **options) -> SearchResult:
         return self.search_batch([query], k, **options)[0]
 
@@ -134,12 +145,13 @@ class SearchEngine:
         """`run` with the plan of `k` and `options` (see `plan`)."""
         return self.run(queries, self.plan(k, **options))
 
-    def run(self, queries: Sequence[str], plan: SearchPlan) -> list[SearchResult]:
+    def run(self, queries: Sequence[str], plan: SearchPlan,
+            tokens: Sequence[QueryTokens] | None = None) -> list[SearchResult]:
         """All queries through one encoder forward pass and one search of each index, then the
-        rerank the plan asks for."""
+        rerank the plan asks for; `tokens`: the queries already tokenized (`tokenize`)."""
         searcher = self._searcher
         started = time.perf_counter()
-        vectors = searcher.encode(queries) if plan.mode != "bm25" else None
+        vectors = searcher.encode(queries, tokens) if plan.mode != "bm25" else None
         encoded = time.perf_counter()
         hits = searcher.hits(searcher.rank(queries, vectors, plan.depth, **plan.retrieval))
         retrieved = time.perf_counter()

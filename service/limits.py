@@ -32,26 +32,6 @@ def check_query(settings: ServiceSettings, query: str, field: tuple = ("query",)
         )
 
 
-def check_tokens(limit: int, tokens: int, field: tuple = ("query",)) -> None:
-    """With `truncate: false`: a query longer than the index's query token limit is refused."""
-    if tokens > limit:
-        raise OverLimit(
-            field,
-            f"query is {tokens} tokens, over the query token limit of {limit} (the index's query_max_tokens, "
-            "or SEARCH_QUERY_MAX_TOKENS); send truncate: true to cut it",
-        )
-
-
-def query_tokens(encoder, query: str, truncate: bool, field: tuple = ("query",)) -> int:
-    """The tokens `query` takes in a forward pass (at most the query token limit); with `truncate`
-    false, a query over the limit is refused instead of cut."""
-    limit = encoder.spec.query_max_tokens
-    tokens = encoder.query_tokens(query)
-    if not truncate:
-        check_tokens(limit, tokens, field)
-    return min(tokens, limit)
-
-
 def check_batch_tokens(settings: ServiceSettings, tokens: int) -> None:
     if tokens > settings.max_batch_tokens:
         raise OverLimit(("queries",), f"the queries are {tokens} tokens in all, over the max_batch_tokens limit of "

@@ -49,6 +49,10 @@ class ServiceSettings(BaseSettings):
     read_timeout_s: float = Field(
         10.0, gt=0, description="longest wait for a request's head, and for each part of its body (408)",
     )
+    write_timeout_s: float = Field(
+        30.0, gt=0, description="longest a client may read nothing of its answer once the send buffers are "
+        "full; then the connection is aborted, so unread answers do not pin memory",
+    )
 
     microbatch: bool = Field(True, description="fuse concurrent /search requests into one forward pass")
     microbatch_window_ms: float = Field(

@@ -1,6 +1,6 @@
 """Admission control on a real uvicorn server: past the cap a search is refused at once with 429 and
 Retry-After; a queued request whose client has gone never reaches the model; half-sent heads and
-bodies do not hold the service; a micro-batch keeps to its token budget."""
+bodies and unread answers do not hold the service; a micro-batch keeps to its token budget."""
 
 from __future__ import annotations
 
@@ -16,12 +16,13 @@ import httpx
 import pytest
 import uvicorn
 
-from service.admission import header_timeout_protocol
+from service.admission import timeout_protocol
 from service.app import create_app
 from service.batcher import MicroBatcher
 from tests.test_service import call, one, settings_for
 
 READ_TIMEOUT_S = 0.5
+WRITE_TIMEOUT_S = 1.0
 
 
 def free_port() -> int:
@@ -33,11 +34,11 @@ def free_port() -> int:
 @contextmanager
 def serving(small_index, engine, **overrides):
     """The app on a loopback port, served by uvicorn as `python -m service` serves it."""
-    settings = settings_for(small_index, read_timeout_s=READ_TIMEOUT_S, **overrides)
+    settings = settings_for(small_index, read_timeout_s=READ_TIMEOUT_S, write_timeout_s=WRITE_TIMEOUT_S, **overrides)
     app = create_app(settings, engine)
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                           http=header_timeout_protocol(READ_TIMEOUT_S)))
+                                           http=timeout_protocol(READ_TIMEOUT_S, WRITE_TIMEOUT_S)))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     try:
@@ -142,21 +143,51 @@ def test_a_half_sent_body_is_answered_408_after_the_read_timeout(small_index, en
         assert b"SEARCH_READ_TIMEOUT_S" in answer
 
 
-def test_a_micro_batch_keeps_to_its_token_budget(engine, demo_queries):
+def test_an_unread_answer_is_dropped_after_the_write_timeout(small_index, engine, demo_queries):
+    # A batch answer of several MB (every hit carries its passage) to a client that never reads it.
+    body = json.dumps({"queries": [demo_queries["q0001"]] * 64, "k": 1000}).encode()
+    with serving(small_index, engine, max_k=1000) as (app, base, port):
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connecting: a small window
+        sock.connect(("127.0.0.1", port))
+        sock.sendall(b"POST /search/batch HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        wait_until(lambda: app.state.runtime.occupancy.in_flight == 0, 60)  # handed to the server to send
+        time.sleep(3 * WRITE_TIMEOUT_S)  # the client reads nothing for longer than the write timeout
+        head = sock.recv(4096)
+        assert head.startswith(b"HTTP/1.1 200")
+        length = int(head.split(b"content-length: ")[1].split(b"\r\n")[0])
+        assert length > 4_000_000  # more than the kernel's buffers hold: the rest had to wait in the server
+        received = len(head.split(b"\r\n\r\n", 1)[1])
+        sock.settimeout(10)
+        try:
+            while chunk := sock.recv(1 << 20):
+                received += len(chunk)
+        except ConnectionResetError:
+            pass
+        sock.close()
+        assert received < length  # the answer was cut off, not kept for a reader that never came
+        assert httpx.get(f"{base}/health", trust_env=False).status_code == 200
+
+
+def test_a_micro_batch_keeps_to_its_token_budget(engine):
     sizes: list[int] = []
     gate = threading.Event()
+    encoder = engine.searcher.encoder
+    six, three = encoder.tokenize_query("apple apple apple apple"), encoder.tokenize_query("apple")
+    assert (len(six.ids), len(three.ids)) == (6, 3)  # [CLS] and [SEP] included
 
-    def held(queries, plan):
+    def held(queries, plan, tokens):
         gate.wait()
-        return engine.run(queries, plan)
+        return engine.run(queries, plan, tokens)
 
     async def scenario():
         with ThreadPoolExecutor(max_workers=1) as executor:
             batcher = MicroBatcher(held, executor, 0.0, max_batch=8, on_batch=sizes.append, max_tokens=10)
-            first = asyncio.create_task(batcher.search(demo_queries["q0001"], engine.plan(3), tokens=6))
+            first = asyncio.create_task(batcher.search("apple apple apple apple", engine.plan(3), tokens=six))
             await asyncio.sleep(0.05)  # on the model
-            queued = [asyncio.create_task(batcher.search(demo_queries[q], engine.plan(3), tokens=t))
-                      for q, t in (("q0002", 6), ("q0003", 6), ("q0004", 3))]
+            queued = [asyncio.create_task(batcher.search(text, engine.plan(3), tokens=tokens))
+                      for text, tokens in (("apple apple apple apple", six),) * 2 + (("apple", three),)]
             await asyncio.sleep(0.05)
             gate.set()
             await asyncio.wait_for(asyncio.gather(first, *queued), timeout=60)

@@ -18,9 +18,9 @@ WINDOW_S = 1.0  # long enough that a request sent 0.2 s into it surely joins, on
 def held_until(gate: threading.Event, engine):
     """The engine's run, with the model kept busy until the test opens `gate`."""
 
-    def run_batch(queries, plan):
+    def run_batch(queries, plan, tokens):
         gate.wait(timeout=60)
-        return engine.run(queries, plan)
+        return engine.run(queries, plan, tokens)
 
     return run_batch
 

@@ -54,6 +54,17 @@ def test_batch_search_equals_single_searches(searcher, demo_queries):
         np.testing.assert_allclose([h.score for h in hits], [h.score for h in single], atol=1e-5)
 
 
+def test_queries_tokenized_by_an_encoder_no_longer_serving_are_tokenized_again(searcher, demo_queries):
+    # An index reloaded with another model between a request's check and its run: the old ids are unusable.
+    queries = list(demo_queries.values())[:3]
+    other = BiEncoder(device="cpu", query_max_tokens=8)
+    stale = [other.tokenize_query(query) for query in queries]
+    fresh = [searcher.encoder.tokenize_query(query) for query in queries]
+    expected = searcher.encoder.encode_queries(queries)
+    np.testing.assert_array_equal(searcher.encode(queries, stale), expected)
+    np.testing.assert_array_equal(searcher.encode(queries, fresh), expected)
+
+
 def test_k_larger_than_the_collection_returns_every_passage(searcher):
     hits = searcher.search("hash tables", k=MAX_K)
     assert len(hits) == searcher.count == 300
