@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from service.errors import Overloaded, send_error
 
@@ -48,14 +49,16 @@ class Admission:
             occupancy.in_flight -= 1
 
 
-def timeout_protocol(read_timeout_s: float, write_timeout_s: float) -> type[H11Protocol]:
-    """uvicorn's h11 protocol, closing a connection whose request head is not complete within
+def timeout_protocol(read_timeout_s: float, write_timeout_s: float,
+                     base: type[HttpToolsProtocol | H11Protocol] = HttpToolsProtocol) -> type:
+    """uvicorn's HTTP protocol (`base`: httptools, uvicorn's own choice where it is installed, as
+    uvicorn[standard] installs it, or h11), closing a connection whose request head is not complete within
     `read_timeout_s` of the connection opening or of the previous response (idle keep-alive connections
     are closed sooner, by uvicorn's own keep-alive timeout), and aborting one whose client has read
     nothing of a response for `write_timeout_s`: the kernel's send buffer is full and asyncio's holds
     the rest of the body (a 20 MB batch answer, for one), freed only when the connection goes."""
 
-    class TimeoutProtocol(H11Protocol):
+    class TimeoutProtocol(base):
         _head_timer: asyncio.TimerHandle | None = None
         _write_timer: asyncio.TimerHandle | None = None
 
