@@ -169,6 +169,8 @@ def build_index(options: BuildOptions, encoder: BiEncoder) -> BuildReport:
         "skip_bad": options.skip_bad,
         "encoder": encoder.spec.to_dict(),
     }
+    if encoder.backend != "torch":  # only then, so builds interrupted before backends existed still resume
+        identity["backend"] = encoder.backend
     if options.shard is not None:  # only then, so builds interrupted before --shard existed still resume
         identity["shard"] = str(options.shard)
     work = _work_dir(out)
@@ -275,7 +277,8 @@ def _finish(
     count = index_writer.write_vectors(work, chunks, encoder.dimension)
     index_writer.write_manifest(
         work,
-        encoder=EncoderRecord(path=encoder.source, **encoder.spec.to_dict()),
+        encoder=EncoderRecord(path=encoder.source, backend=encoder.backend, export_sha256=encoder.export_sha256,
+                              **encoder.spec.to_dict()),
         corpus=CorpusRecord(
             path=str(corpus.resolve()),
             format=fmt,

@@ -23,6 +23,7 @@ from index_builder.merge import merge_shards
 from index_builder.shard import Shard
 from index_builder.smart import convert_cranfield
 from models.encoder import BiEncoder
+from models.onnx_backend import BACKENDS
 from models.reranker import load_reranker
 from retrieval.index_format import IndexFormatError, read_manifest
 from retrieval.readers import InputFileError, Run, read_qrels, read_queries, read_run, write_run
@@ -67,6 +68,8 @@ def _parser() -> argparse.ArgumentParser:
     build.add_argument("--skip-bad", action="store_true", help="skip and count malformed lines instead of stopping")
     build.add_argument("--overwrite", action="store_true", help="replace an existing --out (atomically)")
     build.add_argument("--restart", action="store_true", help="discard an interrupted build instead of resuming")
+    build.add_argument("--backend", choices=BACKENDS, default="torch",
+                       help="torch, or ONNX Runtime on the CPU (onnx; onnx-int8: int8 weights), recorded in the manifest")
     build.add_argument("--bm25", action="store_true", help="also build a BM25 index (bm25s) over the same passages")
     build.add_argument("--shard", type=_shard, metavar="i/N",
                        help="keep only records i, i+N, i+2N, ... (0-based) of the corpus; combine with `merge`")
@@ -95,6 +98,8 @@ def _parser() -> argparse.ArgumentParser:
                           help="with --rerank: passages of each mode's list the reranker rescores (default 100)")
     evaluate.add_argument("--query-max-tokens", type=_positive, help="override the index's query token limit")
     evaluate.add_argument("--device", default="auto")
+    evaluate.add_argument("--backend", choices=BACKENDS,
+                          help="encode the queries with this backend (default: the one the index was built with)")
 
     cranfield = commands.add_parser("convert-cranfield", help="SMART-format Cranfield to corpus/queries/qrels files")
     cranfield.add_argument("--data", type=Path, required=True, help="folder with cran.all.1400, cran.qry, cranqrel")
@@ -114,6 +119,7 @@ def _build(args: argparse.Namespace) -> None:
         query_max_tokens=args.query_max_tokens,
         passage_max_tokens=args.passage_max_tokens,
         passage_segment_id=args.passage_segment_id,
+        backend=args.backend,
     )
     options = BuildOptions(
         args.corpus, args.out, args.chunk_size, args.skip_bad, args.overwrite, args.restart, bm25=args.bm25,
@@ -132,11 +138,12 @@ def _eval(args: argparse.Namespace) -> None:
     queries = read_queries(args.queries)
     qrels = read_qrels(args.qrels)
     reference = read_run(args.compare) if args.compare else None
-    searcher = Searcher(args.index, encoder_for(read_manifest(args.index), args.device, args.query_max_tokens),
-                        device=args.device)
+    encoder = encoder_for(read_manifest(args.index), args.device, args.query_max_tokens, args.backend)
+    searcher = Searcher(args.index, encoder, device=args.device)
     if args.rerank and args.depth > MAX_K:
         raise ValueError(f"--depth must be at most {MAX_K}, got {args.depth}")
-    rerankers = {_row_name(folder): load_reranker(folder, device=args.device) for folder in args.rerank or []}
+    rerankers = {_row_name(folder): load_reranker(folder, device=args.device, backend=encoder.backend)
+                 for folder in args.rerank or []}
     modes = args.modes or (list(EVAL_MODES) if searcher.bm25 is not None else ["dense"])
     runs, table = {}, {}
 

@@ -18,7 +18,8 @@ import numpy as np
 import torch
 from transformers import AutoModelForSequenceClassification
 
-from models.checkpoint import load_pretrained, padded_batch, score_in_batches, write_reranker_json
+from models.checkpoint import load_pretrained, padded_batch, score_in_batches, weights_sha256, write_reranker_json
+from models.onnx_backend import Backend, OnnxTransformer, check_backend, exported
 
 
 def relevance_probability(logits: torch.Tensor) -> torch.Tensor:
@@ -43,7 +44,10 @@ class CrossEncoder:
         max_tokens: int = 512,
         batch_size: int = 32,
         fp16: bool | None = None,
+        backend: Backend = "torch",
+        onnx_cache: Path | None = None,
     ) -> None:
+        """`backend`: as for models.encoder.BiEncoder."""
         self.path = Path(path)
         self.name = self.path.name
         self.tokenizer, self.model, self.device = load_pretrained(
@@ -59,6 +63,13 @@ class CrossEncoder:
             raise ValueError(
                 f"query_max_tokens={query_max_tokens} leaves no room for a passage in max_tokens={self.max_tokens}"
             )
+        check_backend(backend, self.device)
+        self.backend = backend
+        self._transformer = lambda ids, mask, types: self.model(
+            input_ids=ids, attention_mask=mask, token_type_ids=types).logits
+        if backend != "torch":
+            onnx_file = exported(self.model, weights_sha256(self.path), backend, "logits", onnx_cache)
+            self._transformer = OnnxTransformer(onnx_file)
 
     def score(self, query: str, passages: Sequence[str]) -> np.ndarray:
         """P(relevant) of each passage to `query`, float32, in the order of `passages`."""
@@ -81,11 +92,11 @@ class CrossEncoder:
     def logits(self, pairs: Sequence[tuple[list[int], list[int]]]) -> torch.Tensor:
         """The head's logits, (len(pairs), num_labels), for tokenized pairs padded on the right into one batch.
 
-        Differentiable outside `torch.inference_mode`, which fine-tuning relies on.
+        Differentiable outside `torch.inference_mode` on the torch backend, which fine-tuning relies on.
         """
         input_ids, mask = padded_batch([ids for ids, _ in pairs], self.tokenizer.pad_token_id, self.device)
         segments, _ = padded_batch([types for _, types in pairs], 0, self.device)
-        return self.model(input_ids=input_ids, attention_mask=mask, token_type_ids=segments).logits
+        return self._transformer(input_ids, mask, segments)
 
     def save(self, folder: str | Path) -> None:
         """A folder `load_reranker` (and this class) loads back: weights, tokenizer and reranker.json."""

@@ -11,7 +11,15 @@ import torch
 from tqdm import tqdm
 from transformers import AutoModel
 
-from models.checkpoint import length_sorted_batches, load_pretrained, padded_batch, read_json, weights_sha256
+from models.checkpoint import (
+    file_sha256,
+    length_sorted_batches,
+    load_pretrained,
+    padded_batch,
+    read_json,
+    weights_sha256,
+)
+from models.onnx_backend import Backend, OnnxTransformer, check_backend, exported
 
 Pooling = Literal["mean", "cls"]
 Similarity = Literal["ip", "cosine"]
@@ -103,7 +111,11 @@ class BiEncoder:
         passage_segment_id: int | None = None,
         batch_size: int = 64,
         fp16: bool | None = None,
+        backend: Backend = "torch",
+        onnx_cache: Path | None = None,
     ) -> None:
+        """`backend`: torch, or ONNX Runtime on the CPU (`onnx`, or `onnx-int8` with int8 weights),
+        exported into `onnx_cache` (see models.onnx_backend) on first use."""
         self.path = Path(path) if path is not None else default_model_path()
         # What an index records to find this model again: the folder given, or None for the packaged default.
         self.source = str(self.path.resolve()) if path is not None else None
@@ -135,6 +147,18 @@ class BiEncoder:
             passage_max_tokens=min(passage_max_tokens or model_max, model_max),
             weights_sha256=weights_sha256(self.path),
         )
+        check_backend(backend, self.device)
+        self.backend = backend
+        self._transformer = self._torch_transformer
+        self.export_sha256: str | None = None  # the ONNX file's, recorded by an index built with it
+        if backend != "torch":
+            onnx_file = exported(self.model, self.spec.weights_sha256, backend, "last_hidden_state", onnx_cache)
+            self._transformer = OnnxTransformer(onnx_file)
+            self.export_sha256 = file_sha256(onnx_file)
+
+    def _torch_transformer(self, input_ids, attention_mask, token_type_ids) -> torch.Tensor:
+        return self.model(input_ids=input_ids, attention_mask=attention_mask,
+                          token_type_ids=token_type_ids).last_hidden_state
 
     @property
     def dimension(self) -> int:
@@ -191,14 +215,13 @@ class BiEncoder:
     def embed_tensor(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, segment_id: int) -> torch.Tensor:
         """(batch, dimension) float32 embeddings on the model's device, pooled and normalised as `spec` says.
 
-        Differentiable when called outside `torch.inference_mode`, which fine-tuning relies on.
+        Differentiable when called outside `torch.inference_mode` on the torch backend, which
+        fine-tuning relies on.
         """
         input_ids = input_ids.to(self.device)
         attention_mask = attention_mask.to(self.device)
         token_type_ids = torch.full_like(input_ids, segment_id)
-        hidden = self.model(
-            input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids
-        ).last_hidden_state.float()
+        hidden = self._transformer(input_ids, attention_mask, token_type_ids).float()
         if self.spec.pooling == "cls":
             pooled = hidden[:, 0]
         else:  # eq. 2: average of the token vectors, padding excluded

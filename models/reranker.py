@@ -22,6 +22,7 @@ from models.checkpoint import RERANKER_FILE, read_reranker_json
 from models.coattention import CoAttentionReranker
 from models.cross_encoder import CrossEncoder
 from models.generative import GenerativeReranker
+from models.onnx_backend import Backend
 
 
 @runtime_checkable
@@ -46,8 +47,9 @@ def reranker_kind(folder: str | Path) -> str:
     return record["kind"] if record else "monobert"
 
 
-def load_reranker(path: str | Path, *, device: str = "auto") -> Reranker:
-    """The reranker saved in folder `path`, on `device` ("auto", "cpu", "cuda", "cuda:N").
+def load_reranker(path: str | Path, *, device: str = "auto", backend: Backend = "torch") -> Reranker:
+    """The reranker saved in folder `path`, on `device` ("auto", "cpu", "cuda", "cuda:N"); `backend`
+    (models.onnx_backend) applies to monobert, the other kinds run on torch.
 
     Raises FileNotFoundError for a missing folder or one that is no reranker, ValueError for a
     `reranker.json` that names an unknown kind or settings the model refuses.
@@ -62,4 +64,4 @@ def load_reranker(path: str | Path, *, device: str = "auto") -> Reranker:
         return GenerativeReranker.load(folder, device=device)
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(f"{folder}: neither {RERANKER_FILE} nor a Hugging Face checkpoint (config.json)")
-    return CrossEncoder.load(folder, device=device)
+    return CrossEncoder.load(folder, device=device, backend=backend)

@@ -41,6 +41,10 @@ class EncoderRecord(BaseModel):
     query_max_tokens: int
     passage_max_tokens: int
     weights_sha256: str
+    # What computed the passages' vectors (models.onnx_backend); the service encodes queries the same
+    # way unless told otherwise. Manifests from before backends existed: torch.
+    backend: Literal["torch", "onnx", "onnx-int8"] = "torch"
+    export_sha256: str | None = None  # with an ONNX backend: the exported file's
 
 
 class FileRecord(BaseModel):

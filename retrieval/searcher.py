@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Sequence, get_args
 
 import numpy as np
 
+from models.checkpoint import resolve_device
 from models.encoder import BiEncoder, QueryTokens
+from models.onnx_backend import Backend
 from retrieval import dense_index
 from retrieval.bm25_index import BM25_DIR, Bm25Index
 from retrieval.fusion import interleave, reciprocal_rank_fusion
@@ -16,6 +19,7 @@ from retrieval.index_format import INDEX_FILE, PASSAGES_FILE, IndexFormatError, 
 from retrieval.passage_store import PassageStore
 
 MAX_K = 1000
+log = logging.getLogger("retrieval")
 Mode = Literal["dense", "bm25", "hybrid"]
 Fusion = Literal["interleave", "rrf"]
 MODES: tuple[str, ...] = get_args(Mode)
@@ -42,6 +46,8 @@ class EncoderMismatch(ValueError):
 
 
 def check_encoder(manifest: Manifest, encoder: BiEncoder) -> None:
+    """EncoderMismatch unless `encoder` is the index's model; a warning where its ONNX export differs
+    from the one that encoded the passages (another onnxruntime's int8 rounding, say)."""
     built, given = manifest.encoder.model_dump(), encoder.spec.to_dict()
     differences = [f"{f}: index {built[f]!r}, encoder {given[f]!r}" for f in MATCHED_FIELDS if built[f] != given[f]]
     if differences:
@@ -49,14 +55,23 @@ def check_encoder(manifest: Manifest, encoder: BiEncoder) -> None:
             f"index built with encoder {manifest.encoder.name!r} does not match encoder "
             f"{encoder.spec.name!r} ({encoder.path}): " + "; ".join(differences)
         )
-
-
-def encoder_for(manifest: Manifest, device: str = "auto", query_max_tokens: int | None = None) -> BiEncoder:
-    """The encoder an index was built with, configured as it was (the query token limit may be changed)."""
     record = manifest.encoder
+    if encoder.backend == record.backend != "torch" and encoder.export_sha256 != record.export_sha256:
+        log.warning("%s: the passages were encoded by a %s export with sha256 %s, the queries use one with %s",
+                    manifest.encoder.name, record.backend, record.export_sha256, encoder.export_sha256)
+
+
+def encoder_for(manifest: Manifest, device: str = "auto", query_max_tokens: int | None = None,
+                backend: Backend | None = None) -> BiEncoder:
+    """The encoder an index was built with, configured as it was (the query token limit and the
+    backend may be changed)."""
+    record = manifest.encoder
+    if backend is None:  # the index's own, where it can run: an ONNX-built index served on a GPU uses torch
+        backend = record.backend if resolve_device(device).type == "cpu" else "torch"
     return BiEncoder(
         record.path,
         device=device,
+        backend=backend,
         query_max_tokens=query_max_tokens or record.query_max_tokens,
         passage_max_tokens=record.passage_max_tokens,
         query_segment_id=record.query_segment_id,
@@ -89,7 +104,10 @@ class Searcher:
     `mode` picks the retriever: "dense" (the bi-encoder), "bm25" (exact match, when the index
     was built with --bm25) or "hybrid" (both, combined by `fusion`: "interleave", paper 000
     eq. 6, with `lead` deciding which list goes first; or "rrf", reciprocal rank fusion over
-    each list's top `fusion_depth`)."""
+    each list's top `fusion_depth`).
+    `mmap` memory-maps the vectors of an index kept on the CPU; `fp16` stores them as fp16 on a
+    GPU (see dense_index.load_index); each is ignored where it does not apply. Both are kept as
+    attributes, so an index loaded to replace this one can be loaded alike."""
 
     def __init__(
         self,
@@ -98,12 +116,15 @@ class Searcher:
         *,
         device: str = "auto",
         verify_checksums: bool = False,
+        mmap: bool = False,
+        fp16: bool = False,
     ) -> None:
         self.index_dir = Path(index_dir)
+        self.mmap, self.fp16 = mmap, fp16
         self.manifest = read_manifest(self.index_dir, verify_checksums=verify_checksums)
         self.encoder = encoder if encoder is not None else encoder_for(self.manifest, device)
         check_encoder(self.manifest, self.encoder)
-        self.index = dense_index.load_index(self.index_dir / INDEX_FILE, device)
+        self.index = dense_index.load_index(self.index_dir / INDEX_FILE, device, mmap=mmap, fp16=fp16)
         self.passages = PassageStore(self.index_dir / PASSAGES_FILE)
         check_rows(self.index_dir, self.manifest, self.index, self.passages)
         self.bm25 = Bm25Index(self.index_dir / BM25_DIR) if self.manifest.bm25 is not None else None

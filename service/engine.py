@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Sequence
 
 from models.encoder import QueryTokens
+from models.onnx_backend import Backend
 from models.reranker import Reranker, load_reranker, reranker_kind
 from retrieval.index_format import INDEX_FILE, PASSAGES_FILE, read_manifest
 from retrieval.rerank import rerank
@@ -77,26 +78,30 @@ class SearchEngine:
     them follows retrieval; the first one given is the default."""
 
     def __init__(self, searcher: Searcher, rerankers: dict[str, Reranker] | None = None,
-                 query_max_tokens: int | None = None) -> None:
+                 query_max_tokens: int | None = None, backend: Backend | None = None) -> None:
         self._searcher = searcher
         self.rerankers = dict(rerankers or {})
-        self.query_max_tokens = query_max_tokens  # SEARCH_QUERY_MAX_TOKENS: kept for indexes loaded later
+        # SEARCH_QUERY_MAX_TOKENS and SEARCH_BACKEND (None: the index's own), kept for indexes loaded later.
+        self.query_max_tokens, self.backend = query_max_tokens, backend
 
     @classmethod
     def open(
         cls, index_dir: Path, *, device: str = "auto", query_max_tokens: int | None = None,
-        verify_checksums: bool = True, rerankers: Sequence[Path] = (),
+        verify_checksums: bool = True, rerankers: Sequence[Path] = (), backend: Backend | None = None,
+        mmap: bool = False, fp16: bool = False,
     ) -> "SearchEngine":
-        """`rerankers`: reranker folders (see models.reranker), at most one of each kind."""
+        """`rerankers`: reranker folders (see models.reranker), at most one of each kind; `backend`:
+        the query encoder's (default: the one the index was built with), which a monoBERT reranker
+        runs on too; `mmap`, `fp16`: how the vectors are held (retrieval.dense_index.load_index)."""
         manifest = read_manifest(index_dir, verify_checksums=verify_checksums)
-        encoder = encoder_for(manifest, device, query_max_tokens)
+        encoder = encoder_for(manifest, device, query_max_tokens, backend)
         loaded: dict[str, Reranker] = {}
         for folder in rerankers:
             kind = reranker_kind(folder)
             if kind in loaded:
                 raise ValueError(f"two {kind} rerankers configured ({loaded[kind].name} and {folder}); keep one")
-            loaded[kind] = load_reranker(folder, device=device)
-        return cls(Searcher(index_dir, encoder, device=device), loaded, query_max_tokens)
+            loaded[kind] = load_reranker(folder, device=device, backend=encoder.backend)
+        return cls(Searcher(index_dir, encoder, device=device, mmap=mmap, fp16=fp16), loaded, query_max_tokens, backend)
 
     @property
     def searcher(self) -> Searcher:
@@ -187,17 +192,20 @@ class SearchEngine:
         device = str(current.encoder.device)  # "cpu", "cuda" or "cuda:N": the device it was given
         try:
             manifest = read_manifest(index_dir, verify_checksums=verify_checksums)
-            try:
-                return Searcher(index_dir, current.encoder, device=device)
-            except EncoderMismatch:  # the new index was built with another model: load that one
-                return Searcher(index_dir, encoder_for(manifest, device, self.query_max_tokens), device=device)
+            if current.encoder.backend == (self.backend or manifest.encoder.backend):
+                try:
+                    return Searcher(index_dir, current.encoder, device=device, mmap=current.mmap, fp16=current.fp16)
+                except EncoderMismatch:  # the new index was built with another model: load that one
+                    pass
+            encoder = encoder_for(manifest, device, self.query_max_tokens, self.backend)
+            return Searcher(index_dir, encoder, device=device, mmap=current.mmap, fp16=current.fp16)
         except Exception as error:  # noqa: BLE001 - whatever failed, the old index must keep serving
             raise ReloadError(f"{index_dir}: {error}") from error
 
     def install(self, candidate: Searcher) -> None:
         """Warm `candidate` up with a real query, then make it the serving searcher in one assignment."""
         try:
-            SearchEngine(candidate, self.rerankers, self.query_max_tokens).warm_up()
+            SearchEngine(candidate, self.rerankers, self.query_max_tokens, self.backend).warm_up()
         except Exception as error:  # noqa: BLE001
             raise ReloadError(f"{candidate.index_dir}: warm-up query failed: {error}") from error
         self._searcher = candidate
@@ -214,5 +222,6 @@ class SearchEngine:
             "dimension": manifest.dimension,
             "built_at": manifest.built_at,
             "bm25": manifest.bm25 is not None,
+            "backend": searcher.encoder.backend,
             "rerankers": {kind: model.name for kind, model in self.rerankers.items()},
         }

@@ -70,7 +70,8 @@ class Runtime:
         try:
             engine = SearchEngine.open(
                 settings.index_dir, device=settings.device, query_max_tokens=settings.query_max_tokens,
-                verify_checksums=settings.verify_checksums, rerankers=settings.rerankers,
+                verify_checksums=settings.verify_checksums, rerankers=settings.rerankers, backend=settings.backend,
+                mmap=settings.index_mmap, fp16=settings.gpu_fp16,
             )
             engine.warm_up()
             self.engine = engine

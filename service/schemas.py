@@ -115,6 +115,7 @@ class IndexInfo(BaseModel):
     dimension: int
     built_at: str
     bm25: bool
+    backend: str  # what encodes the queries: torch, onnx or onnx-int8
     rerankers: dict[str, str]  # kind -> checkpoint folder name
 
 

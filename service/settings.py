@@ -7,6 +7,8 @@ from pathlib import Path
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from models.onnx_backend import Backend
+
 
 class ServiceSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="SEARCH_", extra="ignore")
@@ -14,8 +16,21 @@ class ServiceSettings(BaseSettings):
     index_dir: Path = Field(Path("indexes/demo"), description="index directory served at start-up")
     index_root: Path | None = Field(None, description="folder /admin/reload may load from (default: index_dir's parent)")
     device: str = Field("auto", description="auto, cpu, cuda or cuda:N, for the encoder and FAISS")
+    backend: Backend | None = Field(
+        None, description="the query encoder's: torch, or ONNX Runtime on the CPU (onnx; onnx-int8: int8 weights), "
+        "exported once into $XDG_CACHE_HOME/dense-search/onnx; default: the one the index was built with",
+    )
     query_max_tokens: int | None = Field(None, ge=1, description="override the index's query token limit")
     verify_checksums: bool = Field(True, description="check the index files' sha256 against the manifest on load")
+    index_mmap: bool = Field(
+        False, description="on the CPU, memory-map the index's vectors instead of reading them into the process: "
+        "start-up reads no vectors (verify_checksums still reads the file once, into the page cache) and replicas "
+        "on one host share them through the page cache; ignored on a GPU",
+    )
+    gpu_fp16: bool = Field(
+        False, description="on a GPU, store the index's vectors as fp16: half the GPU memory, scores within about "
+        "1e-3 of fp32 and the top hits nearly always the same; ignored on the CPU",
+    )
     rerankers: list[Path] = Field(
         default_factory=list,
         description="reranker folders as a JSON list, at most one per kind (monobert, coattention, generative); "

@@ -9,6 +9,7 @@ import torch
 
 from models.encoder import BiEncoder
 from retrieval import dense_index
+from retrieval.index_format import INDEX_FILE
 from retrieval.searcher import Searcher
 
 pytestmark = [
@@ -45,3 +46,20 @@ def test_searcher_on_gpu_equals_searcher_on_cpu(small_index):
     on_cpu = Searcher(small_index, device="cpu")
     query = "Evaluate an expression node or a string containing only a Python expression."
     assert [h.id for h in on_gpu.search(query, 10)][:5] == [h.id for h in on_cpu.search(query, 10)][:5]
+
+
+def test_fp16_storage_returns_the_fp32_top_10_with_scores_within_1e_3(small_index, encoder, demo_queries):
+    """SEARCH_GPU_FP16 against fp32 on the CPU, for the same query vectors. Two hits whose fp32 scores
+    lie closer than fp16 can tell apart may swap (measured on the CPU, rounding vectors and queries to
+    fp16: scores within 1e-4, and 5 of 400 demo queries reorder such a near tie), so each hit must
+    hold an fp32 score within 1e-3 of its rank's."""
+    vectors = encoder.encode_queries(list(demo_queries.values()))
+    exact = dense_index.load_index(small_index / INDEX_FILE, "cpu")
+    scores, rows = dense_index.search(exact, vectors, 10)
+    every_score = vectors @ exact.reconstruct_n(0, exact.ntotal).T
+    # mmap is ignored on a GPU: the copy there reads every vector anyway
+    fp16 = Searcher(small_index, encoder, device="cuda", mmap=True, fp16=True)
+    half_scores, half_rows = dense_index.search(fp16.index, vectors, 10)
+    np.testing.assert_allclose(half_scores, scores, atol=1e-3)
+    np.testing.assert_allclose(np.take_along_axis(every_score, half_rows, axis=1), scores, atol=1e-3)
+    assert (half_rows == rows).all(axis=1).mean() >= 0.95

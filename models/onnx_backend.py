@@ -1,0 +1,114 @@
+"""ONNX Runtime under an encoder's or a cross-encoder's transformer, on the CPU, where it runs a
+short query 2-3x faster than torch eager. The same weights, exported once by torch's exporter and
+cached by their checksum; `onnx-int8` also quantises the linear layers' weights to int8 (ONNX
+Runtime's dynamic quantisation). Tokenisation, pooling, normalisation and heads stay with the caller,
+so every backend feeds and reads the transformer the same way."""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Literal, get_args
+
+import numpy as np
+import torch
+
+Backend = Literal["torch", "onnx", "onnx-int8"]
+BACKENDS: tuple[str, ...] = get_args(Backend)
+INPUTS = ("input_ids", "attention_mask", "token_type_ids")
+EXPORT_VERSION = 1  # part of the cache folder's name: raise it when the export or the quantisation changes
+
+
+def default_cache() -> Path:
+    """Where exports are kept unless a folder is given: $XDG_CACHE_HOME (or ~/.cache)/dense-search/onnx."""
+    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(root) / "dense-search" / "onnx"
+
+
+def check_backend(backend: str, device: torch.device) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    if backend != "torch" and device.type != "cpu":
+        raise ValueError(f"backend {backend!r} runs on the CPU only; on {device} use the torch backend")
+
+
+class _Outputs(torch.nn.Module):
+    """The model with the three inputs by position and one output: what the exporter traces."""
+
+    def __init__(self, model: torch.nn.Module, output: str) -> None:
+        super().__init__()
+        self.model, self.output = model, output
+
+    def forward(self, input_ids, attention_mask, token_type_ids):
+        outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids)
+        return getattr(outputs, self.output)
+
+
+def _export(model: torch.nn.Module, output: str, file: Path) -> None:
+    example = torch.tensor([[101, 2023, 2003, 102], [101, 2023, 102, 0]])
+    mask = (example != 0).long()
+    axes = {name: {0: "batch", 1: "tokens"} for name in INPUTS}
+    axes[output] = {0: "batch"} if output == "logits" else {0: "batch", 1: "tokens"}
+    # The tracer warns of shape-dependent branches in the attention code; with the mask always given
+    # they take one side for every shape (tests compare outputs across batch shapes).
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(_Outputs(model.float().eval(), output), (example, mask, torch.zeros_like(example)),
+                          str(file), input_names=list(INPUTS), output_names=[output], dynamic_axes=axes,
+                          opset_version=17, dynamo=False)
+
+
+def exported(model: torch.nn.Module, weights_sha256: str, backend: Backend, output: str,
+             cache: Path | None = None) -> Path:
+    """The ONNX file of `model` for `backend` (exported on first use, then reused): one folder per
+    weights checksum and output, written under a temporary name and renamed, so processes that
+    export at once never read half a file."""
+    folder = (cache or default_cache()) / f"{weights_sha256[:16]}-{output}-v{EXPORT_VERSION}"
+    fp32 = folder / "model.onnx"
+    target = fp32 if backend == "onnx" else folder / "model-int8.onnx"
+    if target.is_file():
+        return target
+    folder.mkdir(parents=True, exist_ok=True)
+    if not fp32.is_file():
+        with tempfile.TemporaryDirectory(dir=folder) as scratch:
+            _export(model, output, Path(scratch) / "model.onnx")
+            os.replace(Path(scratch) / "model.onnx", fp32)
+    if backend == "onnx-int8":
+        from onnxruntime.quantization import QuantType, quantize_dynamic
+
+        with tempfile.TemporaryDirectory(dir=folder) as scratch:
+            # Per-channel scales, matrix products only, 7-bit weights: the embedding keeps a cosine of
+            # 0.98-0.996 to fp32 on test queries, against 0.90-0.97 with per-tensor scales (the default).
+            quiet = logging.getLogger().level
+            logging.getLogger().setLevel(logging.ERROR)  # it advises a pre-processing pass on the root logger
+            try:
+                quantize_dynamic(fp32, Path(scratch) / "model.onnx", weight_type=QuantType.QInt8, per_channel=True,
+                                 reduce_range=True, op_types_to_quantize=["MatMul"])
+            finally:
+                logging.getLogger().setLevel(quiet)
+            os.replace(Path(scratch) / "model.onnx", target)
+    return target
+
+
+class OnnxTransformer:
+    """Called as the torch model's forward is, with token tensors on the CPU; returns the one
+    exported output (hidden states, or a classifier's logits) as a float32 tensor."""
+
+    def __init__(self, file: Path, threads: int | None = None) -> None:
+        import onnxruntime
+
+        options = onnxruntime.SessionOptions()
+        options.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_ENABLE_ALL
+        if threads:
+            options.intra_op_num_threads = threads
+        self.file = file
+        self.session = onnxruntime.InferenceSession(str(file), options, providers=["CPUExecutionProvider"])
+
+    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                 token_type_ids: torch.Tensor) -> torch.Tensor:
+        feed = {name: np.ascontiguousarray(tensor.numpy(), dtype=np.int64)
+                for name, tensor in zip(INPUTS, (input_ids, attention_mask, token_type_ids))}
+        return torch.from_numpy(self.session.run(None, feed)[0])

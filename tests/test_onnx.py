@@ -1,0 +1,85 @@
+"""The ONNX Runtime backend: the same embeddings and scores as torch (fp32), the same top-10, an int8
+index that says it is int8 and is served as such, and refusals where it cannot run."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from index_builder.build import BuildOptions, build_index
+from models.cross_encoder import CrossEncoder
+from models.encoder import BiEncoder
+from models.reranker import load_reranker
+from retrieval.index_format import read_manifest
+from retrieval.searcher import Searcher
+from service.engine import SearchEngine
+from tests.conftest import demo_corpus_head
+from tests.test_cross_encoder import PASSAGES, QUERY, tiny_bert
+
+
+@pytest.fixture(scope="module")
+def onnx_cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("onnx-cache")
+
+
+@pytest.fixture(scope="module")
+def onnx_encoder(onnx_cache) -> BiEncoder:
+    return BiEncoder(device="cpu", backend="onnx", onnx_cache=onnx_cache)
+
+
+def test_onnx_embeddings_equal_torchs_on_the_demo_passages_and_queries(encoder, onnx_encoder, small_corpus,
+                                                                        demo_queries):
+    passages = [line.split("\t", 1)[1] for line in small_corpus.read_text(encoding="utf-8").splitlines()[:96]]
+    np.testing.assert_allclose(onnx_encoder.encode_passages(passages), encoder.encode_passages(passages), atol=1e-4)
+    queries = list(demo_queries.values())[:64]
+    np.testing.assert_allclose(onnx_encoder.encode_queries(queries), encoder.encode_queries(queries), atol=1e-4)
+
+
+def test_onnx_queries_find_torchs_top_10_on_a_torch_built_index(searcher, small_index, onnx_encoder, demo_queries):
+    onnx_searcher = Searcher(small_index, onnx_encoder)
+    queries = list(demo_queries.values())[:100]
+    for expected, found in zip(searcher.batch_search(queries, 10), onnx_searcher.batch_search(queries, 10)):
+        assert [hit.id for hit in found] == [hit.id for hit in expected]
+        np.testing.assert_allclose([hit.score for hit in found], [hit.score for hit in expected], atol=1e-4)
+
+
+def test_the_export_is_made_once_and_reused(onnx_encoder, onnx_cache):
+    files = sorted(path.relative_to(onnx_cache) for path in onnx_cache.rglob("*.onnx"))
+    assert len(files) == 1
+    again = BiEncoder(device="cpu", backend="onnx", onnx_cache=onnx_cache)
+    assert again._transformer.file == onnx_encoder._transformer.file
+    assert sorted(path.relative_to(onnx_cache) for path in onnx_cache.rglob("*.onnx")) == files
+
+
+def test_an_int8_index_records_it_and_is_served_with_int8_queries(tmp_path, onnx_cache, demo_queries, demo_qrels):
+    corpus = demo_corpus_head(tmp_path, 120)
+    int8 = BiEncoder(device="cpu", backend="onnx-int8", onnx_cache=onnx_cache)
+    build_index(BuildOptions(corpus, tmp_path / "int8", chunk_size=64), int8)
+    record = read_manifest(tmp_path / "int8").encoder
+    assert (record.backend, record.export_sha256) == ("onnx-int8", int8.export_sha256)
+    engine = SearchEngine.open(tmp_path / "int8", device="cpu")
+    assert engine.searcher.encoder.backend == "onnx-int8"
+    # Close to fp32, not equal: int8 weights move every vector a little.
+    fp32 = BiEncoder(device="cpu", backend="onnx", onnx_cache=onnx_cache)
+    queries = list(demo_queries.values())[:32]
+    cosines = (int8.encode_queries(queries) * fp32.encode_queries(queries)).sum(axis=1)
+    assert cosines.min() > 0.95 and not np.allclose(cosines, 1.0, atol=1e-4)
+    # The int8 index still finds what it should: the judged passage of the queries it holds, near the top.
+    held = {row[0] for row in (line.split("\t") for line in corpus.read_text(encoding="utf-8").splitlines())}
+    judged = [(demo_queries[q], passage) for q, passage in demo_qrels.items() if passage in held]
+    ranks = [next((h.rank for h in engine.search(query, 10).hits if h.id == passage), None) for query, passage in judged]
+    assert judged and sum(rank is not None for rank in ranks) >= 0.8 * len(judged)
+    # Asked for, torch still serves the same index.
+    assert SearchEngine.open(tmp_path / "int8", device="cpu", backend="torch").searcher.encoder.backend == "torch"
+
+
+def test_onnx_cross_encoder_scores_equal_torchs(tmp_path, onnx_cache):
+    folder = tiny_bert(tmp_path / "tiny-monobert")
+    torch_scores = CrossEncoder(folder, device="cpu").score(QUERY, PASSAGES)
+    onnx_scores = load_reranker(folder, device="cpu", backend="onnx").score(QUERY, PASSAGES)
+    np.testing.assert_allclose(onnx_scores, torch_scores, atol=1e-5)
+
+
+def test_a_backend_that_cannot_run_is_refused_naming_it():
+    with pytest.raises(ValueError, match="backend must be one of torch, onnx, onnx-int8"):
+        BiEncoder(device="cpu", backend="tensorrt")
