@@ -37,14 +37,18 @@ def default_model_path() -> Path:
     return Path(next(iter(spec.submodule_search_locations))) / "model"
 
 
-@dataclass(frozen=True)
-class QueryTokens:
-    """A query tokenized once (`BiEncoder.tokenize_query`), where it is checked, and encoded from these
-    ids later (`BiEncoder.encode_tokens`) without tokenizing it again."""
+InputType = Literal["query", "passage"]
 
-    ids: list[int]  # cut at the query token limit, as encode_queries cuts
+
+@dataclass(frozen=True)
+class Tokens:
+    """A text tokenized once (`BiEncoder.tokenize`), where it is checked, and encoded from these ids
+    later (`BiEncoder.encode_tokens`) without tokenizing it again."""
+
+    ids: list[int]  # cut at the token limit of its input type, as encode_queries / encode_passages cut
     count: int  # tokens before the cut, special tokens included
-    encoder: "BiEncoder" = field(repr=False, compare=False)  # whose tokenizer and limit made `ids`
+    input_type: InputType
+    encoder: "BiEncoder" = field(repr=False, compare=False)  # whose tokenizer and limits made `ids`
 
 
 @dataclass(frozen=True)
@@ -170,23 +174,30 @@ class BiEncoder:
 
     def query_tokens(self, query: str) -> int:
         """How many tokens `query` has, special tokens included, before any truncation."""
-        return self.tokenize_query(query).count
+        return self.tokenize(query).count
 
-    def tokenize_query(self, query: str) -> QueryTokens:
-        """`query`'s ids as `encode_queries` would feed them, and its length before the cut. One call
-        of the tokenizer unless the query is over the limit (the tokenizer then cuts it its own way)."""
-        limit = self.spec.query_max_tokens
-        ids = self.tokenizer(query, truncation=False)["input_ids"]
+    def token_limit(self, input_type: InputType) -> int:
+        return self.spec.query_max_tokens if input_type == "query" else self.spec.passage_max_tokens
+
+    def tokenize(self, text: str, input_type: InputType = "query") -> Tokens:
+        """`text`'s ids as `encode_queries` (or `encode_passages`) would feed them, and its length before
+        the cut. One call of the tokenizer unless the text is over the limit (it then cuts it its own way)."""
+        limit = self.token_limit(input_type)
+        ids = self.tokenizer(text, truncation=False)["input_ids"]
         count = len(ids)
         if count > limit:
-            ids = self.tokenizer(query, truncation=True, max_length=limit)["input_ids"]
-        return QueryTokens(ids, count, self)
+            ids = self.tokenizer(text, truncation=True, max_length=limit)["input_ids"]
+        return Tokens(ids, count, input_type, self)
 
-    def encode_tokens(self, queries: Sequence[QueryTokens]) -> np.ndarray:
-        """`encode_queries` of the queries `tokenize_query` made (by this encoder)."""
-        if any(query.encoder is not self for query in queries):
-            raise ValueError("queries tokenized by another encoder")
-        return self._encode_ids([query.ids for query in queries], self.spec.query_segment_id)
+    def encode_tokens(self, texts: Sequence[Tokens]) -> np.ndarray:
+        """`encode_queries` (or `encode_passages`) of texts `tokenize` made (by this encoder, one input type)."""
+        if any(text.encoder is not self for text in texts):
+            raise ValueError("texts tokenized by another encoder")
+        kinds = {text.input_type for text in texts}
+        if len(kinds) > 1:
+            raise ValueError("queries and passages in one call: encode them apart")
+        segment = self.spec.passage_segment_id if kinds == {"passage"} else self.spec.query_segment_id
+        return self._encode_ids([text.ids for text in texts], segment)
 
     def encode_passages(self, passages: Sequence[str], progress: tqdm | None = None) -> np.ndarray:
         """(len(passages), dimension) float32 embeddings; `progress` advances by each batch's size."""

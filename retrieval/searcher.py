@@ -10,7 +10,7 @@ from typing import Literal, Sequence, get_args
 import numpy as np
 
 from models.checkpoint import resolve_device
-from models.encoder import BiEncoder, QueryTokens
+from models.encoder import BiEncoder, Tokens
 from models.onnx_backend import Backend
 from retrieval import dense_index
 from retrieval.bm25_index import BM25_DIR, Bm25Index
@@ -157,7 +157,7 @@ class Searcher:
             return "cosine" if self.manifest.similarity == "cosine" else "inner_product"
         return "bm25" if mode == "bm25" else fusion
 
-    def encode(self, queries: Sequence[str], tokens: Sequence[QueryTokens] | None = None) -> np.ndarray:
+    def encode(self, queries: Sequence[str], tokens: Sequence[Tokens] | None = None) -> np.ndarray:
         """The queries' vectors; from `tokens` (the queries tokenized) where this encoder made them:
         an index reloaded since with another model tokenizes afresh."""
         if tokens is not None and all(query.encoder is self.encoder for query in tokens):

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Quality of each encoder backend (torch, onnx, onnx-int8) on Cranfield and on the SciFact dev
 # split (the recipe's seeded 20%): one index per collection and backend, passages and queries
-# encoded by that backend, nDCG@10 of dense retrieval.
+# encoded by that backend, nDCG@10 of dense retrieval; then int8 queries over the torch index
+# (SEARCH_BACKEND=onnx-int8 over an fp32 index: the service's fast query path, passages exact).
 #
 #   bash scripts/backends.sh            -> $WORK/{cranfield,scifact}-BACKEND/ and $WORK/table.txt
 #
@@ -41,4 +42,6 @@ for entry in "${collections[@]}"; do
         $PY -m index_builder eval --index "$index" --queries "$queries" --qrels "$qrels" --modes dense --k 100 \
             --device cpu | sed "s/^/$name $backend  /" | tee -a "$WORK/table.txt"
     done
+    $PY -m index_builder eval --index "$WORK/$name-torch" --queries "$queries" --qrels "$qrels" --modes dense --k 100 \
+        --device cpu --backend onnx-int8 | sed "s/^/$name torch-index int8-queries  /" | tee -a "$WORK/table.txt"
 done

@@ -16,7 +16,8 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from service.errors import Overloaded, send_error
 
-SEARCH_PATHS = frozenset({"/search", "/search/batch"})
+# The routes that run a model: the ones the cap counts.
+MODEL_PATHS = frozenset({"/search", "/search/batch", "/v1/embeddings", "/rerank"})
 
 
 class Occupancy:
@@ -34,7 +35,7 @@ class Admission:
         self.app, self.occupancy, self.retry_after_s, self.on_reject = app, occupancy, retry_after_s, on_reject
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["path"] not in SEARCH_PATHS:
+        if scope["type"] != "http" or scope["path"] not in MODEL_PATHS:
             return await self.app(scope, receive, send)
         occupancy = self.occupancy
         if occupancy.in_flight >= occupancy.cap:

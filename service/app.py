@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import functools
 import hmac
 import logging
@@ -15,6 +16,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic_core import to_json
 
+from models.reranker import reranker_kind
 from service import errors, limits
 from service.admission import Admission
 from service.engine import ReloadError, SearchEngine, SearchPlan
@@ -24,8 +26,12 @@ from service.runtime import Runtime
 from service.schemas import (
     BatchSearchRequest,
     BatchSearchResponse,
+    EmbeddingsRequest,
+    EmbeddingsResponse,
     IndexInfo,
     ReloadRequest,
+    RerankRequest,
+    RerankResponse,
     SearchRequest,
     SearchResponse,
     Stats,
@@ -108,6 +114,20 @@ def _spec_with_limits(app: FastAPI, spec, settings: ServiceSettings) -> dict:
         queries = schemas["BatchSearchRequest"]["properties"]["queries"]
         queries["maxItems"] = settings.max_batch_queries
         queries["items"]["maxLength"] = settings.max_query_chars
+        one, many = schemas["EmbeddingsRequest"]["properties"]["input"]["anyOf"]
+        one["maxLength"] = many["items"]["maxLength"] = settings.max_query_chars
+        many.update(minItems=1, maxItems=settings.max_batch_queries)
+        if "RerankRequest" in schemas:  # in the spec only with a reranker configured
+            fields = schemas["RerankRequest"]["properties"]
+            # A reranker the service has, or none for the default: a kind it lacks is a 400.
+            fields["model"] = {"anyOf": [{"type": "string", "enum": [reranker_kind(f) for f in settings.rerankers]},
+                                         {"type": "null"}], "default": None, "description": "a configured reranker's kind"}
+            fields["query"]["maxLength"] = settings.max_query_chars
+            fields["texts"].update(maxItems=settings.max_rerank_depth)
+            fields["texts"]["items"]["maxLength"] = settings.max_query_chars
+            fields["documents"].update(maxItems=settings.max_rerank_depth)
+            text, document = fields["documents"]["items"]["anyOf"]
+            text["maxLength"] = schemas["RerankDocument"]["properties"]["text"]["maxLength"] = settings.max_query_chars
     return app.openapi_schema
 
 
@@ -207,6 +227,48 @@ def create_app(settings: ServiceSettings | None = None, engine: SearchEngine | N
         results = await runtime.search_batch(request.queries, plan(settings, engine, request), tokens)
         return _json({"results": [{"query": r.query, "results": r.hits} for r in results],
                       "score_kind": results[0].score_kind, "latency_ms": results[0].timings.as_dict()})
+
+    @app.post("/v1/embeddings", response_model=EmbeddingsResponse, dependencies=protected,
+              responses=responses(), summary="OpenAI's embeddings API, by the served index's encoder")
+    async def embeddings(request: EmbeddingsRequest) -> Response:
+        texts = [request.input] if isinstance(request.input, str) else request.input
+        if not texts:
+            raise OverLimit(("input",), "input must hold at least one text")
+        limits.check_batch(settings, texts, "input")
+        engine = runtime.ready_engine()
+        tokens = [engine.tokenize(text, request.truncate, ("input", position), request.input_type)
+                  for position, text in enumerate(texts)]
+        used = sum(len(text.ids) for text in tokens)
+        limits.check_batch_tokens(settings, used, "input")
+        vectors = await runtime.embed(texts, tokens)
+        if request.encoding_format == "base64":
+            data = [base64.b64encode(vector.astype("<f4").tobytes()).decode() for vector in vectors]
+        else:
+            data = vectors.tolist()
+        return _json({"object": "list", "model": engine.searcher.manifest.encoder.name,
+                      "data": [{"object": "embedding", "index": i, "embedding": e} for i, e in enumerate(data)],
+                      "usage": {"prompt_tokens": used, "total_tokens": used}})
+
+    @app.post("/rerank", response_model=RerankResponse, dependencies=protected, include_in_schema=bool(settings.rerankers),
+              responses=responses({400: "no reranker is configured, or not the one asked for"}),
+              summary="rescore passages against a query (text-embeddings-inference's and Cohere's shape)")
+    async def rerank(request: RerankRequest) -> Response:
+        limits.check_query(settings, request.query)
+        if (request.texts is None) == (request.documents is None):
+            raise OverLimit(("texts",), "send the passages as texts or as documents (one of them)")
+        field = "texts" if request.texts is not None else "documents"
+        texts = request.texts if request.texts is not None else [
+            text if isinstance(text, str) else text.text for text in request.documents]
+        limits.check_documents(settings, texts, field)
+        engine = runtime.ready_engine()
+        scores = await runtime.rescore(request.query, texts, request.model)
+        kind = request.model or engine.default_reranker
+        order = sorted(range(len(texts)), key=lambda i: -float(scores[i]))[: request.top_n]
+        show = request.return_documents or request.return_text
+        return _json({"object": "rerank", "model": engine.rerankers[kind].name,
+                      "score_kind": engine.rerankers[kind].score_kind,
+                      "results": [{"index": i, "relevance_score": float(scores[i]),
+                                   **({"document": {"text": texts[i]}} if show else {})} for i in order]})
 
     @app.get("/metrics", dependencies=protected, response_class=Response,
              responses={200: {"content": {CONTENT_TYPE_LATEST: {}}, "description": "Prometheus text format"},

@@ -10,11 +10,11 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, replace
 from typing import Callable
 
-from models.encoder import QueryTokens
+from models.encoder import Tokens
 from service.engine import SearchPlan, SearchResult
 
 # One result per query, e.g. SearchEngine.run; the tokens are None unless every query came with its own.
-RunBatch = Callable[[list[str], SearchPlan, list[QueryTokens] | None], list[SearchResult]]
+RunBatch = Callable[[list[str], SearchPlan, list[Tokens] | None], list[SearchResult]]
 
 
 @dataclass
@@ -24,7 +24,7 @@ class _Pending:
     future: asyncio.Future  # cancelled when its client has gone: dropped before it reaches the model
     arrived: float
     behind: bool  # arrived while the model was running a batch
-    tokens: QueryTokens | None  # tokenized where it was checked; its ids are its share of the token budget
+    tokens: Tokens | None  # tokenized where it was checked; its ids are its share of the token budget
 
     @property
     def cost(self) -> int:
@@ -64,7 +64,7 @@ class MicroBatcher:
         """Requests queued for the model (not yet in a running batch)."""
         return (self._queue.qsize() if self._queue is not None else 0) + (self._held is not None)
 
-    async def search(self, query: str, plan: SearchPlan, *, tokens: QueryTokens | None = None) -> SearchResult:
+    async def search(self, query: str, plan: SearchPlan, *, tokens: Tokens | None = None) -> SearchResult:
         """`query` run by `plan` (checked by SearchEngine.plan), in a batch with others of the same plan
         but for k; `tokens`: the query tokenized, so the model thread does not tokenize it again."""
         loop = asyncio.get_running_loop()

@@ -8,7 +8,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Sequence
 
-from models.encoder import QueryTokens
+import numpy as np
+
+from models.encoder import InputType, Tokens
 from models.onnx_backend import Backend
 from models.reranker import Reranker, load_reranker, reranker_kind
 from retrieval.index_format import INDEX_FILE, PASSAGES_FILE, read_manifest
@@ -133,15 +135,35 @@ class SearchEngine:
             raise NotServable(f"mode: {error}") from None
         return plan
 
-    def tokenize(self, query: str, truncate: bool = True, field: tuple = ("query",)) -> QueryTokens:
-        """`query` tokenized for the serving encoder; with `truncate` false, a query over the query
-        token limit is an OverLimit naming `field` instead of being cut."""
-        tokens = self._searcher.encoder.tokenize_query(query)
-        limit = self._searcher.encoder.spec.query_max_tokens
+    def tokenize(self, text: str, truncate: bool = True, field: tuple = ("query",),
+                 input_type: InputType = "query") -> Tokens:
+        """`text` tokenized for the serving encoder as a query (or passage); with `truncate` false, a
+        text over its token limit is an OverLimit naming `field` instead of being cut."""
+        encoder = self._searcher.encoder
+        tokens = encoder.tokenize(text, input_type)
+        limit = encoder.token_limit(input_type)
         if not truncate and tokens.count > limit:
-            raise OverLimit(field, f"query is {tokens.count} tokens, over the query token limit of {limit} (the "
-                                   "index's query_max_tokens, or SEARCH_QUERY_MAX_TOKENS); send truncate: true to cut it")
+            source = "query_max_tokens, or SEARCH_QUERY_MAX_TOKENS" if input_type == "query" else "passage_max_tokens"
+            raise OverLimit(field, f"{input_type} is {tokens.count} tokens, over the {input_type} token limit of "
+                                   f"{limit} (the index's {source}); send truncate: true to cut it")
         return tokens
+
+    def embed(self, texts: Sequence[str], tokens: Sequence[Tokens]) -> np.ndarray:
+        """The serving encoder's vectors of `texts` (`tokens`: them tokenized by `tokenize`, all of one
+        input type), as the index holds them: an index reloaded since tokenizes them afresh."""
+        encoder = self._searcher.encoder
+        if any(text.encoder is not encoder for text in tokens):
+            tokens = [encoder.tokenize(text, tokens[0].input_type) for text in texts]
+        return encoder.encode_tokens(tokens)
+
+    def rescore(self, query: str, texts: Sequence[str], reranker: str | None = None) -> np.ndarray:
+        """One score per text by a configured reranker (a kind; default: the first): NotServable
+        where none is configured or that kind is not."""
+        if not self.rerankers:
+            raise NotServable("no reranker is configured on this service (set SEARCH_RERANKERS)")
+        if reranker is not None and reranker not in self.rerankers:
+            raise NotServable(f"model: {reranker!r} is not configured here; configured: {', '.join(self.rerankers)}")
+        return self.rerankers[reranker or self.default_reranker].score(query, list(texts))
 
     def search(self, query: str, k: int, **options) -> SearchResult:
         return self.search_batch([query], k, **options)[0]
@@ -151,7 +173,7 @@ class SearchEngine:
         return self.run(queries, self.plan(k, **options))
 
     def run(self, queries: Sequence[str], plan: SearchPlan,
-            tokens: Sequence[QueryTokens] | None = None) -> list[SearchResult]:
+            tokens: Sequence[Tokens] | None = None) -> list[SearchResult]:
         """All queries through one encoder forward pass and one search of each index, then the
         rerank the plan asks for; `tokens`: the queries already tokenized (`tokenize`)."""
         searcher = self._searcher

@@ -32,10 +32,10 @@ def check_query(settings: ServiceSettings, query: str, field: tuple = ("query",)
         )
 
 
-def check_batch_tokens(settings: ServiceSettings, tokens: int) -> None:
+def check_batch_tokens(settings: ServiceSettings, tokens: int, field: str = "queries") -> None:
     if tokens > settings.max_batch_tokens:
-        raise OverLimit(("queries",), f"the queries are {tokens} tokens in all, over the max_batch_tokens limit of "
-                                   f"{settings.max_batch_tokens} (SEARCH_MAX_BATCH_TOKENS): send fewer at a time")
+        raise OverLimit((field,), f"the {field} are {tokens} tokens in all, over the max_batch_tokens limit of "
+                                  f"{settings.max_batch_tokens} (SEARCH_MAX_BATCH_TOKENS): send fewer at a time")
 
 
 def check_k(settings: ServiceSettings, k: int) -> None:
@@ -43,15 +43,30 @@ def check_k(settings: ServiceSettings, k: int) -> None:
         raise OverLimit(("k",), f"k={k} is over the max_k limit of {settings.max_k} (SEARCH_MAX_K)", k)
 
 
-def check_batch(settings: ServiceSettings, queries: list[str]) -> None:
+def check_batch(settings: ServiceSettings, queries: list[str], field: str = "queries") -> None:
     if len(queries) > settings.max_batch_queries:
         raise OverLimit(
-            ("queries",),
-            f"{len(queries)} queries, over the max_batch_queries limit of {settings.max_batch_queries} "
+            (field,),
+            f"{len(queries)} {field}, over the max_batch_queries limit of {settings.max_batch_queries} "
             "(SEARCH_MAX_BATCH_QUERIES)",
         )
     for position, query in enumerate(queries):
-        check_query(settings, query, ("queries", position))
+        check_query(settings, query, (field, position))
+
+
+def check_documents(settings: ServiceSettings, documents: list[str], field: str) -> None:
+    """Passages sent to be reranked: at most max_rerank_depth of them, each valid Unicode text of at most
+    max_query_chars characters (an abuse guard: the reranker cuts them at its token limit)."""
+    if len(documents) > settings.max_rerank_depth:
+        raise OverLimit((field,), f"{len(documents)} {field}, over the max_rerank_depth limit of "
+                                  f"{settings.max_rerank_depth} (SEARCH_MAX_RERANK_DEPTH)")
+    for position, text in enumerate(documents):
+        reason = unencodable(text)
+        if reason:
+            raise OverLimit((field, position), f"the text {reason}")
+        if len(text) > settings.max_query_chars:
+            raise OverLimit((field, position), f"the text is {len(text)} characters, over the max_query_chars limit "
+                                               f"of {settings.max_query_chars} (SEARCH_MAX_QUERY_CHARS)")
 
 
 class _TooLarge(BaseException):

@@ -10,7 +10,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Sequence
 
-from models.encoder import QueryTokens
+import numpy as np
+
+from models.encoder import Tokens
 from service.admission import Occupancy
 from service.batcher import MicroBatcher
 from service.engine import SearchEngine, SearchPlan, SearchResult
@@ -47,7 +49,7 @@ class Runtime:
             # both run torch fight over the cores (measured: 12 ms per query on one thread, 30 ms on two).
             self.executor.submit(engine.warm_up).result()
 
-    def _run(self, queries: list[str], plan: SearchPlan, tokens: list[QueryTokens] | None) -> list[SearchResult]:
+    def _run(self, queries: list[str], plan: SearchPlan, tokens: list[Tokens] | None) -> list[SearchResult]:
         return self.engine.run(queries, plan, tokens)
 
     def ready_engine(self) -> SearchEngine:
@@ -80,7 +82,7 @@ class Runtime:
             self.load_error = f"loading {settings.index_dir} failed: {str(error) or type(error).__name__}"
             log.error(self.load_error)
 
-    async def search(self, query: str, plan: SearchPlan, tokens: QueryTokens) -> SearchResult:
+    async def search(self, query: str, plan: SearchPlan, tokens: Tokens) -> SearchResult:
         """One query, micro-batched with others unless SEARCH_MICROBATCH is off; cancelling the call
         drops the query from the queue if it has not reached the model yet."""
         if self.settings.microbatch:
@@ -91,13 +93,19 @@ class Runtime:
         return result
 
     async def search_batch(self, queries: Sequence[str], plan: SearchPlan,
-                           tokens: Sequence[QueryTokens]) -> list[SearchResult]:
+                           tokens: Sequence[Tokens]) -> list[SearchResult]:
         """A client's batch: one run of its own, never fused with others."""
         results = await self._on_model_thread(self.ready_engine().run, list(queries), plan, list(tokens))
         self.monitor.observe_batch(len(results))
         for result in results:
             self.monitor.observe_search(result.timings, plan.reranker)
         return results
+
+    async def embed(self, texts: Sequence[str], tokens: Sequence[Tokens]) -> np.ndarray:
+        return await self._on_model_thread(self.ready_engine().embed, list(texts), list(tokens))
+
+    async def rescore(self, query: str, texts: Sequence[str], reranker: str | None) -> np.ndarray:
+        return await self._on_model_thread(self.ready_engine().rescore, query, list(texts), reranker)
 
     async def reload(self, target: Path) -> dict:
         """Loads `target` beside the serving index (searches go on), warms it up on the model thread and

@@ -3,9 +3,10 @@ settings (query length, batch size, k) are checked against the settings in `limi
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
+from pydantic.json_schema import SkipJsonSchema
 
 from retrieval.searcher import MAX_K, Fusion, Mode
 
@@ -131,3 +132,80 @@ class Stats(BaseModel):
     latency_ms: dict[str, dict[str, float]]
     rerank_ms: dict[str, dict[str, float]]  # per reranker kind
     index: IndexInfo
+
+
+class EmbeddingsRequest(BaseModel):
+    """OpenAI's embeddings request; `input_type` as Cohere's API names it."""
+
+    input: Annotated[str, Field(json_schema_extra=NOT_BLANK)] | list[Annotated[str, Field(json_schema_extra=NOT_BLANK)]] = Field(
+        description="a text or a list of texts (at most SEARCH_MAX_BATCH_QUERIES); "
+                                   "each not empty, at most SEARCH_MAX_QUERY_CHARS characters")
+    model: str | None = Field(None, description="accepted for compatibility; the served index's encoder answers")
+    encoding_format: Literal["float", "base64"] = Field(
+        "float", description="float: lists of numbers; base64: little-endian float32 bytes (the openai client's default)")
+    input_type: Literal["query", "passage"] = Field(
+        "query", description="encode as a query or as a passage (segment id and token limit of that kind)")
+    truncate: bool = TRUNCATE
+    user: str | None = None
+
+
+class Embedding(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str
+
+
+class EmbeddingsUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingsResponse(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[Embedding]
+    model: str
+    usage: EmbeddingsUsage
+
+
+class RerankDocument(BaseModel):
+    text: str
+
+
+class RerankRequest(BaseModel):
+    """The rerank request text-embeddings-inference (`texts`, `return_text`) and Infinity or Cohere
+    (`documents`, `top_n`, `return_documents`) accept."""
+
+    query: str = Field(description="not empty, at most SEARCH_MAX_QUERY_CHARS characters", json_schema_extra=NOT_BLANK)
+    # Exactly one of texts and documents (the spec says so with oneOf); neither may be null.
+    model_config = {"json_schema_extra": {"oneOf": [{"required": ["texts"]}, {"required": ["documents"]}]}}
+
+    texts: list[str] | SkipJsonSchema[None] = Field(
+        None, description="the passages to score (or `documents`); at most SEARCH_MAX_RERANK_DEPTH")
+    documents: list[str | RerankDocument] | SkipJsonSchema[None] = Field(
+        None, description="the passages to score, as strings or {text} (or `texts`); at most SEARCH_MAX_RERANK_DEPTH")
+    top_n: int | None = Field(None, ge=1, description="return only the best top_n (default: all)")
+    return_documents: bool = Field(False, description="include each passage's text (`document.text`)")
+    return_text: bool = Field(False, description="the same, text-embeddings-inference's name")
+    truncate: Literal[True] = Field(True, description="rerankers cut texts at their own token limits: only true")
+    raw_scores: bool = Field(False, description="accepted for compatibility: scores are always the reranker's own")
+    model: RerankerKind | None = Field(None, description="which configured reranker (default: the first)")
+
+    @field_validator("texts", "documents", mode="before")
+    @classmethod
+    def _not_null(cls, value):
+        if value is None:
+            raise ValueError("send a list of passages, or leave the field out")
+        return value
+
+
+class RerankResult(BaseModel):
+    index: int = Field(description="the passage's position in the request")
+    relevance_score: float = Field(description="the reranker's score (its kind: the response's `score_kind`)")
+    document: RerankDocument | None = None
+
+
+class RerankResponse(BaseModel):
+    object: Literal["rerank"] = "rerank"
+    model: str
+    score_kind: ScoreKind = Field(description=SCORE_KIND_DESCRIPTION)
+    results: list[RerankResult]

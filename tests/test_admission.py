@@ -174,7 +174,7 @@ def test_a_micro_batch_keeps_to_its_token_budget(engine):
     sizes: list[int] = []
     gate = threading.Event()
     encoder = engine.searcher.encoder
-    six, three = encoder.tokenize_query("apple apple apple apple"), encoder.tokenize_query("apple")
+    six, three = encoder.tokenize("apple apple apple apple"), encoder.tokenize("apple")
     assert (len(six.ids), len(three.ids)) == (6, 3)  # [CLS] and [SEP] included
 
     def held(queries, plan, tokens):

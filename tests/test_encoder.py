@@ -76,7 +76,7 @@ def test_queries_are_truncated_to_their_token_limit():
 def test_a_query_tokenized_once_encodes_as_its_text_does():
     repbert_limits = BiEncoder(device="cpu", query_max_tokens=20)
     queries = ["aerodynamic heating of a wing " * 20, "what is a hash table", "x"]
-    tokens = [repbert_limits.tokenize_query(query) for query in queries]
+    tokens = [repbert_limits.tokenize(query) for query in queries]
     assert [(len(t.ids), t.count) for t in tokens] == [(20, 102), (7, 7), (3, 3)]
     np.testing.assert_array_equal(repbert_limits.encode_tokens(tokens), repbert_limits.encode_queries(queries))
     with pytest.raises(ValueError, match="another encoder"):  # another tokenizer's ids, another limit

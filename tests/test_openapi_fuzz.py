@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from service.app import create_app
 from service.engine import SearchEngine
 from service.settings import ServiceSettings
+from tests.test_rerank_service import small_cross_encoder  # noqa: F401 - the session fixture
 
 EXAMPLES_PER_OPERATION = int(os.environ.get("FUZZ_EXAMPLES", "30"))
 KEY = "fuzz-key"
@@ -27,10 +28,7 @@ def api_schema(request, small_index, searcher):
     return schemathesis.openapi.from_asgi("/openapi.json", app, headers=headers), headers
 
 
-def test_no_request_from_the_spec_gets_a_server_error_or_an_answer_the_spec_does_not_promise(api_schema):
-    api_schema, headers = api_schema
-    operations = [result.ok() for result in api_schema.get_all_operations()]
-    assert len(operations) == 7
+def check_operations(api_schema, headers, operations) -> None:
     for operation in operations:
 
         @given(case=operation.as_strategy())
@@ -40,3 +38,20 @@ def test_no_request_from_the_spec_gets_a_server_error_or_an_answer_the_spec_does
             case.call_and_validate(headers=headers)
 
         check()
+
+
+def test_no_request_from_the_spec_gets_a_server_error_or_an_answer_the_spec_does_not_promise(api_schema):
+    api_schema, headers = api_schema
+    operations = [result.ok() for result in api_schema.get_all_operations()]
+    assert len(operations) == 8  # /rerank is in the spec only with a reranker configured
+    check_operations(api_schema, headers, operations)
+
+
+def test_the_rerank_route_keeps_the_specs_promises_with_a_reranker(small_index, searcher, small_cross_encoder):  # noqa: F811
+    settings = ServiceSettings(index_dir=small_index, device="cpu", rerankers=[small_cross_encoder.path],
+                               max_rerank_depth=16)
+    app = create_app(settings, SearchEngine(searcher, {"monobert": small_cross_encoder}))
+    api_schema = schemathesis.openapi.from_asgi("/openapi.json", app)
+    operations = [result.ok() for result in api_schema.get_all_operations()]
+    check_operations(api_schema, {}, [op for op in operations if op.path == "/rerank"])
+    assert any(op.path == "/rerank" for op in operations)

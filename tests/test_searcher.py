@@ -58,8 +58,8 @@ def test_queries_tokenized_by_an_encoder_no_longer_serving_are_tokenized_again(s
     # An index reloaded with another model between a request's check and its run: the old ids are unusable.
     queries = list(demo_queries.values())[:3]
     other = BiEncoder(device="cpu", query_max_tokens=8)
-    stale = [other.tokenize_query(query) for query in queries]
-    fresh = [searcher.encoder.tokenize_query(query) for query in queries]
+    stale = [other.tokenize(query) for query in queries]
+    fresh = [searcher.encoder.tokenize(query) for query in queries]
     expected = searcher.encoder.encode_queries(queries)
     np.testing.assert_array_equal(searcher.encode(queries, stale), expected)
     np.testing.assert_array_equal(searcher.encode(queries, fresh), expected)
