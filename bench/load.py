@@ -28,6 +28,7 @@ from contextlib import closing
 from dataclasses import dataclass, field
 from http.client import HTTPConnection
 from pathlib import Path
+from typing import Callable
 
 import httpx
 import numpy as np
@@ -49,23 +50,23 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-class Server:
-    """`python -m service` on a loopback port, stopped on exit."""
+class Process:
+    """A server process on a loopback port, ready once `ready_path` answers 200, stopped on exit."""
 
-    def __init__(self, index: Path, device: str, **env: str) -> None:
-        self.port = free_port()
+    ready_path = "/ready"
+    startup_s = 120
+
+    def __init__(self, command: list[str], env: dict[str, str], port: int) -> None:
+        self.port = port
         self.base = f"http://127.0.0.1:{self.port}"
-        variables = {**os.environ, "SEARCH_INDEX_DIR": str(index), "SEARCH_PORT": str(self.port), "SEARCH_DEVICE": device}
-        variables.update({f"SEARCH_{k.upper()}": v for k, v in env.items()})
         self.log = tempfile.TemporaryFile()
-        self.process = subprocess.Popen([sys.executable, "-m", "service"], cwd=ROOT, env=variables,
-                                        stdout=self.log, stderr=subprocess.STDOUT)
+        self.process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT)
 
-    def __enter__(self) -> "Server":
-        deadline = time.monotonic() + 120
+    def __enter__(self):
+        deadline = time.monotonic() + self.startup_s
         while time.monotonic() < deadline:
             try:
-                if httpx.get(f"{self.base}/ready", timeout=2, trust_env=False).status_code == 200:
+                if httpx.get(f"{self.base}{self.ready_path}", timeout=2, trust_env=False).status_code == 200:
                     return self
             except httpx.TransportError:
                 pass
@@ -75,12 +76,25 @@ class Server:
         self.log.seek(0)
         tail = self.log.read().decode(errors="replace")[-3000:]
         self.__exit__()
-        raise RuntimeError(f"service did not become ready in 120 s; its output ended:\n{tail}")
+        raise RuntimeError(f"{type(self).__name__} did not become ready in {self.startup_s} s; its output ended:\n{tail}")
 
     def __exit__(self, *exc) -> None:
         self.process.terminate()
-        self.process.wait(timeout=30)
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
         self.log.close()
+
+
+class Server(Process):
+    """`python -m service` on a loopback port, stopped on exit."""
+
+    def __init__(self, index: Path, device: str, **env: str) -> None:
+        port = free_port()
+        variables = {**os.environ, "SEARCH_INDEX_DIR": str(index), "SEARCH_PORT": str(port), "SEARCH_DEVICE": device}
+        variables.update({f"SEARCH_{k.upper()}": v for k, v in env.items()})
+        super().__init__([sys.executable, "-m", "service"], variables, port)
 
 
 @dataclass
@@ -106,15 +120,23 @@ async def load(pool: list[httpx.AsyncClient], seconds: float, k: int, into: Load
     errors go `into`. The clients exist and are connected before the clock starts: opening 32 of
     them inside the timed window puts their set-up (~0.5 s on two cores) into the first requests'
     latency, which was most of the p99."""
+    await drive(pool, seconds, into, lambda i: ("/search", {"query": QUERIES[i % len(QUERIES)], "k": k}))
+
+
+async def drive(pool: list[httpx.AsyncClient], seconds: float, into: Load,
+                request: Callable[[int], tuple[str, dict]]) -> None:
+    """Each client of `pool` posts `request(i)` (route, JSON body), one after another, for `seconds`,
+    i counting the pool's requests (client n sends n, n + len(pool), ...); answers and errors go `into`."""
     deadline = time.perf_counter() + seconds
     before = len(into.latencies)
 
     async def client(number: int, http: httpx.AsyncClient) -> None:
         i = number
         while time.perf_counter() < deadline:
+            path, body = request(i)
             started = time.perf_counter()
             try:
-                response = await http.post("/search", json={"query": QUERIES[i % len(QUERIES)], "k": k})
+                response = await http.post(path, json=body)
                 ok = response.status_code == 200
             except httpx.HTTPError:
                 ok = False

@@ -167,7 +167,9 @@ def build_index(options: BuildOptions, encoder: BiEncoder) -> BuildReport:
         "format": fmt,
         "chunk_size": options.chunk_size,
         "skip_bad": options.skip_bad,
-        "encoder": encoder.spec.to_dict(),
+        # Prefixes only when set, so builds interrupted before prefixes existed still resume.
+        "encoder": {name: value for name, value in encoder.spec.to_dict().items()
+                    if value != "" or name not in ("query_prefix", "passage_prefix")},
     }
     if encoder.backend != "torch":  # only then, so builds interrupted before backends existed still resume
         identity["backend"] = encoder.backend

@@ -65,6 +65,11 @@ def _parser() -> argparse.ArgumentParser:
                        help="default: the model's own maximum, as for queries; RepBERT's is 256")
     build.add_argument("--passage-segment-id", type=int, choices=(0, 1),
                        help="default: 1 (RepBERT), 0 for sentence-transformers models")
+    build.add_argument("--query-prefix", metavar="TEXT",
+                       help="put before every query, e.g. 'query: ' (default: the model's sentence-transformers "
+                       "prompt, else none; '' for none); recorded in the manifest")
+    build.add_argument("--passage-prefix", metavar="TEXT",
+                       help="put before every passage, e.g. 'passage: ' (default and '' as for --query-prefix)")
     build.add_argument("--skip-bad", action="store_true", help="skip and count malformed lines instead of stopping")
     build.add_argument("--overwrite", action="store_true", help="replace an existing --out (atomically)")
     build.add_argument("--restart", action="store_true", help="discard an interrupted build instead of resuming")
@@ -120,6 +125,8 @@ def _build(args: argparse.Namespace) -> None:
         passage_max_tokens=args.passage_max_tokens,
         passage_segment_id=args.passage_segment_id,
         backend=args.backend,
+        query_prefix=args.query_prefix,
+        passage_prefix=args.passage_prefix,
     )
     options = BuildOptions(
         args.corpus, args.out, args.chunk_size, args.skip_bad, args.overwrite, args.restart, bm25=args.bm25,

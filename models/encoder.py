@@ -64,6 +64,10 @@ class EncoderSpec:
     query_max_tokens: int
     passage_max_tokens: int
     weights_sha256: str
+    # Instructions the model was trained with, put before every query / passage (e5: "query: ",
+    # "passage: "); part of the input, so they count toward the token limits.
+    query_prefix: str = ""
+    passage_prefix: str = ""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -87,6 +91,13 @@ def _sentence_transformers_layout(folder: Path) -> tuple[Pooling, bool] | None:
             elif not config.get("pooling_mode_mean_tokens", True):
                 raise ValueError(f"{folder}: only mean or CLS pooling is supported, got {config}")
     return pooling, normalise
+
+
+def _sentence_transformers_prompts(folder: Path) -> tuple[str, str]:
+    """(query prefix, passage prefix) from a sentence-transformers folder's `prompts`
+    (config_sentence_transformers.json; the passage's under "passage" or "document"), "" where none."""
+    prompts = (read_json(folder / "config_sentence_transformers.json") or {}).get("prompts") or {}
+    return prompts.get("query", ""), prompts.get("passage", prompts.get("document", ""))
 
 
 def _copy_sentence_transformers_layout(source: Path, target: Path) -> None:
@@ -117,9 +128,13 @@ class BiEncoder:
         fp16: bool | None = None,
         backend: Backend = "torch",
         onnx_cache: Path | None = None,
+        query_prefix: str | None = None,
+        passage_prefix: str | None = None,
     ) -> None:
         """`backend`: torch, or ONNX Runtime on the CPU (`onnx`, or `onnx-int8` with int8 weights),
-        exported into `onnx_cache` (see models.onnx_backend) on first use."""
+        exported into `onnx_cache` (see models.onnx_backend) on first use. `query_prefix`,
+        `passage_prefix`: text put before each query / passage; None: the folder's sentence-transformers
+        prompts, else none ("" turns a prompt off)."""
         self.path = Path(path) if path is not None else default_model_path()
         # What an index records to find this model again: the folder given, or None for the packaged default.
         self.source = str(self.path.resolve()) if path is not None else None
@@ -140,6 +155,7 @@ class BiEncoder:
         if passage_segment_id is None:
             # RepBERT gives passages segment 1; sentence-transformers models were trained with 0 for all text.
             passage_segment_id = 0 if layout or self.model.config.type_vocab_size < 2 else 1
+        default_query_prefix, default_passage_prefix = _sentence_transformers_prompts(self.path)
         self.spec = EncoderSpec(
             name=name,
             dimension=self.model.config.hidden_size,
@@ -150,6 +166,8 @@ class BiEncoder:
             query_max_tokens=min(query_max_tokens or model_max, model_max),
             passage_max_tokens=min(passage_max_tokens or model_max, model_max),
             weights_sha256=weights_sha256(self.path),
+            query_prefix=default_query_prefix if query_prefix is None else query_prefix,
+            passage_prefix=default_passage_prefix if passage_prefix is None else passage_prefix,
         )
         check_backend(backend, self.device)
         self.backend = backend
@@ -169,20 +187,29 @@ class BiEncoder:
         return self.spec.dimension
 
     def encode_queries(self, queries: Sequence[str]) -> np.ndarray:
-        """(len(queries), dimension) float32 embeddings."""
-        return self._encode(queries, self.spec.query_max_tokens, self.spec.query_segment_id)
+        """(len(queries), dimension) float32 embeddings (of each query after the query prefix)."""
+        return self._encode(self._prefixed(queries, "query"), self.spec.query_max_tokens, self.spec.query_segment_id)
 
     def query_tokens(self, query: str) -> int:
-        """How many tokens `query` has, special tokens included, before any truncation."""
+        """How many tokens `query` has, its prefix and special tokens included, before any truncation."""
         return self.tokenize(query).count
 
     def token_limit(self, input_type: InputType) -> int:
         return self.spec.query_max_tokens if input_type == "query" else self.spec.passage_max_tokens
 
+    def prefix(self, input_type: InputType) -> str:
+        return self.spec.query_prefix if input_type == "query" else self.spec.passage_prefix
+
+    def _prefixed(self, texts: Sequence[str], input_type: InputType) -> Sequence[str]:
+        prefix = self.prefix(input_type)
+        return [prefix + text for text in texts] if prefix else texts
+
     def tokenize(self, text: str, input_type: InputType = "query") -> Tokens:
         """`text`'s ids as `encode_queries` (or `encode_passages`) would feed them, and its length before
-        the cut. One call of the tokenizer unless the text is over the limit (it then cuts it its own way)."""
+        the cut (both with the prefix of `input_type`). One call of the tokenizer unless the text is over
+        the limit (it then cuts it its own way)."""
         limit = self.token_limit(input_type)
+        text = self.prefix(input_type) + text
         ids = self.tokenizer(text, truncation=False)["input_ids"]
         count = len(ids)
         if count > limit:
@@ -200,8 +227,10 @@ class BiEncoder:
         return self._encode_ids([text.ids for text in texts], segment)
 
     def encode_passages(self, passages: Sequence[str], progress: tqdm | None = None) -> np.ndarray:
-        """(len(passages), dimension) float32 embeddings; `progress` advances by each batch's size."""
-        return self._encode(passages, self.spec.passage_max_tokens, self.spec.passage_segment_id, progress)
+        """(len(passages), dimension) float32 embeddings (of each passage after the passage prefix);
+        `progress` advances by each batch's size."""
+        return self._encode(self._prefixed(passages, "passage"), self.spec.passage_max_tokens,
+                            self.spec.passage_segment_id, progress)
 
     def _encode(self, texts: Sequence[str], max_tokens: int, segment_id: int, progress=None) -> np.ndarray:
         if not texts:

@@ -45,6 +45,9 @@ class EncoderRecord(BaseModel):
     # way unless told otherwise. Manifests from before backends existed: torch.
     backend: Literal["torch", "onnx", "onnx-int8"] = "torch"
     export_sha256: str | None = None  # with an ONNX backend: the exported file's
+    # Text put before each query / passage (models.encoder.EncoderSpec); manifests from before: none.
+    query_prefix: str = ""
+    passage_prefix: str = ""
 
 
 class FileRecord(BaseModel):

@@ -25,7 +25,8 @@ Fusion = Literal["interleave", "rrf"]
 MODES: tuple[str, ...] = get_args(Mode)
 FUSIONS: tuple[str, ...] = get_args(Fusion)
 # The fields an encoder must share with the index it searches; names and token limits may differ.
-MATCHED_FIELDS = ("dimension", "pooling", "similarity", "query_segment_id", "passage_segment_id", "weights_sha256")
+MATCHED_FIELDS = ("dimension", "pooling", "similarity", "query_segment_id", "passage_segment_id", "weights_sha256",
+                  "query_prefix", "passage_prefix")
 
 
 @dataclass(frozen=True)
@@ -63,8 +64,8 @@ def check_encoder(manifest: Manifest, encoder: BiEncoder) -> None:
 
 def encoder_for(manifest: Manifest, device: str = "auto", query_max_tokens: int | None = None,
                 backend: Backend | None = None) -> BiEncoder:
-    """The encoder an index was built with, configured as it was (the query token limit and the
-    backend may be changed)."""
+    """The encoder an index was built with, configured as it was, prefixes included (the query token
+    limit and the backend may be changed)."""
     record = manifest.encoder
     if backend is None:  # the index's own, where it can run: an ONNX-built index served on a GPU uses torch
         backend = record.backend if resolve_device(device).type == "cpu" else "torch"
@@ -76,6 +77,8 @@ def encoder_for(manifest: Manifest, device: str = "auto", query_max_tokens: int 
         passage_max_tokens=record.passage_max_tokens,
         query_segment_id=record.query_segment_id,
         passage_segment_id=record.passage_segment_id,
+        query_prefix=record.query_prefix,
+        passage_prefix=record.passage_prefix,
     )
 
 

@@ -12,6 +12,7 @@ from pydantic import ValidationError
 from service.admission import timeout_protocol
 from service.app import create_app
 from service.settings import ServiceSettings
+from service.tracing import TracingUnavailable
 
 M_ARENA_MAX = -8  # glibc's mallopt parameter
 
@@ -37,7 +38,12 @@ def main() -> int:
             name = "SEARCH_" + "_".join(str(part) for part in problem["loc"]).upper()
             print(f"error: {name}: {problem['msg'].removeprefix('Value error, ')}", file=sys.stderr)
         return 2
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info",
+    try:
+        app = create_app(settings)
+    except TracingUnavailable as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level="info",
                 access_log=settings.access_log, http=timeout_protocol(settings.read_timeout_s, settings.write_timeout_s))
     return 0
 

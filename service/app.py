@@ -22,6 +22,7 @@ from service.admission import Admission
 from service.engine import ReloadError, SearchEngine, SearchPlan
 from service.errors import NotFound, OverLimit, Unauthorized
 from service.monitoring import Monitor
+from service.page import mount_page
 from service.runtime import Runtime
 from service.schemas import (
     BatchSearchRequest,
@@ -38,6 +39,7 @@ from service.schemas import (
     Status,
 )
 from service.settings import ServiceSettings
+from service.tracing import Tracing
 
 log = logging.getLogger("service")
 
@@ -140,10 +142,13 @@ def _json(body: dict) -> Response:
     return Response(to_json(body, inf_nan_mode="null"), media_type="application/json")
 
 
-def create_app(settings: ServiceSettings | None = None, engine: SearchEngine | None = None) -> FastAPI:
-    """The app for `settings`; pass a loaded `engine` to skip loading (it is warmed up here)."""
+def create_app(settings: ServiceSettings | None = None, engine: SearchEngine | None = None,
+               tracer_provider=None) -> FastAPI:
+    """The app for `settings`; pass a loaded `engine` to skip loading (it is warmed up here), an
+    OpenTelemetry `tracer_provider` to trace into it instead of SEARCH_OTLP_ENDPOINT's."""
     settings = settings or ServiceSettings()
-    runtime = Runtime(settings, engine)
+    tracing = Tracing.from_settings(settings, tracer_provider)
+    runtime = Runtime(settings, engine, tracing)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -154,7 +159,7 @@ def create_app(settings: ServiceSettings | None = None, engine: SearchEngine | N
 
     # With a key, the docs and the spec need it too, unless SEARCH_OPEN_DOCS opens them.
     docs_open = settings.api_key is None or settings.open_docs
-    app = FastAPI(title="dense-search", version="0.1.0", lifespan=lifespan,
+    app = FastAPI(title="dense-search", version="0.1.0", lifespan=lifespan, telemetry=tracing.fastapi_config(),
                   description="Dense retrieval (RepBERT bi-encoder, exact FAISS search) over one index directory.",
                   **({} if docs_open else {"docs_url": None, "redoc_url": None, "openapi_url": None}))
     app.state.runtime = runtime
@@ -191,6 +196,8 @@ def create_app(settings: ServiceSettings | None = None, engine: SearchEngine | N
         @app.get("/redoc", include_in_schema=False, dependencies=protected)
         async def redoc() -> HTMLResponse:
             return get_redoc_html(openapi_url="/openapi.json", title=f"{app.title} - ReDoc")
+
+    mount_page(app, settings)
 
     @app.get("/health", response_model=Status, summary="the process is alive")
     async def health() -> Status:

@@ -30,6 +30,9 @@ class StageTimings:
     retrieve: float = 0.0
     rerank: float = 0.0
     total: float = 0.0
+    # time.perf_counter() when the engine run began (encode's start; the stages follow one another):
+    # where tracing places them in time. Not a stage: as_dict leaves it out.
+    started_at: float = 0.0
 
     def as_dict(self) -> dict[str, float]:
         return {stage: round(getattr(self, stage), 3) for stage in STAGES}
@@ -41,6 +44,7 @@ class SearchResult:
     hits: list[Hit]
     score_kind: str  # what `Hit.score` is (see Searcher.score_kind and Reranker.score_kind)
     timings: StageTimings = field(default_factory=StageTimings)
+    batch_size: int = 1  # queries run together with it, itself included: its micro-batch, or its client's batch
 
 
 @dataclass(frozen=True)
@@ -144,8 +148,9 @@ class SearchEngine:
         limit = encoder.token_limit(input_type)
         if not truncate and tokens.count > limit:
             source = "query_max_tokens, or SEARCH_QUERY_MAX_TOKENS" if input_type == "query" else "passage_max_tokens"
-            raise OverLimit(field, f"{input_type} is {tokens.count} tokens, over the {input_type} token limit of "
-                                   f"{limit} (the index's {source}); send truncate: true to cut it")
+            prefixed = f" with its prefix {encoder.prefix(input_type)!r}" if encoder.prefix(input_type) else ""
+            raise OverLimit(field, f"{input_type} is {tokens.count} tokens{prefixed}, over the {input_type} token "
+                                   f"limit of {limit} (the index's {source}); send truncate: true to cut it")
         return tokens
 
     def embed(self, texts: Sequence[str], tokens: Sequence[Tokens]) -> np.ndarray:
@@ -194,8 +199,9 @@ class SearchEngine:
             retrieve=1000 * (retrieved - encoded),
             rerank=1000 * (reranked - retrieved) if rerank_depth is not None else 0.0,
             total=1000 * (reranked - started),
+            started_at=started,
         )
-        return [SearchResult(query, found, score_kind, timings) for query, found in zip(queries, hits)]
+        return [SearchResult(query, found, score_kind, timings, len(queries)) for query, found in zip(queries, hits)]
 
     @property
     def default_reranker(self) -> str | None:
@@ -245,5 +251,7 @@ class SearchEngine:
             "built_at": manifest.built_at,
             "bm25": manifest.bm25 is not None,
             "backend": searcher.encoder.backend,
+            "query_prefix": manifest.encoder.query_prefix,
+            "passage_prefix": manifest.encoder.passage_prefix,
             "rerankers": {kind: model.name for kind, model in self.rerankers.items()},
         }

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Sequence
@@ -19,17 +20,20 @@ from service.engine import SearchEngine, SearchPlan, SearchResult
 from service.errors import NotReady
 from service.monitoring import Monitor
 from service.settings import ServiceSettings
+from service.tracing import Stage, Tracing
 
 log = logging.getLogger("service")
 
 
 class Runtime:
     """What every request shares: the engine (once loaded), the one thread that runs the model, the
-    queue in front of it, the requests in the service, and the metrics."""
+    queue in front of it, the requests in the service, the metrics, and the traces (`tracing`: none
+    by default)."""
 
-    def __init__(self, settings: ServiceSettings, engine: SearchEngine | None) -> None:
+    def __init__(self, settings: ServiceSettings, engine: SearchEngine | None, tracing: Tracing | None = None) -> None:
         self.settings = settings
         self.engine = engine
+        self.tracing = tracing or Tracing()
         self.load_error: str | None = None
         # One model thread: torch already spreads a forward pass over the cores, and the
         # encoder is not re-entrant; concurrency comes from batching, not from threads.
@@ -66,6 +70,7 @@ class Runtime:
     async def close(self) -> None:
         await self.batcher.close()
         self.executor.shutdown(wait=False, cancel_futures=True)
+        await asyncio.to_thread(self.tracing.shutdown)  # exports the last spans: network I/O
 
     def _load(self) -> None:
         settings = self.settings
@@ -85,27 +90,34 @@ class Runtime:
     async def search(self, query: str, plan: SearchPlan, tokens: Tokens) -> SearchResult:
         """One query, micro-batched with others unless SEARCH_MICROBATCH is off; cancelling the call
         drops the query from the queue if it has not reached the model yet."""
+        submitted = time.perf_counter()
         if self.settings.microbatch:
             result = await self.batcher.search(query, plan, tokens=tokens)
         else:
             result = (await self._on_model_thread(self.ready_engine().run, [query], plan, [tokens]))[0]
         self.monitor.observe_search(result.timings, plan.reranker)
+        self.tracing.search(submitted, result, plan)
         return result
 
     async def search_batch(self, queries: Sequence[str], plan: SearchPlan,
                            tokens: Sequence[Tokens]) -> list[SearchResult]:
         """A client's batch: one run of its own, never fused with others."""
+        submitted = time.perf_counter()
         results = await self._on_model_thread(self.ready_engine().run, list(queries), plan, list(tokens))
         self.monitor.observe_batch(len(results))
         for result in results:
             self.monitor.observe_search(result.timings, plan.reranker)
+        self.tracing.search(submitted, results[0], plan)
         return results
 
     async def embed(self, texts: Sequence[str], tokens: Sequence[Tokens]) -> np.ndarray:
-        return await self._on_model_thread(self.ready_engine().embed, list(texts), list(tokens))
+        return await self._traced("encode", {"search.batch_size": len(texts)},
+                                  self.ready_engine().embed, list(texts), list(tokens))
 
     async def rescore(self, query: str, texts: Sequence[str], reranker: str | None) -> np.ndarray:
-        return await self._on_model_thread(self.ready_engine().rescore, query, list(texts), reranker)
+        engine = self.ready_engine()
+        attributes = {"search.reranker": reranker or engine.default_reranker or "", "search.depth": len(texts)}
+        return await self._traced("rerank", attributes, engine.rescore, query, list(texts), reranker)
 
     async def reload(self, target: Path) -> dict:
         """Loads `target` beside the serving index (searches go on), warms it up on the model thread and
@@ -118,3 +130,21 @@ class Runtime:
 
     async def _on_model_thread(self, function, *args):
         return await asyncio.get_running_loop().run_in_executor(self.executor, functools.partial(function, *args))
+
+    async def _traced(self, stage: str, attributes: dict, function, *args):
+        """`function(*args)` on the model thread; with tracing, timed there into a `stage` span after
+        a `queue` span for the wait for the thread."""
+        if not self.tracing.enabled:
+            return await self._on_model_thread(function, *args)
+        marks = [time.perf_counter()]
+
+        def timed():
+            marks.append(time.perf_counter())
+            result = function(*args)
+            marks.append(time.perf_counter())
+            return result
+
+        result = await self._on_model_thread(timed)
+        stages: list[Stage] = [("queue", marks[0], marks[1]), (stage, marks[1], marks[2])]
+        self.tracing.stages(stages, attributes)
+        return result

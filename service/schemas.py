@@ -117,6 +117,8 @@ class IndexInfo(BaseModel):
     built_at: str
     bm25: bool
     backend: str  # what encodes the queries: torch, onnx or onnx-int8
+    query_prefix: str = ""  # the index's: what the encoder puts before each query
+    passage_prefix: str = ""  # and before each passage (/v1/embeddings with input_type passage)
     rerankers: dict[str, str]  # kind -> checkpoint folder name
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -80,6 +81,11 @@ class ServiceSettings(BaseSettings):
         False, description="log a line per request (uvicorn's access log); off by default because under load it "
         "costs about a tenth of the event loop's time, and /metrics already counts requests by route and status",
     )
+    otlp_endpoint: str | None = Field(
+        None, description="OTLP/HTTP traces URL (e.g. http://collector:4318/v1/traces; a bare http://host:4318 gets "
+        "/v1/traces): a span per request, with queue, encode, retrieve and rerank under it; unset: no tracing",
+    )
+    service_name: str = Field("dense-search", min_length=1, description="service.name of the exported spans")
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
 
@@ -90,6 +96,14 @@ class ServiceSettings(BaseSettings):
         if key is not None and not key.get_secret_value().strip():
             raise ValueError("is set but empty: set a key, or unset SEARCH_API_KEY to serve without one")
         return key
+
+    @field_validator("otlp_endpoint")
+    @classmethod
+    def _endpoint_is_http(cls, endpoint: str | None) -> str | None:
+        url = urlsplit(endpoint) if endpoint is not None else None
+        if url is not None and (url.scheme not in ("http", "https") or not url.hostname):
+            raise ValueError(f"{endpoint!r} is not an http(s) URL, e.g. http://collector:4318/v1/traces")
+        return endpoint
 
     @property
     def body_limit(self) -> int:

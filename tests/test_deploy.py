@@ -169,7 +169,7 @@ def test_images_run_as_a_user_with_model_and_index_volumes_and_check_ready():
     assert instruction(DOCKERFILES["cpu"], "FROM") == ["python:3.11-slim"]
     assert any("download.pytorch.org/whl/cpu" in run for run in instruction(DOCKERFILES["cpu"], "RUN"))
     assert any(arg.startswith("CUDA_IMAGE=nvidia/cuda:") for arg in instruction(DOCKERFILES["gpu"], "ARG"))
-    assert any('".[gpu]"' in run and "uninstall -y faiss-cpu" in run for run in instruction(DOCKERFILES["gpu"], "RUN"))
+    assert any('".[gpu,tracing]"' in run and "uninstall -y faiss-cpu" in run for run in instruction(DOCKERFILES["gpu"], "RUN"))
 
 
 def test_the_images_command_serves_an_index_and_passes_the_images_health_check(small_index):

@@ -159,11 +159,14 @@ def test_api_key_guards_every_route_but_health_and_ready(small_index, engine):
     app = create_app(settings_for(small_index, api_key=KEY), engine)
     for method, path, body in [("POST", "/search", {"query": "x"}), ("POST", "/search/batch", {"queries": ["x"]}),
                                ("GET", "/metrics", None), ("GET", "/stats", None),
-                               ("POST", "/admin/reload", {"index": "small"})]:
+                               ("POST", "/admin/reload", {"index": "small"}), ("POST", "/v1/embeddings", {"input": "x"}),
+                               ("POST", "/rerank", {"query": "x", "texts": ["y"]})]:
         assert one(app, method, path, body).status_code == 401, path
         assert one(app, method, path, body, headers={"Authorization": "Bearer wrong"}).status_code == 401, path
     assert one(app, "GET", "/health").status_code == 200
     assert one(app, "GET", "/ready").status_code == 200
+    # The search page and its files hold no data: they load without the key, and ask the user for it.
+    assert one(app, "GET", "/").status_code == 200 and one(app, "GET", "/static/search.js").status_code == 200
     good = one(app, "POST", "/search", {"query": "x"}, headers={"Authorization": f"Bearer {KEY}"})
     assert good.status_code == 200
 

@@ -1,0 +1,121 @@
+"""OpenTelemetry traces, only where SEARCH_OTLP_ENDPOINT asks for them: a server span per request
+(FastAPI's own, from 0.143 on) with a child span per stage the request went through: queue, encode,
+retrieve, rerank. Unset, nothing of OpenTelemetry's SDK or exporter is imported and no span is made.
+
+The model runs on its own thread, for fused batches of requests, so the stage spans are not opened
+around the work: they are made afterwards, from the times the engine measured (time.perf_counter()),
+as children of the request's span, one set per request, a fused batch's shared stages in each."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Sequence
+from urllib.parse import urlsplit
+
+from service.engine import SearchPlan, SearchResult
+from service.settings import ServiceSettings
+
+TRACES_PATH = "/v1/traces"  # OTLP/HTTP's path for traces, under a collector's base URL (port 4318)
+
+# (span name, start, end), the times in time.perf_counter() seconds
+Stage = tuple[str, float, float]
+
+
+def traces_url(endpoint: str) -> str:
+    """`endpoint` as the exporter wants it: a bare collector URL (http://host:4318) gets /v1/traces."""
+    return endpoint.rstrip("/") + TRACES_PATH if urlsplit(endpoint).path in ("", "/") else endpoint
+
+
+class TracingUnavailable(RuntimeError):
+    """SEARCH_OTLP_ENDPOINT is set but the tracing extra is not installed."""
+
+
+def otlp_provider(endpoint: str, service_name: str) -> Any:
+    """An SDK TracerProvider exporting in batches, off the request path, to `endpoint` over OTLP/HTTP
+    (protobuf); OTEL_EXPORTER_OTLP_HEADERS and the like still apply to the exporter."""
+    try:
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+    except ImportError as error:
+        raise TracingUnavailable(f"SEARCH_OTLP_ENDPOINT is set, but {error.name} is not installed: "
+                           "pip install 'dense-search[tracing]'") from error
+    # Not shut down at exit by the SDK: the app's lifespan does it, flushing the last spans.
+    provider = TracerProvider(resource=Resource.create({"service.name": service_name}), shutdown_on_exit=False)
+    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=traces_url(endpoint))))
+    return provider
+
+
+class Tracing:
+    """Where the service's spans go: nowhere (`provider` None), or an OpenTelemetry TracerProvider
+    (`owned`: made here, so shut down here)."""
+
+    def __init__(self, provider: Any = None, *, owned: bool = False) -> None:
+        self.provider, self._owned = provider, owned
+        self._tracer = provider.get_tracer("dense-search") if provider is not None else None
+
+    @classmethod
+    def from_settings(cls, settings: ServiceSettings, provider: Any = None) -> "Tracing":
+        """Spans to `provider` where one is given (tests: an SDK provider over an in-memory exporter),
+        else to SEARCH_OTLP_ENDPOINT where it is set, else nowhere."""
+        if provider is not None:
+            return cls(provider)
+        if settings.otlp_endpoint is None:
+            return cls()
+        return cls(otlp_provider(settings.otlp_endpoint, settings.service_name), owned=True)
+
+    @property
+    def enabled(self) -> bool:
+        return self._tracer is not None
+
+    def fastapi_config(self) -> dict:
+        """FastAPI(telemetry=...): its server span per request ("POST /search", with http.route and
+        http.response.status_code), outside every middleware, so a 429 or 408 gets one too, and
+        continuing a caller's trace from its traceparent header. Nothing else of FastAPI's telemetry:
+        no metrics (Prometheus has them), logs or spans of its own inside the request. Off without a
+        provider. (FastAPI before 0.142 keeps unknown arguments in app.extra: no server span there.)"""
+        if not self.enabled:
+            return {"tracing": False, "metrics": False, "logs": False}
+        return {"tracer_provider": self.provider, "metrics": False, "logs": False, "operation_spans": False,
+                "auto_configure": False}
+
+    def stages(self, stages: Sequence[Stage], attributes: dict[str, Any]) -> None:
+        """A child span of the current span (the request's) per stage, placed at its measured times,
+        `attributes` on each and on the request's span too (to find its traces by them)."""
+        if self._tracer is None:
+            return
+        from opentelemetry import trace
+
+        trace.get_current_span().set_attributes(attributes)
+        # perf_counter -> the epoch nanoseconds spans carry, by the clocks' offset now: exact to
+        # microseconds unless the wall clock is stepped during the request.
+        offset = time.time_ns() - time.perf_counter_ns()
+        for name, start, end in stages:
+            span = self._tracer.start_span(name, start_time=int(start * 1e9) + offset, attributes=attributes)
+            span.end(end_time=int(end * 1e9) + offset)
+
+    def search(self, submitted: float, result: SearchResult, plan: SearchPlan) -> None:
+        """The stages of a search run (one query's, or a client batch's): queue, from `submitted`
+        (perf_counter) until the model thread began the run; then encode (not in bm25 mode), retrieve,
+        and rerank when the plan reranks, as the engine timed them."""
+        if self._tracer is None:
+            return
+        timings = result.timings
+        started = timings.started_at
+        encoded = started + timings.encode / 1000
+        retrieved = encoded + timings.retrieve / 1000
+        stages = [("queue", submitted, started)]
+        if plan.mode != "bm25":
+            stages.append(("encode", started, encoded))
+        stages.append(("retrieve", encoded, retrieved))
+        attributes = {"search.k": plan.k, "search.mode": plan.mode, "search.batch_size": result.batch_size}
+        if plan.reranker is not None:
+            stages.append(("rerank", retrieved, retrieved + timings.rerank / 1000))
+            attributes["search.reranker"] = plan.reranker
+        self.stages(stages, attributes)
+
+    def shutdown(self) -> None:
+        """Export what is left and stop, if the provider is this object's own."""
+        if self._owned:
+            self.provider.shutdown()
