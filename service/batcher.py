@@ -1,5 +1,6 @@
 """Dynamic micro-batching: /search requests that arrive within a short window share one encoder
-forward pass and one FAISS search (text-embeddings-inference's queue, in miniature)."""
+forward pass and one FAISS search, and /v1/embeddings requests one forward pass, so small requests
+fill the model's batch (text-embeddings-inference's queue, in miniature)."""
 
 from __future__ import annotations
 
@@ -8,27 +9,69 @@ import functools
 import time
 from concurrent.futures import Executor
 from dataclasses import dataclass, replace
-from typing import Callable
+from typing import Callable, Sequence
+
+import numpy as np
 
 from models.encoder import Tokens
 from service.engine import SearchPlan, SearchResult
 
 # One result per query, e.g. SearchEngine.run; the tokens are None unless every query came with its own.
 RunBatch = Callable[[list[str], SearchPlan, list[Tokens] | None], list[SearchResult]]
+# One vector per text, e.g. SearchEngine.embed: the texts and their tokens, all of one input type.
+EmbedBatch = Callable[[list[str], list[Tokens]], np.ndarray]
 
 
-@dataclass
-class _Pending:
+@dataclass(frozen=True)
+class SearchJob:
     query: str
     plan: SearchPlan
-    future: asyncio.Future  # cancelled when its client has gone: dropped before it reaches the model
-    arrived: float
-    behind: bool  # arrived while the model was running a batch
     tokens: Tokens | None  # tokenized where it was checked; its ids are its share of the token budget
+
+    @property
+    def key(self) -> tuple:
+        return ("search", self.plan.fusing_key)
 
     @property
     def cost(self) -> int:
         return len(self.tokens.ids) if self.tokens is not None else 1
+
+
+@dataclass(frozen=True)
+class EmbedJob:
+    texts: tuple[str, ...]
+    tokens: tuple[Tokens, ...]  # one input type
+
+    @property
+    def key(self) -> tuple:
+        return ("embed", self.tokens[0].input_type)
+
+    @property
+    def cost(self) -> int:
+        return sum(len(text.ids) for text in self.tokens)
+
+
+@dataclass(frozen=True)
+class Embedded:
+    """One embeddings request's vectors, and when it queued and ran (time.perf_counter())."""
+
+    vectors: np.ndarray
+    arrived: float
+    started: float
+    finished: float
+    batch_size: int  # texts in the forward pass it shared
+
+
+@dataclass
+class _Pending:
+    job: SearchJob | EmbedJob  # fuses only with jobs of the same key
+    future: asyncio.Future  # cancelled when its client has gone: dropped before it reaches the model
+    arrived: float
+    behind: bool  # arrived while the model was running a batch
+
+    @property
+    def cost(self) -> int:
+        return self.job.cost
 
 
 class MicroBatcher:
@@ -42,14 +85,16 @@ class MicroBatcher:
     A batch holds at most `max_batch` requests and `max_tokens` query tokens (one request over the
     budget runs alone); the request that would overflow it heads the next batch. A request whose
     caller cancelled it (its client disconnected) is dropped from the queue unrun, and counted by
-    `on_drop`."""
+    `on_drop`. Searches run by `run_batch`, embeddings (requests of several texts each) by
+    `embed_batch`, in forward passes of at most `max_batch` texts; a batch of both kinds runs each
+    kind apart."""
 
     def __init__(
         self, run_batch: RunBatch, executor: Executor, window_s: float, max_batch: int,
         on_batch: Callable[[int], None] = lambda size: None, max_tokens: int | None = None,
-        on_drop: Callable[[], None] = lambda: None,
+        on_drop: Callable[[], None] = lambda: None, embed_batch: EmbedBatch | None = None,
     ) -> None:
-        self._run_batch, self._executor = run_batch, executor
+        self._run_batch, self._embed_batch, self._executor = run_batch, embed_batch, executor
         self._window_s, self._max_batch, self._on_batch = window_s, max_batch, on_batch
         self._max_tokens, self._on_drop = max_tokens, on_drop
         self._queue: asyncio.Queue[_Pending] | None = None
@@ -67,13 +112,21 @@ class MicroBatcher:
     async def search(self, query: str, plan: SearchPlan, *, tokens: Tokens | None = None) -> SearchResult:
         """`query` run by `plan` (checked by SearchEngine.plan), in a batch with others of the same plan
         but for k; `tokens`: the query tokenized, so the model thread does not tokenize it again."""
+        return await self._submit(SearchJob(query, plan, tokens))
+
+    async def embed(self, texts: Sequence[str], tokens: Sequence[Tokens]) -> Embedded:
+        """The vectors of `texts` (`tokens`: them tokenized, one input type), in one forward pass with
+        the texts of other embeddings requests of that input type."""
+        return await self._submit(EmbedJob(tuple(texts), tuple(tokens)))
+
+    async def _submit(self, job: SearchJob | EmbedJob):
         loop = asyncio.get_running_loop()
         if self._loop is not loop:  # first use, or a new event loop (test clients start one per session)
             self._loop, self._queue, self._held = loop, asyncio.Queue(), None
             self._running = self._overlapping = False
             self._worker = loop.create_task(self._serve())
-        future = asyncio.get_running_loop().create_future()
-        await self._queue.put(_Pending(query, plan, future, time.perf_counter(), self._running, tokens))
+        future = loop.create_future()
+        await self._queue.put(_Pending(job, future, time.perf_counter(), self._running))
         return await future
 
     async def close(self) -> None:
@@ -114,19 +167,32 @@ class MicroBatcher:
     async def _serve(self) -> None:
         while True:
             batch = await self._collect()
-            groups: dict[SearchPlan, list[_Pending]] = {}
+            groups: dict[tuple, list[_Pending]] = {}
             for item in batch:  # requests fuse only with their like
-                groups.setdefault(item.plan.fusing_key, []).append(item)
+                groups.setdefault(item.job.key, []).append(item)
             for group in groups.values():
-                await self._run(group)
+                for part in self._forward_passes(group):
+                    await self._run(part)
+
+    def _forward_passes(self, group: list[_Pending]) -> list[list[_Pending]]:
+        """Searches run as one group. Embeddings requests, in arrival order, run in parts of at most
+        `max_batch` texts (one larger request alone): a larger pass is no faster per text, and each
+        part's requests are answered as soon as it ends rather than when the whole queue has run."""
+        if isinstance(group[0].job, SearchJob):
+            return [group]
+        parts, texts = [[]], 0
+        for item in group:
+            size = len(item.job.texts)
+            if parts[-1] and texts + size > self._max_batch:
+                parts.append([])
+                texts = 0
+            parts[-1].append(item)
+            texts += size
+        return parts
 
     async def _run(self, batch: list[_Pending]) -> None:
         started = time.perf_counter()
-        # The top-k of an exact top-K (K >= k) is the exact top-k; a rerank depth is the same for all.
-        plan = replace(batch[0].plan, k=max(item.plan.k for item in batch))
-        tokens = [item.tokens for item in batch]
-        call = functools.partial(self._run_batch, [item.query for item in batch], plan,
-                                 None if None in tokens else tokens)
+        call = self._search_call(batch) if isinstance(batch[0].job, SearchJob) else self._embed_call(batch)
         self._running = True
         try:
             results = await asyncio.get_running_loop().run_in_executor(self._executor, call)
@@ -145,6 +211,33 @@ class MicroBatcher:
         self._on_batch(len(batch))
         finished = time.perf_counter()
         for item, result in zip(batch, results):
-            timings = replace(result.timings, queue=1000 * (started - item.arrived), total=1000 * (finished - item.arrived))
             if not item.future.done():
-                item.future.set_result(replace(result, hits=result.hits[: item.plan.k], timings=timings))
+                item.future.set_result(self._finish(item, result, started, finished))
+
+    def _search_call(self, batch: list[_Pending]) -> Callable[[], list[SearchResult]]:
+        # The top-k of an exact top-K (K >= k) is the exact top-k; a rerank depth is the same for all.
+        plan = replace(batch[0].job.plan, k=max(item.job.plan.k for item in batch))
+        tokens = [item.job.tokens for item in batch]
+        return functools.partial(self._run_batch, [item.job.query for item in batch], plan,
+                                 None if None in tokens else tokens)
+
+    def _embed_call(self, batch: list[_Pending]) -> Callable[[], list[tuple[np.ndarray, int]]]:
+        """All the batch's texts in one call (the encoder sorts them by length into its own batches),
+        split back into one array per request, with the number of texts that ran together."""
+        texts = [text for item in batch for text in item.job.texts]
+        tokens = [text for item in batch for text in item.job.tokens]
+
+        def call() -> list[tuple[np.ndarray, int]]:
+            vectors = self._embed_batch(texts, tokens)
+            ends = np.cumsum([len(item.job.texts) for item in batch])
+            return [(part, len(texts)) for part in np.split(vectors, ends[:-1])]
+
+        return call
+
+    @staticmethod
+    def _finish(item: _Pending, result, started: float, finished: float):
+        if isinstance(item.job, EmbedJob):
+            vectors, size = result
+            return Embedded(vectors, item.arrived, started, finished, size)
+        timings = replace(result.timings, queue=1000 * (started - item.arrived), total=1000 * (finished - item.arrived))
+        return replace(result, hits=result.hits[: item.job.plan.k], timings=timings)

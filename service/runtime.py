@@ -42,7 +42,7 @@ class Runtime:
         self.batcher = MicroBatcher(
             self._run, self.executor, settings.microbatch_window_ms / 1000, settings.microbatch_max,
             on_batch=self.monitor.observe_batch, max_tokens=settings.max_batch_tokens,
-            on_drop=self.monitor.dropped.inc,
+            on_drop=self.monitor.dropped.inc, embed_batch=self._embed,
         )
         self.occupancy = Occupancy(settings.max_concurrent_requests)
         self.monitor.queued.set_function(lambda: self.batcher.waiting)
@@ -55,6 +55,9 @@ class Runtime:
 
     def _run(self, queries: list[str], plan: SearchPlan, tokens: list[Tokens] | None) -> list[SearchResult]:
         return self.engine.run(queries, plan, tokens)
+
+    def _embed(self, texts: list[str], tokens: list[Tokens]) -> np.ndarray:
+        return self.engine.embed(texts, tokens)
 
     def ready_engine(self) -> SearchEngine:
         if self.engine is None:
@@ -111,8 +114,15 @@ class Runtime:
         return results
 
     async def embed(self, texts: Sequence[str], tokens: Sequence[Tokens]) -> np.ndarray:
-        return await self._traced("encode", {"search.batch_size": len(texts)},
-                                  self.ready_engine().embed, list(texts), list(tokens))
+        """The vectors of `texts`, in one forward pass with the texts of concurrent embeddings requests
+        (unless SEARCH_MICROBATCH is off)."""
+        engine = self.ready_engine()
+        if not self.settings.microbatch:
+            return await self._traced("encode", {"search.batch_size": len(texts)}, engine.embed, list(texts), list(tokens))
+        done = await self.batcher.embed(texts, tokens)
+        self.tracing.stages([("queue", done.arrived, done.started), ("encode", done.started, done.finished)],
+                            {"search.batch_size": done.batch_size})
+        return done.vectors
 
     async def rescore(self, query: str, texts: Sequence[str], reranker: str | None) -> np.ndarray:
         engine = self.ready_engine()

@@ -127,3 +127,57 @@ def test_with_batches_of_one_nothing_ever_waits_for_company(engine, demo_queries
         return asyncio.wait_for(batcher.search(demo_queries["q0003"], SearchPlan(3)), timeout=60)
 
     assert batch_sizes_after_one_queued_behind(engine, demo_queries, FOREVER_S, 1, then=alone) == [1, 1, 1]
+
+
+
+def embeddings_queued_behind_one(engine, requests: list[list[str]], max_batch: int):
+    """One embeddings request the model takes (held until a gate opens), then `requests` queued behind
+    it: the texts of each forward pass, the batch sizes seen, and each queued request's answer."""
+    gate = threading.Event()
+    calls: list[list[str]] = []
+    sizes: list[int] = []
+
+    def embed_batch(texts, tokens):
+        gate.wait(timeout=60)
+        calls.append(list(texts))
+        return engine.embed(texts, tokens)
+
+    async def scenario():
+        with ThreadPoolExecutor(max_workers=1) as executor:
+            batcher = MicroBatcher(engine.run, executor, FOREVER_S, max_batch=max_batch, on_batch=sizes.append,
+                                   embed_batch=embed_batch)
+
+            def embed(texts):
+                return batcher.embed(texts, [engine.tokenize(text, True, ("input",), "query") for text in texts])
+
+            first = asyncio.create_task(embed(["warm"]))
+            await asyncio.sleep(0.2)  # the model is busy with the first; the others queue behind it
+            queued = [asyncio.create_task(embed(texts)) for texts in requests]
+            await asyncio.sleep(0.2)
+            gate.set()
+            done = await asyncio.wait_for(asyncio.gather(first, *queued), timeout=60)
+            await batcher.close()
+        return done[1:]
+
+    done = asyncio.run(scenario())
+    return calls, sizes, done
+
+
+def test_embeddings_requests_queued_together_share_one_forward_pass_and_keep_their_own_vectors(engine, encoder,
+                                                                                               demo_queries):
+    requests = [[demo_queries["q0001"]], [demo_queries["q0002"], demo_queries["q0003"]], [demo_queries["q0004"]]]
+    calls, sizes, done = embeddings_queued_behind_one(engine, requests, max_batch=8)
+    assert [len(call) for call in calls] == [1, 4] and sizes == [1, 3]  # three requests, four texts, one pass
+    for texts, answer in zip(requests, done):
+        assert answer.batch_size == 4 and answer.arrived <= answer.started <= answer.finished
+        assert answer.vectors.shape == (len(texts), encoder.dimension)
+        assert abs(answer.vectors - encoder.encode_queries(texts)).max() < 1e-5
+
+
+def test_queued_embeddings_run_in_forward_passes_of_at_most_max_batch_texts_in_arrival_order(engine, demo_queries):
+    texts = [demo_queries[f"q{n:04d}"] for n in range(1, 9)]
+    requests = [texts[0:3], texts[3:5], texts[5:8]]  # 3 + 2 fit a pass of 5; the last 3 make the next
+    calls, sizes, done = embeddings_queued_behind_one(engine, requests, max_batch=5)
+    assert calls == [["warm"], texts[0:5], texts[5:8]]
+    assert [answer.batch_size for answer in done] == [5, 5, 3]
+    assert done[0].finished <= done[2].started  # one pass after the other, the first answered as it ended
