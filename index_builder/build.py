@@ -19,14 +19,14 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO, Iterator
+from typing import BinaryIO, Iterator, Protocol, Sequence
 
 import numpy as np
 from tqdm import tqdm
 
 from index_builder.shard import Shard
 from models.checkpoint import read_json
-from models.encoder import BiEncoder
+from models.encoder import EncoderSpec
 from retrieval import index_writer
 from retrieval.corpus import BadLine, CorpusFormat, Passage, detect_format, read_corpus
 from retrieval.index_format import CorpusRecord, EncoderRecord, write_json_atomic
@@ -34,6 +34,22 @@ from retrieval.index_format import CorpusRecord, EncoderRecord, write_json_atomi
 STATE_FILE = "state.json"
 CHUNKS_DIR = "chunks"  # STATE_FILE and CHUNKS_DIR are a build's scratch, dropped once the index is in place
 SHOWN_BAD_LINES = 5
+
+
+class PassageEncoder(Protocol):
+    """What a build asks of its encoder (`models.encoder.BiEncoder` has it all)."""
+
+    spec: EncoderSpec
+    source: str | None  # the model folder an index records, None for the packaged default
+    backend: str
+    export_sha256: str | None
+
+    @property
+    def dimension(self) -> int: ...
+
+    def encode_passages(self, passages: Sequence[str], progress: tqdm | None = None) -> np.ndarray:
+        """(len(passages), dimension) float32 rows in the order given; `progress` advances as they are done."""
+        ...
 
 
 class BuildError(Exception):
@@ -152,7 +168,7 @@ class _Reporter:
             self.shown += 1
 
 
-def build_index(options: BuildOptions, encoder: BiEncoder) -> BuildReport:
+def build_index(options: BuildOptions, encoder: PassageEncoder) -> BuildReport:
     """Build (or resume building) `options.out` from `options.corpus` with `encoder`."""
     corpus, out = options.corpus, options.out
     if not corpus.is_file():
@@ -245,7 +261,7 @@ def _read_chunks(
         yield _Chunk(passages, bad, offset, line, digest.hexdigest(), records)
 
 
-def _commit_chunk(work, state: _State, connection, encoder: BiEncoder, passages, chunk: _Chunk, skipped, progress):
+def _commit_chunk(work, state: _State, connection, encoder: PassageEncoder, passages, chunk: _Chunk, skipped, progress):
     """Embeddings to disk, passages to SQLite, then count the chunk: in that order, so a crash loses nothing."""
     number = len(state.chunks)
     vectors = encoder.encode_passages([p.text for p in passages], progress=progress)
@@ -272,7 +288,7 @@ def _commit_chunk(work, state: _State, connection, encoder: BiEncoder, passages,
 
 
 def _finish(
-    work: Path, state: _State, encoder: BiEncoder, corpus: Path, fmt: CorpusFormat, bm25: bool, shard: Shard | None
+    work: Path, state: _State, encoder: PassageEncoder, corpus: Path, fmt: CorpusFormat, bm25: bool, shard: Shard | None
 ) -> None:
     """FAISS index from the chunks (and BM25 from the stored passages), then the manifest."""
     chunks = (np.load(work / CHUNKS_DIR / f"{number:06d}.npy") for number in range(len(state.chunks)))

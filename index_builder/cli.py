@@ -29,6 +29,7 @@ from retrieval.index_format import IndexFormatError, read_manifest
 from retrieval.readers import InputFileError, Run, read_qrels, read_queries, read_run, write_run
 from retrieval.searcher import MAX_K, EncoderMismatch, Searcher, encoder_for
 
+LOCAL_RAY = "local"  # `--ray` with no address: ray.init()'s own choice
 # OSError and sqlite3.Error cover a full disk too: the build's partial folder stays for a resume.
 USAGE_ERRORS = (BuildError, InputFileError, IndexFormatError, EncoderMismatch, OSError, sqlite3.Error, ValueError)
 
@@ -80,6 +81,14 @@ def _parser() -> argparse.ArgumentParser:
                        help="keep only records i, i+N, i+2N, ... (0-based) of the corpus; combine with `merge`")
     build.add_argument("--if-missing", action="store_true",
                        help="if --out already holds an index, keep it and exit 0 (for one-shot deploy jobs)")
+    build.add_argument("--ray", nargs="?", const=LOCAL_RAY, metavar="auto|ADDRESS",
+                       help="encode on a pool of Ray actors: alone, the Ray cluster of RAY_ADDRESS or of this "
+                       "machine (a new local one if none runs); auto: the one `ray start` runs here; or an address")
+    build.add_argument("--workers", type=int, metavar="N",
+                       help="with --ray: encoder actors, one model each (default: as many as the cluster holds)")
+    build.add_argument("--gpus-per-worker", type=float, metavar="G",
+                       help="with --ray: GPUs per actor, e.g. 0.5 for two per GPU; 0 for CPU actors "
+                       "(default: 1 where the cluster has GPUs, else 0)")
 
     merge = commands.add_parser("merge", help="merge the indexes of `build --shard i/N` jobs into one index")
     merge.add_argument("--shards", type=Path, nargs="+", required=True, help="all N shard index directories")
@@ -112,14 +121,34 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _check_ray_flags(args: argparse.Namespace) -> None:
+    """BuildError (one line, exit 2) for --ray flags that cannot work, before anything is loaded."""
+    if args.ray is None:
+        if args.workers is not None or args.gpus_per_worker is not None:
+            raise BuildError("--workers and --gpus-per-worker need --ray")
+        return
+    if args.shard is not None:
+        raise BuildError("--ray encodes the whole corpus on the cluster: drop --shard (or --ray)")
+    if args.workers is not None and args.workers < 1:
+        raise BuildError(f"--workers must be at least 1, got {args.workers}")
+    if args.gpus_per_worker is not None and not args.gpus_per_worker >= 0:
+        raise BuildError(f"--gpus-per-worker must be 0 or more, got {args.gpus_per_worker:g}")
+    if args.device not in ("auto", "cpu", "cuda"):
+        raise BuildError(f"--device {args.device}: with --ray the actors get their GPUs from Ray; "
+                         "use auto, cpu (CPU actors) or cuda")
+
+
 def _build(args: argparse.Namespace) -> None:
+    _check_ray_flags(args)
     if args.if_missing and args.out.exists():
         manifest = read_manifest(args.out)  # a broken folder stops the job rather than being served
         print(f"kept {args.out}: it already holds an index of {manifest.count} passages (--if-missing)")
         return
-    encoder = BiEncoder(
-        args.model,
-        device=args.device,
+    options = BuildOptions(
+        args.corpus, args.out, args.chunk_size, args.skip_bad, args.overwrite, args.restart, bm25=args.bm25,
+        shard=args.shard,
+    )
+    encoder_options = dict(
         batch_size=args.batch_size,
         query_max_tokens=args.query_max_tokens,
         passage_max_tokens=args.passage_max_tokens,
@@ -128,11 +157,17 @@ def _build(args: argparse.Namespace) -> None:
         query_prefix=args.query_prefix,
         passage_prefix=args.passage_prefix,
     )
-    options = BuildOptions(
-        args.corpus, args.out, args.chunk_size, args.skip_bad, args.overwrite, args.restart, bm25=args.bm25,
-        shard=args.shard,
-    )
-    print(build_index(options, encoder).summary())
+    if args.ray is None:
+        print(build_index(options, BiEncoder(args.model, device=args.device, **encoder_options)).summary())
+        return
+    from index_builder import ray_build  # only here: a build without --ray never imports Ray
+
+    with ray_build.ray_cluster(None if args.ray == LOCAL_RAY else args.ray):
+        with ray_build.RayEncoder({"path": args.model, **encoder_options}, workers=args.workers,
+                                  gpus_per_worker=args.gpus_per_worker, device=args.device) as encoder:
+            print(f"encoding on Ray: {encoder.workers} actors x {encoder.gpus_per_worker:g} GPUs", file=sys.stderr)
+            report = build_index(options, encoder)
+    print(report.summary())
 
 
 def _row_name(folder: Path) -> str:
