@@ -94,22 +94,42 @@ def _with_threads(options: dict | None) -> dict:
 
 def build_application(shard_dirs: Sequence[str | Path], settings: ServiceSettings, *, shard_replicas: int = 1,
                       shard_options: dict | None = None, ingress_replicas: int = 1,
-                      ingress_options: dict | None = None):
+                      ingress_options: dict | None = None, shard_resources: bool = False):
     """The Serve application: deployments `shard-0` .. `shard-{S-1}` (one per directory, as given, each
     `shard_replicas` replicas with `shard_options` as ray_actor_options, e.g. {"num_gpus": 1}) and the
     ingress `search` (`ingress_replicas`, `ingress_options`), which checks at start that the directories
-    are all N shards of one build, in any order."""
+    are all N shards of one build, in any order. With `shard_resources`, each replica of a shard also
+    needs one unit of the custom resource named as its directory (`ray start --resources '{"shard0of4": 2}'`
+    on the machines that hold shard0of4, for two replicas there)."""
     names = [f"shard-{position}" for position in range(len(shard_dirs))]
-    shards = [
-        ShardDeployment.options(name=name, num_replicas=shard_replicas, ray_actor_options=_with_threads(shard_options))
-        .bind(str(directory), "auto", settings.verify_checksums, settings.index_mmap, settings.gpu_fp16)
-        for name, directory in zip(names, shard_dirs)
-    ]
+    shards = []
+    for name, directory in zip(names, shard_dirs):
+        options = _with_threads(shard_options)
+        if shard_resources:
+            options["resources"] = {**options.get("resources", {}), Path(directory).name: 1}
+        shards.append(ShardDeployment.options(name=name, num_replicas=shard_replicas, ray_actor_options=options)
+                      .bind(str(directory), "auto", settings.verify_checksums, settings.index_mmap, settings.gpu_fp16))
     # As many requests in the ingress as the service admits: past that, its own 429 answers.
     ingress = SearchIngress.options(name="search", num_replicas=ingress_replicas,
                                     max_ongoing_requests=settings.max_concurrent_requests,
                                     ray_actor_options=_with_threads(ingress_options))
     return ingress.bind(settings, names, *shards)
+
+
+def sharded_app(args: dict):
+    """An application builder for Serve config files and KubeRay's RayService (`import_path:
+    service.sharded:sharded_app`): `args` holds `shards` (the directories, as each node sees them) and
+    optionally shard_replicas, shard_cpus, shard_gpus, shard_resources, ingress_replicas, ingress_cpus,
+    ingress_gpus (as the --ray flags) and `settings`, SEARCH_* settings by their lower-case names (those
+    left out come from the SEARCH_* variables where the builder runs)."""
+    settings = ServiceSettings(**args.get("settings", {}))
+    return build_application(
+        list(args["shards"]), settings, shard_replicas=int(args.get("shard_replicas", 1)),
+        shard_options={"num_cpus": float(args.get("shard_cpus", 1)), "num_gpus": float(args.get("shard_gpus", 0))},
+        ingress_replicas=int(args.get("ingress_replicas", 1)),
+        ingress_options={"num_cpus": float(args.get("ingress_cpus", 1)), "num_gpus": float(args.get("ingress_gpus", 0))},
+        shard_resources=bool(args.get("shard_resources", False)),
+    )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -122,6 +142,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--shard-cpus", type=float, default=1, help="CPUs each shard replica reserves (default 1)")
     group.add_argument("--shard-gpus", type=float, default=0,
                        help="GPUs each shard replica reserves (default 0); its index is sharded over them")
+    group.add_argument("--shard-resources", action="store_true",
+                       help="place each shard's replicas on nodes offering the custom resource named as its directory "
+                            "(ray start --resources '{\"shard0of4\": 2}' where shard0of4 is)")
     group.add_argument("--ingress-replicas", type=int, default=1, help="ingress replicas (default 1)")
     group.add_argument("--ingress-cpus", type=float, default=1, help="CPUs each ingress replica reserves (default 1)")
     group.add_argument("--ingress-gpus", type=float, default=0, help="GPUs each ingress replica reserves (default 0)")
@@ -143,6 +166,7 @@ def serve_sharded(args: argparse.Namespace, settings: ServiceSettings) -> int:
         shard_options={"num_cpus": args.shard_cpus, "num_gpus": args.shard_gpus},
         ingress_replicas=args.ingress_replicas,
         ingress_options={"num_cpus": args.ingress_cpus, "num_gpus": args.ingress_gpus},
+        shard_resources=args.shard_resources,
     )
     serve.run(application, name=APP_NAME, route_prefix="/")
     log.info("serving %d shards on http://%s:%d", len(args.shards), settings.host, settings.port)

@@ -151,3 +151,16 @@ def test_a_killed_shard_replica_gives_503s_naming_it_or_right_answers_never_wron
     rest = [hit for hit in whole.search(queries[0], 300).hits if hit.id not in shard_one][:10]
     assert [r["id"] for r in partial["results"]] == [hit.id for hit in rest]
 
+
+
+def test_the_config_file_builder_places_each_shard_where_its_directory_is():
+    from service.sharded import sharded_app
+
+    application = sharded_app({"shards": ["/indexes/shard0of2", "/indexes/shard1of2"], "shard_replicas": 2,
+                               "shard_gpus": 1, "shard_resources": True, "settings": {"gpu_fp16": True}})
+    ingress = application._bound_deployment
+    shards = [bound._bound_deployment for bound in ingress.init_args[2:]]
+    assert ingress.init_args[0].gpu_fp16 and ingress.init_args[1] == ["shard-0", "shard-1"]
+    assert [(shard.name, shard.num_replicas) for shard in shards] == [("shard-0", 2), ("shard-1", 2)]
+    assert [shard.ray_actor_options["resources"] for shard in shards] == [{"shard0of2": 1}, {"shard1of2": 1}]
+    assert all(shard.ray_actor_options["num_gpus"] == 1 for shard in shards)
