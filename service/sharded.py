@@ -177,9 +177,12 @@ def serve_sharded(args: argparse.Namespace, settings: ServiceSettings) -> int:
     )
     serve.run(application, name=APP_NAME, route_prefix="/")
     log.info("serving %d shards on http://%s:%d", len(args.shards), settings.host, settings.port)
+    # Ctrl-C deletes the application. SIGTERM is Ray's to handle (its own handler ends the process); a
+    # local Ray started here goes with it, and on a cluster the application stays until `serve shutdown`.
     try:
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
         serve.delete(APP_NAME)
+    ray.shutdown()
     return 0
