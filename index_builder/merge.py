@@ -27,6 +27,7 @@ from index_builder.build import BuildError
 from index_builder.shard import Shard
 from retrieval import index_writer
 from retrieval.index_format import INDEX_FILE, PASSAGES_FILE, Manifest, read_manifest
+from retrieval.sharding import shard_agreement
 
 INSERT_BATCH = 2048
 
@@ -80,16 +81,6 @@ def merge_shards(directories: Sequence[Path], out: Path, overwrite: bool = False
     return MergeReport(out, len(shards), count, sum(m.corpus.skipped for _, m in shards), time.perf_counter() - started)
 
 
-def _agreement(manifest: Manifest) -> dict:
-    """What every shard of one build must share. The encoder's path may differ from job to job; its weights may not."""
-    encoder = manifest.encoder.model_dump(exclude={"path"})
-    return {
-        **{f"encoder {name}": value for name, value in encoder.items()},
-        "corpus format": manifest.corpus.format,
-        "--bm25": manifest.bm25 is not None,
-    }
-
-
 def _check_shards(directories: Sequence[Path]) -> list[tuple[Path, Manifest]]:
     """(directory, manifest) of each shard, ordered by shard index, once they are known to fit together."""
     if not directories:
@@ -101,12 +92,12 @@ def _check_shards(directories: Sequence[Path]) -> list[tuple[Path, Manifest]]:
             raise BuildError(f"{directory}: not a shard (its manifest names none; build shards with --shard i/N)")
         found.append((Shard.parse(manifest.shard), directory, manifest))
     first_shard, first_directory, first = found[0]
-    expected = _agreement(first)
+    expected = shard_agreement(first)
     by_index: dict[int, Path] = {}
     for shard, directory, manifest in found:
         if shard.count != first_shard.count:
             raise BuildError(f"{directory} is shard {shard} but {first_directory} is shard {first_shard}: N differs")
-        for name, value in _agreement(manifest).items():
+        for name, value in shard_agreement(manifest).items():
             if value != expected[name]:
                 raise BuildError(f"{directory}: {name} {value!r} differs from {first_directory}'s {expected[name]!r}")
         if shard.index in by_index:

@@ -10,30 +10,6 @@ shards' rows back in corpus line order.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from retrieval.sharding import Shard
 
-
-@dataclass(frozen=True)
-class Shard:
-    index: int  # i, from 0
-    count: int  # N
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.index < self.count:
-            raise ValueError(f"shard must be i/N with 0 <= i < N, got {self}")
-
-    @classmethod
-    def parse(cls, text: str) -> Shard:
-        """'1/4' -> Shard(1, 4); ValueError names what is wrong."""
-        try:
-            index, count = (int(part) for part in text.split("/"))
-        except ValueError:
-            raise ValueError(f"shard must look like i/N (e.g. 0/4), got {text!r}") from None
-        return cls(index, count)
-
-    def keeps(self, position: int) -> bool:
-        """Whether the record at `position` (0-based, among the corpus's records) belongs to this shard."""
-        return position % self.count == self.index
-
-    def __str__(self) -> str:
-        return f"{self.index}/{self.count}"
+__all__ = ["Shard"]  # kept in retrieval, where sharded serving reads it too

@@ -40,18 +40,22 @@ class PassageStore:
 
     def get(self, rows: Sequence[int]) -> list[tuple[str, str]]:
         """(id, text) for each row, in the order asked."""
+        return [(pid, text) for pid, text, _ in self.records(rows)]
+
+    def records(self, rows: Sequence[int]) -> list[tuple[str, str, int]]:
+        """(id, text, corpus line) for each row, in the order asked."""
         if not rows:
             return []
         wanted = sorted(set(int(r) for r in rows))
-        found: dict[int, tuple[str, str]] = {}
+        found: dict[int, tuple[str, str, int]] = {}
         connection = self._connection()
         for start in range(0, len(wanted), 900):  # SQLite caps bound parameters
             part = wanted[start : start + 900]
             marks = ",".join("?" * len(part))
-            for row, pid, text in connection.execute(
-                f"SELECT row, id, text FROM passages WHERE row IN ({marks})", part
+            for row, pid, text, line in connection.execute(
+                f"SELECT row, id, text, line FROM passages WHERE row IN ({marks})", part
             ):
-                found[row] = (pid, text)
+                found[row] = (pid, text, line)
         missing = [r for r in wanted if r not in found]
         if missing:
             raise KeyError(f"{self.path}: rows {missing[:5]} not in the passage store")

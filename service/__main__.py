@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import logging
 import sys
@@ -28,7 +29,20 @@ def limit_malloc_arenas(arenas: int = 2) -> None:
         pass
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m service", add_help=False, description=(
+        "Serve SEARCH_INDEX_DIR with uvicorn; with --ray, serve the shards of one build --shard i/N on Ray Serve. "
+        "Every other setting is a SEARCH_* variable."))
+    parser.add_argument("--ray", nargs="?", const="", metavar="ADDRESS",
+                        help="serve --shards on Ray Serve (python -m service --ray --help for its options)")
+    if parser.parse_known_args(argv)[0].ray is not None:  # Ray is imported only here: the plain service never loads it
+        from service import sharded
+
+        parser = argparse.ArgumentParser(prog="python -m service --ray", description=parser.description)
+        sharded.add_arguments(parser)
+    else:
+        parser.add_argument("-h", "--help", action="help", help="show this help message and exit")
+    args = parser.parse_args(argv)
     limit_malloc_arenas()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -38,6 +52,8 @@ def main() -> int:
             name = "SEARCH_" + "_".join(str(part) for part in problem["loc"]).upper()
             print(f"error: {name}: {problem['msg'].removeprefix('Value error, ')}", file=sys.stderr)
         return 2
+    if args.ray is not None:
+        return sharded.serve_sharded(args, settings)
     try:
         app = create_app(settings)
     except TracingUnavailable as error:

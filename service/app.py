@@ -19,7 +19,7 @@ from pydantic_core import to_json
 from models.reranker import reranker_kind
 from service import errors, limits
 from service.admission import Admission
-from service.engine import ReloadError, SearchEngine, SearchPlan
+from service.engine import ReloadError, SearchEngine, SearchPlan, SearchResult
 from service.errors import NotFound, OverLimit, Unauthorized
 from service.monitoring import Monitor
 from service.page import mount_page
@@ -74,7 +74,8 @@ def plan(settings: ServiceSettings, engine: SearchEngine, request: SearchRequest
     limits.check_k(settings, request.k)
     depth = (request.depth or max(settings.rerank_depth, request.k)) if request.rerank else None
     return engine.plan(request.k, rerank_depth=depth, reranker=request.reranker if request.rerank else None,
-                       max_rerank_depth=settings.max_rerank_depth, **request.retrieval())
+                       max_rerank_depth=settings.max_rerank_depth, allow_partial=request.allow_partial,
+                       **request.retrieval())
 
 
 async def _disconnect(receive) -> None:
@@ -140,6 +141,11 @@ def _json(body: dict) -> Response:
     test checks unreranked bodies against the spec. A NaN or infinite score becomes null, as
     pydantic's own serialiser wrote it: always valid JSON."""
     return Response(to_json(body, inf_nan_mode="null"), media_type="application/json")
+
+
+def _shards(result: SearchResult) -> dict:
+    """The `shards` field of a sharded engine's answer; nothing for one index, whose answers keep their shape."""
+    return {"shards": result.shards} if result.shards is not None else {}
 
 
 def create_app(settings: ServiceSettings | None = None, engine: SearchEngine | None = None,
@@ -221,7 +227,7 @@ def create_app(settings: ServiceSettings | None = None, engine: SearchEngine | N
         if result is None:
             return Response(status_code=499)  # nginx's "client closed request": nobody reads it
         return _json({"query": request.query, "results": result.hits, "score_kind": result.score_kind,
-                      "latency_ms": result.timings.as_dict()})
+                      "latency_ms": result.timings.as_dict(), **_shards(result)})
 
     @app.post("/search/batch", response_model=BatchSearchResponse, dependencies=protected,
               responses=responses({400: "a mode the index lacks"}, search=True))
@@ -233,7 +239,8 @@ def create_app(settings: ServiceSettings | None = None, engine: SearchEngine | N
         limits.check_batch_tokens(settings, sum(len(query.ids) for query in tokens))
         results = await runtime.search_batch(request.queries, plan(settings, engine, request), tokens)
         return _json({"results": [{"query": r.query, "results": r.hits} for r in results],
-                      "score_kind": results[0].score_kind, "latency_ms": results[0].timings.as_dict()})
+                      "score_kind": results[0].score_kind, "latency_ms": results[0].timings.as_dict(),
+                      **_shards(results[0])})
 
     @app.post("/v1/embeddings", response_model=EmbeddingsResponse, dependencies=protected,
               responses=responses(), summary="OpenAI's embeddings API, by the served index's encoder")

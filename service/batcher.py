@@ -15,6 +15,7 @@ import numpy as np
 
 from models.encoder import Tokens
 from service.engine import SearchPlan, SearchResult
+from service.errors import ShardsUnavailable
 
 # One result per query, e.g. SearchEngine.run; the tokens are None unless every query came with its own.
 RunBatch = Callable[[list[str], SearchPlan, list[Tokens] | None], list[SearchResult]]
@@ -198,13 +199,16 @@ class MicroBatcher:
             results = await asyncio.get_running_loop().run_in_executor(self._executor, call)
         except Exception as error:  # noqa: BLE001
             self._running = False
-            if len(batch) > 1:  # one request must not fail its neighbours: run each alone, so only it fails
+            # One request must not fail its neighbours: run each alone, so only it fails. A shard that
+            # did not answer fails them all alike, and each alone would wait for it again.
+            if len(batch) > 1 and not isinstance(error, ShardsUnavailable):
                 for item in batch:
                     if not item.future.done():
                         await self._run([item])
                 return
-            if not batch[0].future.done():
-                batch[0].future.set_exception(error)
+            for item in batch:
+                if not item.future.done():
+                    item.future.set_exception(error)
             return
         finally:
             self._running = False

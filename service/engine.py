@@ -45,6 +45,8 @@ class SearchResult:
     score_kind: str  # what `Hit.score` is (see Searcher.score_kind and Reranker.score_kind)
     timings: StageTimings = field(default_factory=StageTimings)
     batch_size: int = 1  # queries run together with it, itself included: its micro-batch, or its client's batch
+    # Sharded serving only: {"answered": [...], "missing": [...]}, shards as "i/N"; None for one index.
+    shards: dict[str, list[str]] | None = None
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,7 @@ class SearchPlan:
     lead: str = "dense"
     rerank_depth: int | None = None  # with a reranker: passages rescored (>= k)
     reranker: str | None = None  # a configured reranker's kind
+    allow_partial: bool = False  # sharded serving: answer from the shards that answered (one index: no effect)
 
     @property
     def depth(self) -> int:
@@ -75,6 +78,17 @@ class SearchPlan:
 
 class ReloadError(Exception):
     """The new index could not be loaded; the old one keeps serving."""
+
+
+def load_rerankers(folders: Sequence[Path], device: str, backend: Backend) -> dict[str, Reranker]:
+    """Reranker folders by kind (see models.reranker), at most one of each kind, in the order given."""
+    loaded: dict[str, Reranker] = {}
+    for folder in folders:
+        kind = reranker_kind(folder)
+        if kind in loaded:
+            raise ValueError(f"two {kind} rerankers configured ({loaded[kind].name} and {folder}); keep one")
+        loaded[kind] = load_reranker(folder, device=device, backend=backend)
+    return loaded
 
 
 class SearchEngine:
@@ -101,12 +115,7 @@ class SearchEngine:
         runs on too; `mmap`, `fp16`: how the vectors are held (retrieval.dense_index.load_index)."""
         manifest = read_manifest(index_dir, verify_checksums=verify_checksums)
         encoder = encoder_for(manifest, device, query_max_tokens, backend)
-        loaded: dict[str, Reranker] = {}
-        for folder in rerankers:
-            kind = reranker_kind(folder)
-            if kind in loaded:
-                raise ValueError(f"two {kind} rerankers configured ({loaded[kind].name} and {folder}); keep one")
-            loaded[kind] = load_reranker(folder, device=device, backend=encoder.backend)
+        loaded = load_rerankers(rerankers, device, encoder.backend)
         return cls(Searcher(index_dir, encoder, device=device, mmap=mmap, fp16=fp16), loaded, query_max_tokens, backend)
 
     @property
@@ -114,11 +123,11 @@ class SearchEngine:
         return self._searcher
 
     def plan(self, k: int, *, rerank_depth: int | None = None, reranker: str | None = None,
-             max_rerank_depth: int | None = None, **retrieval) -> SearchPlan:
+             max_rerank_depth: int | None = None, allow_partial: bool = False, **retrieval) -> SearchPlan:
         """`k` hits by `retrieval` (mode, fusion, lead; see Searcher), with `rerank_depth` the top
         `rerank_depth` (>= k, <= `max_rerank_depth`) rescored by `reranker` (a kind; default: the first
         configured), checked once: NotServable for what this service or its index cannot do,
-        OverLimit for a value past a limit."""
+        OverLimit for a value past a limit. `allow_partial` matters to a sharded engine only."""
         if rerank_depth is not None:
             if not self.rerankers:
                 raise NotServable("rerank: no reranker is configured on this service (set SEARCH_RERANKERS)")
@@ -132,7 +141,7 @@ class SearchEngine:
                 raise OverLimit(("depth",), f"depth={rerank_depth} is smaller than k={k}: rescore at least k",
                                 rerank_depth)
             reranker = reranker or self.default_reranker
-        plan = SearchPlan(k, rerank_depth=rerank_depth, reranker=reranker, **retrieval)
+        plan = SearchPlan(k, rerank_depth=rerank_depth, reranker=reranker, allow_partial=allow_partial, **retrieval)
         try:
             self._searcher.check(plan.depth, **plan.retrieval)
         except ValueError as error:
@@ -185,7 +194,7 @@ class SearchEngine:
         started = time.perf_counter()
         vectors = searcher.encode(queries, tokens) if plan.mode != "bm25" else None
         encoded = time.perf_counter()
-        hits = searcher.hits(searcher.rank(queries, vectors, plan.depth, **plan.retrieval))
+        hits, shards = self._retrieve(queries, vectors, plan)
         retrieved = time.perf_counter()
         score_kind = searcher.score_kind(**plan.retrieval)
         rerank_depth = plan.rerank_depth
@@ -201,7 +210,13 @@ class SearchEngine:
             total=1000 * (reranked - started),
             started_at=started,
         )
-        return [SearchResult(query, found, score_kind, timings, len(queries)) for query, found in zip(queries, hits)]
+        return [SearchResult(query, found, score_kind, timings, len(queries), shards) for query, found in zip(queries, hits)]
+
+    def _retrieve(self, queries: Sequence[str], vectors: np.ndarray | None,
+                  plan: SearchPlan) -> tuple[list[list[Hit]], dict | None]:
+        """The plan's `depth` hits per query, and the shards that answered (None: one index)."""
+        searcher = self._searcher
+        return searcher.hits(searcher.rank(queries, vectors, plan.depth, **plan.retrieval)), None
 
     @property
     def default_reranker(self) -> str | None:

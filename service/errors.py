@@ -55,6 +55,11 @@ class NotReady(ServiceError):
     """No index loaded yet, or loading failed: 503."""
 
 
+class ShardsUnavailable(ServiceError):
+    """Sharded serving: a shard did not answer, and the request did not allow a partial answer: 503.
+    It is the same for every request of a batch, so a micro-batch fails as a whole (see the batcher)."""
+
+
 def _json_safe(value):
     """`value` with every non-finite float written as a string: JSON has no NaN or Infinity, and a
     request may send them (Python's JSON reader accepts NaN, Infinity and 1e309)."""
@@ -76,7 +81,7 @@ def answer(error: ServiceError) -> tuple[int, dict, dict[str, str]]:
         return 429, {"detail": str(error)}, {"Retry-After": str(error.retry_after_s)}
     if isinstance(error, Unauthorized):
         return 401, {"detail": str(error)}, {"WWW-Authenticate": "Bearer"}
-    status = {NotServable: 400, NotFound: 404, TimedOut: 408, NotReady: 503}[type(error)]
+    status = {NotServable: 400, NotFound: 404, TimedOut: 408, NotReady: 503, ShardsUnavailable: 503}[type(error)]
     return status, {"detail": str(error)}, {}
 
 

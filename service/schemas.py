@@ -39,6 +39,18 @@ NOT_BLANK = {"minLength": 1, "pattern": (
     "[^\\t\\n\\u000b\\f\\r\\u001c-\\u001f \\u0085\\u00a0\\u1680\\u2000-\\u200a\\u2028\\u2029\\u202f\\u205f\\u3000]")}
 
 
+ALLOW_PARTIAL = Field(False, description=(
+    "sharded serving only: when a shard does not answer, return the other shards' results (the response's "
+    "`shards` lists which answered) instead of a 503 naming it; ignored by a service over one index"))
+
+
+class ShardsReport(BaseModel):
+    """Sharded serving only: the shards (as `i/N`) whose passages the results are drawn from."""
+
+    answered: list[str]
+    missing: list[str] = Field(description="shards that did not answer (only with allow_partial: true)")
+
+
 class SearchRequest(RetrievalOptions):
     query: str = Field(description="free text; not empty, at most SEARCH_MAX_QUERY_CHARS characters",
                        json_schema_extra=NOT_BLANK)
@@ -49,6 +61,7 @@ class SearchRequest(RetrievalOptions):
         None, ge=1, le=MAX_K, description="passages the reranker rescores (>= k; default SEARCH_RERANK_DEPTH or k)"
     )
     reranker: RerankerKind | None = Field(None, description="which configured reranker (default: the first)")
+    allow_partial: bool = ALLOW_PARTIAL
 
 
 class BatchSearchRequest(RetrievalOptions):
@@ -59,6 +72,7 @@ class BatchSearchRequest(RetrievalOptions):
     rerank: bool = False
     depth: int | None = Field(None, ge=1, le=MAX_K)
     reranker: RerankerKind | None = None
+    allow_partial: bool = ALLOW_PARTIAL
 
 
 class SearchHit(BaseModel):
@@ -84,6 +98,7 @@ class SearchResponse(BaseModel):
     results: list[SearchHit]
     score_kind: ScoreKind = Field(description=SCORE_KIND_DESCRIPTION)
     latency_ms: Latency
+    shards: ShardsReport | None = Field(None, description="sharded serving only (absent otherwise)")
 
 
 class BatchItem(BaseModel):
@@ -95,6 +110,7 @@ class BatchSearchResponse(BaseModel):
     results: list[BatchItem]
     score_kind: ScoreKind = Field(description=SCORE_KIND_DESCRIPTION)
     latency_ms: Latency
+    shards: ShardsReport | None = Field(None, description="sharded serving only (absent otherwise)")
 
 
 class ReloadRequest(BaseModel):
@@ -120,6 +136,7 @@ class IndexInfo(BaseModel):
     query_prefix: str = ""  # the index's: what the encoder puts before each query
     passage_prefix: str = ""  # and before each passage (/v1/embeddings with input_type passage)
     rerankers: dict[str, str]  # kind -> checkpoint folder name
+    shards: list[str] | None = None  # sharded serving: the shards served, as i/N (absent over one index)
 
 
 class Status(BaseModel):

@@ -76,6 +76,10 @@ class ServiceSettings(BaseSettings):
     )
     microbatch_max: int = Field(64, ge=1, description="most requests fused into one batch")
     stats_window: int = Field(1000, ge=1, description="requests kept for /stats percentiles")
+    shard_timeout_s: float = Field(
+        10.0, gt=0, description="sharded serving (--ray): how long a search waits for every shard; a shard that has "
+        "not answered by then fails the request with 503 naming it (or is listed as missing with allow_partial)",
+    )
 
     access_log: bool = Field(
         False, description="log a line per request (uvicorn's access log); off by default because under load it "

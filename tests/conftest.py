@@ -8,8 +8,10 @@ from pathlib import Path
 import pytest
 
 from index_builder.build import BuildOptions, build_index
+from index_builder.merge import merge_shards
 from models.encoder import BiEncoder
 from retrieval.searcher import Searcher
+from retrieval.sharding import Shard
 from service.engine import SearchEngine
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -17,6 +19,7 @@ DEMO = ROOT / "data" / "demo"
 CRANFIELD = ROOT.parent / "shared" / "data" / "cranfield"
 # The demo corpus keeps the relevant passages of q0001..q0100 within its first 300 lines.
 SMALL_CORPUS_LINES = 300
+SMALL_SHARDS = 3
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -56,6 +59,25 @@ def small_corpus(tmp_path_factory) -> Path:
 def small_index(tmp_path_factory, small_corpus, encoder) -> Path:
     out = tmp_path_factory.mktemp("indexes") / "small"
     build_index(BuildOptions(small_corpus, out, chunk_size=128, bm25=True), encoder)
+    return out
+
+
+@pytest.fixture(scope="session")
+def small_shards(tmp_path_factory, small_corpus, encoder) -> list[Path]:
+    """The small corpus as `build --shard i/3` builds it: the shards of `small_index`'s passages."""
+    folder = tmp_path_factory.mktemp("shards")
+    shards = [folder / f"shard{i}of{SMALL_SHARDS}" for i in range(SMALL_SHARDS)]
+    for i, out in enumerate(shards):
+        build_index(BuildOptions(small_corpus, out, chunk_size=128, shard=Shard(i, SMALL_SHARDS)), encoder)
+    return shards
+
+
+@pytest.fixture(scope="session")
+def merged_shards(tmp_path_factory, small_shards) -> Path:
+    """`small_shards` merged (index_builder merge): one flat index over the very vectors the shards hold.
+    (An unsharded build encodes the passages in other batches, so its vectors differ in the last bits.)"""
+    out = tmp_path_factory.mktemp("merged") / "merged"
+    merge_shards(small_shards, out)
     return out
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import ast
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -124,3 +126,12 @@ def test_an_index_built_before_the_layout_change_still_loads_and_answers_as_a_ne
         before, after = (searcher.search("join two paths", k=6, mode=mode) for searcher in searchers)
         assert [hit.id for hit in before] == [hit.id for hit in after], mode
         np.testing.assert_allclose([hit.score for hit in before], [hit.score for hit in after], atol=1e-6)
+
+
+def test_only_the_sharded_module_imports_ray_and_the_plain_service_never_loads_it():
+    importers = sorted(str(path.relative_to(ROOT)) for package in PACKAGES for path in (ROOT / package).glob("*.py")
+                       if "ray" in imported_packages(path))
+    assert importers == ["service/sharded.py"]
+    script = "import sys, service.__main__, service.app, service.sharded_engine; print('ray' in sys.modules)"
+    loaded = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert loaded.stdout.strip() == "False"

@@ -1,0 +1,135 @@
+"""Sharded serving on a local Ray Serve against the plain service over the same passages, in one run.
+
+    python bench/cluster.py [--lines 300] [--shards 3] [--replicas 1 2] [--clients 1 4] [--seconds 12]
+                            [--slices 4] [--k 10] [--work runs/cluster]
+
+Builds (once, into `--work`) the first `--lines` passages of the demo corpus as `--shards` shards
+(`build --shard i/N`) and merges them (`merge`): one flat index over the very vectors the shards
+hold. Starts `python -m service` over the merged index, and on a local Ray (every core) the sharded
+application (`service.sharded.build_application`) with each `--replicas` count per shard in turn.
+For every client count it drives the plain service and the Ray path in alternating slices (plain,
+Ray, Ray, plain, ...) adding up to `--seconds` each, and prints throughput, p50 and p99 with the Ray
+path's p50 as a ratio of the plain service's (the goal: at most 1.3 at one client). No CPUs are
+reserved for the replicas: the ingress, the shards and the plain service share the machine, as the
+clients do, so the figures compare the paths' overhead, not a cluster's capacity.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.load import QUERIES, Load, Server, drive, free_port  # noqa: E402
+from index_builder.build import BuildOptions, build_index  # noqa: E402
+from index_builder.merge import merge_shards  # noqa: E402
+from models.encoder import BiEncoder  # noqa: E402
+from retrieval.sharding import Shard  # noqa: E402
+from service.settings import ServiceSettings  # noqa: E402
+
+GOAL = 1.3
+
+
+def indexes(work: Path, lines: int, count: int) -> tuple[list[Path], Path]:
+    """The shards and their merge, built unless `work` already holds them."""
+    folder = work / f"demo{lines}-{count}"
+    shards = [folder / f"shard{i}of{count}" for i in range(count)]
+    merged = folder / "merged"
+    if not merged.exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        corpus = folder / "corpus.tsv"
+        with (ROOT / "data/demo/corpus.tsv").open(encoding="utf-8") as source:
+            corpus.write_text("".join(line for _, line in zip(range(lines), source)), encoding="utf-8")
+        encoder = BiEncoder(device="cpu")
+        for i, out in enumerate(shards):
+            if not out.exists():
+                build_index(BuildOptions(corpus, out, shard=Shard(i, count)), encoder)
+        merge_shards(shards, merged)
+    return shards, merged
+
+
+async def alternate(bases: dict[str, str], clients: int, seconds: float, slices: int, k: int) -> dict[str, Load]:
+    """Each base URL driven by `clients` clients in alternating slices (a, b, b, a, ...), after a warm-up."""
+    pools = {name: [httpx.AsyncClient(base_url=base, timeout=60, trust_env=False) for _ in range(clients)]
+             for name, base in bases.items()}
+    loads = {name: Load() for name in bases}
+    request = lambda i: ("/search", {"query": QUERIES[i % len(QUERIES)], "k": k})  # noqa: E731
+    try:
+        for name, pool in pools.items():
+            await drive(pool, 1.0, Load(), request)
+        order = list(bases)
+        for number in range(slices):
+            for name in (order if number % 2 == 0 else order[::-1]):
+                await drive(pools[name], seconds / slices, loads[name], request)
+    finally:
+        for pool in pools.values():
+            for http in pool:
+                await http.aclose()
+    return loads
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--lines", type=int, default=300)
+    parser.add_argument("--shards", type=int, default=3)
+    parser.add_argument("--replicas", type=int, nargs="+", default=[1, 2], help="replicas per shard, in turn")
+    parser.add_argument("--clients", type=int, nargs="+", default=[1, 4])
+    parser.add_argument("--seconds", type=float, default=12.0, help="per setup and client count")
+    parser.add_argument("--slices", type=int, default=4)
+    parser.add_argument("--k", type=int, default=10)
+    parser.add_argument("--work", type=Path, default=ROOT / "runs" / "cluster")
+    args = parser.parse_args(argv)
+
+    import ray
+    from ray import serve
+
+    from service.sharded import APP_NAME, build_application
+
+    shards, merged = indexes(args.work, args.lines, args.shards)
+    rows = []
+    pythonpath = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    threads = str(os.cpu_count() or 1)
+    with Server(merged, "cpu") as plain:
+        ray.init(include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": pythonpath}})
+        try:
+            port = free_port()
+            serve.start(http_options={"host": "127.0.0.1", "port": port})
+            settings = ServiceSettings(device="cpu")
+            for replicas in args.replicas:
+                application = build_application(
+                    [str(s) for s in shards], settings, shard_replicas=replicas, shard_options={"num_cpus": 0},
+                    ingress_options={"num_cpus": 0, "runtime_env": {"env_vars": {"OMP_NUM_THREADS": threads}}})
+                serve.run(application, name=APP_NAME, route_prefix="/")
+                ray_path = f"ray, {args.shards} shards x {replicas}"
+                for clients in args.clients:
+                    loads = asyncio.run(alternate({"plain": plain.base, ray_path: f"http://127.0.0.1:{port}"},
+                                                  clients, args.seconds, args.slices, args.k))
+                    base = loads["plain"].row()
+                    for name, load in loads.items():
+                        row = load.row()
+                        rows.append((name, clients, row, row["p50"] / base["p50"]))
+                serve.delete(APP_NAME)
+        finally:
+            serve.shutdown()
+            ray.shutdown()
+
+    print(f"\n{args.lines} passages, k={args.k}, {args.seconds:g} s per setup and client count, {os.cpu_count()} cores")
+    print(f"{'setup':<24} {'clients':>7} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'errors':>6} {'p50 / plain':>11}")
+    for name, clients, row, ratio in rows:
+        print(f"{name:<24} {clients:>7} {row['rps']:>8.1f} {row['p50']:>8.1f} {row['p99']:>8.1f} "
+              f"{row['errors']:>6} {ratio:>11.2f}")
+    one = [ratio for name, clients, _, ratio in rows if name != "plain" and clients == min(args.clients)]
+    print(f"\nRay path p50 overhead at {min(args.clients)} client(s): "
+          + ", ".join(f"{ratio:.2f}x" for ratio in one) + f" (goal <= {GOAL}x)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

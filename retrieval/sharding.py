@@ -1,0 +1,132 @@
+"""One index split into `build --shard i/N` shards, searched apart and merged exactly.
+
+Shard i of N holds the corpus records i, i + N, i + 2N, ... (`Shard`), each row with the corpus
+line it came from. A whole index stores its rows in corpus line order (a build streams the file,
+and `merge` restores that order), so the corpus line is the whole index's row order: merging the
+shards' own top-k lists by score, ties by line, gives the whole index's top-k (`merge_top_k`).
+`ShardIndex` is the search side of one shard directory, with the loading checks of a `Searcher`
+but no encoder: it takes query vectors.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple, Sequence
+
+import numpy as np
+
+from retrieval import dense_index
+from retrieval.index_format import INDEX_FILE, PASSAGES_FILE, Manifest, read_manifest
+from retrieval.passage_store import PassageStore
+from retrieval.searcher import check_rows
+
+
+@dataclass(frozen=True)
+class Shard:
+    index: int  # i, from 0
+    count: int  # N
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.index < self.count:
+            raise ValueError(f"shard must be i/N with 0 <= i < N, got {self}")
+
+    @classmethod
+    def parse(cls, text: str) -> Shard:
+        """'1/4' -> Shard(1, 4); ValueError names what is wrong."""
+        try:
+            index, count = (int(part) for part in text.split("/"))
+        except ValueError:
+            raise ValueError(f"shard must look like i/N (e.g. 0/4), got {text!r}") from None
+        return cls(index, count)
+
+    def keeps(self, position: int) -> bool:
+        """Whether the record at `position` (0-based, among the corpus's records) belongs to this shard."""
+        return position % self.count == self.index
+
+    def __str__(self) -> str:
+        return f"{self.index}/{self.count}"
+
+
+class ShardHit(NamedTuple):
+    """One passage a shard found: its score, its corpus line (the whole index's row order), id and text."""
+
+    score: float
+    line: int
+    id: str
+    text: str
+
+
+def merge_top_k(lists: Sequence[Sequence[ShardHit]], k: int) -> list[ShardHit]:
+    """The top `k` of the shards' own top-k lists (each best first), as one flat index over all their
+    passages ranks them: by score, and among equal scores the later corpus line first, as FAISS's
+    flat search orders ties (the higher row first). Which of several passages tied at the k-th score
+    are kept is FAISS's heap's choice, not a rule; here the earliest lines are kept. Ties of exactly
+    equal float scores come from duplicate passages only."""
+    kept = heapq.nsmallest(k, (hit for hits in lists for hit in hits), key=lambda hit: (-hit.score, hit.line))
+    return sorted(kept, key=lambda hit: (-hit.score, -hit.line))
+
+
+def shard_agreement(manifest: Manifest) -> dict:
+    """What every shard of one build must share. The encoder's path may differ from job to job; its weights may not."""
+    encoder = manifest.encoder.model_dump(exclude={"path"})
+    return {
+        **{f"encoder {name}": value for name, value in encoder.items()},
+        "corpus format": manifest.corpus.format,
+        "--bm25": manifest.bm25 is not None,
+    }
+
+
+def check_shard_set(manifests: Sequence[tuple[str, Manifest]]) -> list[Shard]:
+    """The `Shard` of each (name, manifest), once they are known to be all N shards of one build
+    (one N, one encoder and corpus format, each i once); ValueError names what is wrong."""
+    if not manifests:
+        raise ValueError("no shards given")
+    found = []
+    for name, manifest in manifests:
+        if manifest.shard is None:
+            raise ValueError(f"{name}: not a shard (its manifest names none; build shards with --shard i/N)")
+        found.append(Shard.parse(manifest.shard))
+    (first_name, first), first_shard = manifests[0], found[0]
+    expected = shard_agreement(first)
+    holders: dict[int, str] = {}
+    for (name, manifest), shard in zip(manifests, found):
+        if shard.count != first_shard.count:
+            raise ValueError(f"{name} is shard {shard} but {first_name} is shard {first_shard}: N differs")
+        for field, value in shard_agreement(manifest).items():
+            if value != expected[field]:
+                raise ValueError(f"{name}: {field} {value!r} differs from {first_name}'s {expected[field]!r}")
+        if shard.index in holders:
+            raise ValueError(f"{holders[shard.index]} and {name} are both shard {shard}")
+        holders[shard.index] = name
+    missing = [f"{i}/{first_shard.count}" for i in range(first_shard.count) if i not in holders]
+    if missing:
+        raise ValueError(f"shard {', '.join(missing)} missing (given {len(found)} of {first_shard.count})")
+    return found
+
+
+class ShardIndex:
+    """One shard directory's vectors and passages, loaded and checked as a `Searcher` loads an index
+    (`device`, `mmap`, `fp16`: see dense_index.load_index); `search` takes encoded queries."""
+
+    def __init__(self, index_dir: str | Path, *, device: str = "auto", verify_checksums: bool = True,
+                 mmap: bool = False, fp16: bool = False) -> None:
+        self.index_dir = Path(index_dir)
+        self.manifest = read_manifest(self.index_dir, verify_checksums=verify_checksums)
+        self.index = dense_index.load_index(self.index_dir / INDEX_FILE, device, mmap=mmap, fp16=fp16)
+        self.passages = PassageStore(self.index_dir / PASSAGES_FILE)
+        check_rows(self.index_dir, self.manifest, self.index, self.passages)
+
+    def search(self, vectors: np.ndarray, k: int) -> list[list[ShardHit]]:
+        """This shard's top `k` per query vector, best first (fewer where the shard holds fewer)."""
+        k = min(k, self.manifest.count)
+        if k == 0:
+            return [[] for _ in range(len(vectors))]
+        scores, rows = dense_index.search(self.index, vectors, k)
+        results = []
+        for row_scores, row_ids in zip(scores, rows):
+            found = [(int(row), float(score)) for row, score in zip(row_ids, row_scores) if row >= 0]
+            records = self.passages.records([row for row, _ in found])
+            results.append([ShardHit(score, line, pid, text) for (_, score), (pid, text, line) in zip(found, records)])
+        return results

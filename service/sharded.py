@@ -1,0 +1,188 @@
+"""Sharded serving on Ray Serve: one application of S shard deployments (each holds one `build --shard
+i/N` directory, its FAISS index and passages, in `num_replicas` replicas) and an ingress deployment that
+runs this service's own FastAPI app (service.app.create_app) over a ShardedEngine: it encodes the
+queries (micro-batched as in `python -m service`), scatters their vectors to every shard through Serve
+handles and merges the shards' exact top-k (service/sharded_engine.py).
+
+Only `python -m service --ray ...` imports this module; the plain service never imports Ray."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import math
+import os
+import time
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+from ray import serve
+
+from retrieval.sharding import ShardIndex
+from service.app import create_app
+from service.settings import ServiceSettings
+from service.sharded_engine import ShardedEngine, describe_shard
+
+log = logging.getLogger("service")
+APP_NAME = "dense-search"
+DESCRIBE_TIMEOUT_S = 120.0  # a shard replica starting up loads (and checksums) its index first
+
+
+@serve.deployment(max_ongoing_requests=32)
+class ShardDeployment:
+    """One shard directory, loaded and checked as the plain service loads an index (`device` auto: the
+    GPUs Ray gave this replica, the index sharded over them as `SEARCH_DEVICE=cuda` does; else the CPU)."""
+
+    def __init__(self, index_dir: str, device: str = "auto", verify_checksums: bool = True,
+                 mmap: bool = False, fp16: bool = False) -> None:
+        self.index = ShardIndex(index_dir, device=device, verify_checksums=verify_checksums, mmap=mmap, fp16=fp16)
+
+    def describe(self) -> dict:
+        return describe_shard(self.index)
+
+    def search(self, vectors: np.ndarray, k: int):
+        # Sync: Serve runs it in its thread pool, so the replica's event loop (health checks, describe)
+        # stays free during a long search. (On the replica's loop instead: 18 against 23 ms retrieve for
+        # three shards on the loaded 2-core machine, within its noise.)
+        return self.index.search(vectors, k)
+
+
+class RayShard:
+    """A ShardClient over a shard deployment's handle (service.sharded_engine.ShardClient)."""
+
+    def __init__(self, name: str, handle) -> None:
+        self.name, self.handle = name, handle
+
+    def describe(self) -> dict:
+        return self.handle.describe.remote().result(timeout_s=DESCRIBE_TIMEOUT_S)
+
+    def search(self, vectors: np.ndarray, k: int):
+        return self.handle.search.remote(vectors, k)  # a DeploymentResponse: result(timeout_s=...), cancel()
+
+
+@serve.deployment
+@serve.ingress()
+class SearchIngress:
+    """The HTTP routes of `python -m service` over the shards `handles` (named by `names`)."""
+
+    def __init__(self, settings: ServiceSettings, names: list[str], *handles) -> None:
+        self.settings, self.clients = settings, [RayShard(n, h) for n, h in zip(names, handles)]
+
+    async def __serve_build_asgi_app__(self):
+        # Off the event loop: the handles' blocking result() may not run on it, and the warm-up searches.
+        return await asyncio.to_thread(self._build)
+
+    def _build(self):
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        settings = self.settings
+        engine = ShardedEngine.over(self.clients, device=settings.device, query_max_tokens=settings.query_max_tokens,
+                                    rerankers=settings.rerankers, backend=settings.backend,
+                                    timeout_s=settings.shard_timeout_s)
+        log.info("ready: %s", engine.describe())
+        return create_app(settings, engine)
+
+
+def _with_threads(options: dict | None) -> dict:
+    """ray_actor_options with OMP_NUM_THREADS set to the CPUs it reserves (at least 1), unless given:
+    FAISS and torch would otherwise start a thread per core in every replica of a shared machine."""
+    options = dict(options or {})
+    runtime_env = dict(options.get("runtime_env") or {})
+    env_vars = dict(runtime_env.get("env_vars") or {})
+    env_vars.setdefault("OMP_NUM_THREADS", str(max(1, math.ceil(options.get("num_cpus", 1)))))
+    options["runtime_env"] = {**runtime_env, "env_vars": env_vars}
+    return options
+
+
+def build_application(shard_dirs: Sequence[str | Path], settings: ServiceSettings, *, shard_replicas: int = 1,
+                      shard_options: dict | None = None, ingress_replicas: int = 1,
+                      ingress_options: dict | None = None, shard_resources: bool = False):
+    """The Serve application: deployments `shard-0` .. `shard-{S-1}` (one per directory, as given, each
+    `shard_replicas` replicas with `shard_options` as ray_actor_options, e.g. {"num_gpus": 1}) and the
+    ingress `search` (`ingress_replicas`, `ingress_options`), which checks at start that the directories
+    are all N shards of one build, in any order. With `shard_resources`, each replica of a shard also
+    needs one unit of the custom resource named as its directory (`ray start --resources '{"shard0of4": 2}'`
+    on the machines that hold shard0of4, for two replicas there)."""
+    names = [f"shard-{position}" for position in range(len(shard_dirs))]
+    # Serve logs a line per request and per shard call unless told not to; SEARCH_ACCESS_LOG decides, as it
+    # does for uvicorn's (off by default: measured there at about a tenth of the event loop under load).
+    logging_config = {"enable_access_log": settings.access_log}
+    shards = []
+    for name, directory in zip(names, shard_dirs):
+        options = _with_threads(shard_options)
+        if shard_resources:
+            options["resources"] = {**options.get("resources", {}), Path(directory).name: 1}
+        shards.append(ShardDeployment.options(name=name, num_replicas=shard_replicas, ray_actor_options=options,
+                                              logging_config=logging_config)
+                      .bind(str(directory), "auto", settings.verify_checksums, settings.index_mmap, settings.gpu_fp16))
+    # As many requests in the ingress as the service admits: past that, its own 429 answers.
+    ingress = SearchIngress.options(name="search", num_replicas=ingress_replicas,
+                                    max_ongoing_requests=settings.max_concurrent_requests,
+                                    ray_actor_options=_with_threads(ingress_options), logging_config=logging_config)
+    return ingress.bind(settings, names, *shards)
+
+
+def sharded_app(args: dict):
+    """An application builder for Serve config files and KubeRay's RayService (`import_path:
+    service.sharded:sharded_app`): `args` holds `shards` (the directories, as each node sees them) and
+    optionally shard_replicas, shard_cpus, shard_gpus, shard_resources, ingress_replicas, ingress_cpus,
+    ingress_gpus (as the --ray flags) and `settings`, SEARCH_* settings by their lower-case names (those
+    left out come from the SEARCH_* variables where the builder runs)."""
+    settings = ServiceSettings(**args.get("settings", {}))
+    return build_application(
+        list(args["shards"]), settings, shard_replicas=int(args.get("shard_replicas", 1)),
+        shard_options={"num_cpus": float(args.get("shard_cpus", 1)), "num_gpus": float(args.get("shard_gpus", 0))},
+        ingress_replicas=int(args.get("ingress_replicas", 1)),
+        ingress_options={"num_cpus": float(args.get("ingress_cpus", 1)), "num_gpus": float(args.get("ingress_gpus", 0))},
+        shard_resources=bool(args.get("shard_resources", False)),
+    )
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("sharded serving on Ray Serve (--ray)")
+    group.add_argument("--ray", nargs="?", const="", metavar="ADDRESS",
+                       help="serve --shards on Ray Serve; ADDRESS of a running cluster (e.g. auto, or ray://HOST:10001); "
+                            "none: RAY_ADDRESS, else a local Ray started here")
+    group.add_argument("--shards", nargs="+", metavar="DIR", help="the N shard directories of one build --shard i/N")
+    group.add_argument("--shard-replicas", type=int, default=1, metavar="R", help="replicas per shard (default 1)")
+    group.add_argument("--shard-cpus", type=float, default=1, help="CPUs each shard replica reserves (default 1)")
+    group.add_argument("--shard-gpus", type=float, default=0,
+                       help="GPUs each shard replica reserves (default 0); its index is sharded over them")
+    group.add_argument("--shard-resources", action="store_true",
+                       help="place each shard's replicas on nodes offering the custom resource named as its directory "
+                            "(ray start --resources '{\"shard0of4\": 2}' where shard0of4 is)")
+    group.add_argument("--ingress-replicas", type=int, default=1, help="ingress replicas (default 1)")
+    group.add_argument("--ingress-cpus", type=float, default=1, help="CPUs each ingress replica reserves (default 1)")
+    group.add_argument("--ingress-gpus", type=float, default=0, help="GPUs each ingress replica reserves (default 0)")
+
+
+def serve_sharded(args: argparse.Namespace, settings: ServiceSettings) -> int:
+    """Starts (or joins) Ray, runs the application with Serve's HTTP proxy on SEARCH_HOST:SEARCH_PORT,
+    and keeps it up until interrupted."""
+    import ray
+
+    if not args.shards:
+        print("error: --ray needs --shards DIR [DIR ...]", flush=True)
+        return 2
+    env_vars = {name: os.environ[name] for name in ("PYTHONPATH",) if name in os.environ}
+    ray.init(address=args.ray or None, runtime_env={"env_vars": env_vars} if env_vars else None)
+    serve.start(http_options={"host": settings.host, "port": settings.port})
+    application = build_application(
+        [str(Path(d).resolve()) for d in args.shards], settings, shard_replicas=args.shard_replicas,
+        shard_options={"num_cpus": args.shard_cpus, "num_gpus": args.shard_gpus},
+        ingress_replicas=args.ingress_replicas,
+        ingress_options={"num_cpus": args.ingress_cpus, "num_gpus": args.ingress_gpus},
+        shard_resources=args.shard_resources,
+    )
+    serve.run(application, name=APP_NAME, route_prefix="/")
+    log.info("serving %d shards on http://%s:%d", len(args.shards), settings.host, settings.port)
+    # Ctrl-C deletes the application. SIGTERM is Ray's to handle (its own handler ends the process); a
+    # local Ray started here goes with it, and on a cluster the application stays until `serve shutdown`.
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        serve.delete(APP_NAME)
+    ray.shutdown()
+    return 0

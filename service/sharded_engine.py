@@ -1,0 +1,180 @@
+"""A SearchEngine over an index split into `build --shard i/N` shards, each searched by a client
+(in this process, or a Ray Serve deployment: service/sharded.py): the queries are encoded here, their
+vectors scattered to every shard, and the shards' own top-k lists merged exactly
+(retrieval.sharding.merge_top_k), so the answers equal one flat index over the same passages.
+Nothing here imports Ray."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Protocol, Sequence
+
+import numpy as np
+
+from models.encoder import Tokens
+from models.onnx_backend import Backend
+from retrieval.index_format import INDEX_FILE, PASSAGES_FILE, Manifest
+from retrieval.searcher import Hit, check_encoder, encoder_for, validate_k
+from retrieval.sharding import ShardHit, ShardIndex, check_shard_set, merge_top_k
+from service.engine import ReloadError, SearchEngine, SearchPlan, load_rerankers
+from service.errors import ShardsUnavailable
+
+
+class Pending(Protocol):
+    def result(self, timeout_s: float | None = None) -> list[list[ShardHit]]: ...
+
+
+class ShardClient(Protocol):
+    """One shard as the engine reaches it: `name` for messages, `describe()` its index directory and
+    manifest, `search(vectors, k)` its top k per vector, answered through `result(timeout_s)`."""
+
+    name: str
+
+    def describe(self) -> dict: ...
+
+    def search(self, vectors: np.ndarray, k: int) -> Pending: ...
+
+
+class _Done:
+    def __init__(self, value: list[list[ShardHit]]) -> None:
+        self.value = value
+
+    def result(self, timeout_s: float | None = None) -> list[list[ShardHit]]:
+        return self.value
+
+
+class LocalShard:
+    """A shard searched in this process (tests, and a machine that holds every shard)."""
+
+    def __init__(self, index: ShardIndex, name: str | None = None) -> None:
+        self.index, self.name = index, name or str(index.index_dir)
+
+    def describe(self) -> dict:
+        return describe_shard(self.index)
+
+    def search(self, vectors: np.ndarray, k: int) -> Pending:
+        return _Done(self.index.search(vectors, k))
+
+
+def describe_shard(index: ShardIndex) -> dict:
+    """What the ingress needs of a shard it may not see the files of: its folder and manifest."""
+    return {"index_dir": str(index.index_dir), "manifest": index.manifest.model_dump(mode="json")}
+
+
+class ShardedSearcher:
+    """What SearchEngine needs of a Searcher (encoder, manifest, check, score_kind, encode), over shards:
+    dense retrieval only, since BM25's statistics (document frequencies, average length) are corpus-wide
+    and a shard's own would score differently from the whole index's."""
+
+    def __init__(self, clients: Sequence[ShardClient], encoder, timeout_s: float) -> None:
+        self.encoder, self.timeout_s = encoder, timeout_s
+        described = [client.describe() for client in clients]
+        manifests = [Manifest.model_validate(d["manifest"]) for d in described]
+        found = check_shard_set(
+            [(f"{client.name} ({d['index_dir']})", m) for client, d, m in zip(clients, described, manifests)])
+        order = sorted(range(len(found)), key=lambda position: found[position].index)  # shard 0/N first
+        self.clients = [clients[p] for p in order]
+        self.shards = [str(found[p]) for p in order]
+        self.index_dirs = [described[p]["index_dir"] for p in order]
+        self.manifests = [manifests[p] for p in order]
+        self.manifest = self.manifests[0]  # the encoder record every shard shares
+        self.count = sum(m.count for m in manifests)
+        check_encoder(self.manifest, encoder)
+        self.index_dir = Path(self.index_dirs[0]).parent
+
+    def check(self, k: int, mode: str = "dense", fusion: str = "interleave", lead: str = "dense", **_) -> None:
+        validate_k(k)
+        if mode != "dense":
+            raise ValueError(
+                f"{mode!r} is not served over shards: BM25's statistics (document frequencies, average passage "
+                "length) are corpus-wide, so a shard's BM25 scores differ from the whole index's; use dense, or "
+                "serve the merged index (index_builder merge) with python -m service")
+
+    def score_kind(self, **_) -> str:
+        return "cosine" if self.manifest.similarity == "cosine" else "inner_product"
+
+    def encode(self, queries: Sequence[str], tokens: Sequence[Tokens] | None = None) -> np.ndarray:
+        if tokens is not None and all(query.encoder is self.encoder for query in tokens):
+            return self.encoder.encode_tokens(tokens)
+        return self.encoder.encode_queries(queries)
+
+    def gather(self, vectors: np.ndarray, k: int, allow_partial: bool) -> tuple[list[list[Hit]], dict]:
+        """Every shard's top k for each vector, merged: ShardsUnavailable names the first shard that
+        did not answer within timeout_s, unless `allow_partial` (then it is listed as missing)."""
+        vectors = np.ascontiguousarray(vectors, dtype=np.float32)
+        deadline = time.monotonic() + self.timeout_s
+        pending, failures = [], {}
+        for shard, client in zip(self.shards, self.clients):  # all sent before any is awaited
+            try:
+                pending.append(client.search(vectors, k))
+            except Exception as error:  # noqa: BLE001 - any failure of a shard is that shard's
+                pending.append(None)
+                failures[shard] = error
+        answered: dict[str, list[list[ShardHit]]] = {}
+        for shard, client, call in zip(self.shards, self.clients, pending):
+            if call is None:
+                continue
+            try:
+                answered[shard] = call.result(timeout_s=max(0.0, deadline - time.monotonic()))
+            except Exception as error:  # noqa: BLE001
+                failures[shard] = error
+                cancel = getattr(call, "cancel", None)
+                if cancel is not None:
+                    cancel()
+        if failures and (not allow_partial or not answered):
+            shard, error = next(iter(failures.items()))
+            client = self.clients[self.shards.index(shard)]
+            reason = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+            advice = "; send allow_partial: true for the other shards' results" if not allow_partial else ""
+            raise ShardsUnavailable(f"shard {shard} ({client.name}) did not answer within {self.timeout_s:g} s "
+                                    f"({reason.rstrip(': ')}){advice}")
+        hits = []
+        for position in range(len(vectors)):
+            merged = merge_top_k([found[position] for found in answered.values()], k)
+            hits.append([Hit(id=h.id, text=h.text, score=h.score, rank=rank) for rank, h in enumerate(merged, 1)])
+        return hits, {"answered": [s for s in self.shards if s in answered],
+                      "missing": [s for s in self.shards if s not in answered]}
+
+
+class ShardedEngine(SearchEngine):
+    """A SearchEngine whose retrieval is the shards' exact top-k merged; encoding and reranking run here.
+    It serves dense retrieval only (bm25 and hybrid are NotServable) and does not reload in place."""
+
+    @classmethod
+    def over(cls, clients: Sequence[ShardClient], *, device: str = "auto", query_max_tokens: int | None = None,
+             rerankers: Sequence[Path] = (), backend: Backend | None = None,
+             timeout_s: float = 10.0) -> "ShardedEngine":
+        """The engine over `clients`, all N shards of one build in any order (ValueError otherwise), with
+        the encoder their manifests name, loaded here; `timeout_s`: how long a search waits for a shard."""
+        first = Manifest.model_validate(clients[0].describe()["manifest"])
+        encoder = encoder_for(first, device, query_max_tokens, backend)
+        searcher = ShardedSearcher(clients, encoder, timeout_s)
+        return cls(searcher, load_rerankers(rerankers, device, encoder.backend), query_max_tokens, backend)
+
+    def _retrieve(self, queries: Sequence[str], vectors: np.ndarray | None,
+                  plan: SearchPlan) -> tuple[list[list[Hit]], dict | None]:
+        return self._searcher.gather(vectors, plan.depth, plan.allow_partial)
+
+    def prepare(self, index_dir: Path, *, verify_checksums: bool = True):
+        raise ReloadError("a sharded service does not reload in place: build the new shards and deploy them "
+                          "(python -m service --ray ... --shards NEW...), then move traffic")
+
+    def describe(self) -> dict:
+        searcher: ShardedSearcher = self._searcher
+        manifest = searcher.manifest
+        return {
+            "index_dir": ", ".join(searcher.index_dirs),
+            "count": searcher.count,
+            "index_bytes": sum(m.files[name].bytes for m in searcher.manifests for name in (INDEX_FILE, PASSAGES_FILE)),
+            "model": manifest.encoder.name,
+            "similarity": manifest.similarity,
+            "dimension": manifest.dimension,
+            "built_at": max(m.built_at for m in searcher.manifests),
+            "bm25": False,
+            "backend": searcher.encoder.backend,
+            "query_prefix": manifest.encoder.query_prefix,
+            "passage_prefix": manifest.encoder.passage_prefix,
+            "rerankers": {kind: model.name for kind, model in self.rerankers.items()},
+            "shards": searcher.shards,
+        }

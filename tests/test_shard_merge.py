@@ -1,0 +1,107 @@
+"""Exact search over shards without Ray: the merge of the shards' own top-k lists equals one flat index,
+and a ShardedEngine over `build --shard i/3` shards answers as the engine over the whole index."""
+
+from __future__ import annotations
+
+import faiss
+import numpy as np
+import pytest
+
+from retrieval.searcher import Searcher
+from retrieval.sharding import ShardHit, ShardIndex, merge_top_k
+from service.engine import SearchEngine
+from service.errors import NotServable, ShardsUnavailable
+from service.sharded_engine import LocalShard, ShardedEngine
+
+N = 3
+
+
+def flat(vectors: np.ndarray) -> faiss.Index:
+    index = faiss.IndexFlatIP(vectors.shape[1])
+    index.add(vectors)
+    return index
+
+
+def shard_lists(vectors: np.ndarray, queries: np.ndarray, k: int) -> list[list[list[ShardHit]]]:
+    """Per query, each round-robin shard's own top k, its rows carrying their whole-index row as line."""
+    per_shard = []
+    for i in range(N):
+        rows = np.arange(i, len(vectors), N)
+        scores, found = flat(vectors[rows]).search(queries, min(k, len(rows)))
+        per_shard.append([[ShardHit(float(s), int(rows[r]), f"p{rows[r]}", "") for s, r in zip(ss, rr)]
+                          for ss, rr in zip(scores, found)])
+    return [[shard[q] for shard in per_shard] for q in range(len(queries))]
+
+
+@pytest.mark.parametrize("k", [1, 2, 10, 99, 100, 150, 600])
+def test_merging_the_shards_top_k_gives_the_flat_index_top_k_rows_and_scores(k):
+    rng = np.random.default_rng(7)
+    vectors = rng.standard_normal((600, 16)).astype(np.float32)
+    vectors[[100, 200, 500]] = vectors[1]  # exact ties, kept whole in every top k that reaches them
+    queries = np.concatenate([vectors[[1]], rng.standard_normal((24, 16)).astype(np.float32)])
+    scores, rows = flat(vectors).search(queries, k)
+    for query, lists in enumerate(shard_lists(vectors, queries, k)):
+        merged = merge_top_k(lists, k)
+        assert [hit.line for hit in merged] == rows[query].tolist()  # ties too: the later row first
+        assert [hit.score for hit in merged] == scores[query].tolist()  # the same floats, bit for bit
+
+
+def test_merging_short_and_empty_lists_keeps_what_there_is():
+    lists = [[ShardHit(0.9, 3, "a", ""), ShardHit(0.1, 0, "b", "")], [], [ShardHit(0.5, 1, "c", "")]]
+    assert [hit.id for hit in merge_top_k(lists, 10)] == ["a", "c", "b"]
+    assert merge_top_k([[], []], 5) == []
+
+
+@pytest.fixture(scope="module")
+def sharded(small_shards) -> ShardedEngine:
+    # Given out of order: the engine reads which shard each is from its manifest.
+    clients = [LocalShard(ShardIndex(folder, device="cpu"), f"shard-{i}") for i, folder in enumerate(small_shards)]
+    return ShardedEngine.over(clients[::-1], device="cpu")
+
+
+@pytest.fixture(scope="module")
+def whole(merged_shards, encoder) -> SearchEngine:
+    return SearchEngine(Searcher(merged_shards, encoder, device="cpu"))
+
+
+@pytest.mark.parametrize("k", [10, 1000])
+def test_a_sharded_engine_answers_as_one_flat_index_over_the_same_passages(sharded, whole, demo_queries, k):
+    queries = list(demo_queries.values())[:50]
+    for query in queries[:5]:  # one at a time, as /search runs a lone request
+        assert sharded.search(query, k).hits == whole.search(query, k).hits
+    # one batch (FAISS's BLAS path), as /search/batch and micro-batches run
+    together = zip(sharded.search_batch(queries, k), whole.search_batch(queries, k))
+    assert all(mine.hits == theirs.hits for mine, theirs in together)
+    assert len(whole.search(queries[0], k).hits) == min(k, 300)
+    assert sharded.search(queries[0], k).shards == {"answered": ["0/3", "1/3", "2/3"], "missing": []}
+
+
+def test_a_sharded_engine_refuses_bm25_and_hybrid_saying_why(sharded):
+    for mode in ("bm25", "hybrid"):
+        with pytest.raises(NotServable, match="corpus-wide"):
+            sharded.plan(10, mode=mode)
+
+
+class Down:
+    def __init__(self, shard: LocalShard) -> None:
+        self.shard, self.name = shard, shard.name
+
+    def describe(self) -> dict:
+        return self.shard.describe()
+
+    def search(self, vectors, k):
+        raise ConnectionError("replica gone")
+
+
+def test_a_shard_that_does_not_answer_fails_the_search_naming_it_unless_partial_is_allowed(small_shards, whole):
+    clients = [LocalShard(ShardIndex(folder, device="cpu"), f"shard-{i}") for i, folder in enumerate(small_shards)]
+    clients[1] = Down(clients[1])
+    sharded = ShardedEngine.over(clients, device="cpu")
+    query = "join two paths"
+    with pytest.raises(ShardsUnavailable, match=r"shard 1/3 \(shard-1\) did not answer.*allow_partial"):
+        sharded.search(query, 10)
+    partial = sharded.search(query, 10, allow_partial=True)
+    assert partial.shards == {"answered": ["0/3", "2/3"], "missing": ["1/3"]}
+    shard_one = {pid for pid, _ in ShardIndex(small_shards[1]).passages.get(range(100))}
+    expected = [hit for hit in whole.search(query, 300).hits if hit.id not in shard_one][:10]
+    assert [(h.id, h.score) for h in partial.hits] == [(h.id, h.score) for h in expected]

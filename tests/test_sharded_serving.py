@@ -1,0 +1,166 @@
+"""Sharded serving on Ray Serve, over HTTP through Serve's proxy: three `build --shard i/3` shards
+answer as one flat index over the same passages, bm25 is refused, and a shard replica killed under
+traffic gives 503s naming it or right answers, never wrong ones. One local Ray for the module."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+
+ray = pytest.importorskip("ray", reason="sharded serving needs ray[serve] (pip install 'ray[serve]')")
+serve = pytest.importorskip("ray.serve", reason="sharded serving needs ray[serve] (pip install 'ray[serve]')")
+
+from retrieval.searcher import Searcher  # noqa: E402
+from retrieval.sharding import ShardIndex  # noqa: E402
+from service.engine import SearchEngine  # noqa: E402
+from service.settings import ServiceSettings  # noqa: E402
+from service.sharded import APP_NAME, build_application  # noqa: E402
+from tests.conftest import ROOT  # noqa: E402
+
+SHARD_TIMEOUT_S = 3.0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def whole(merged_shards, encoder) -> SearchEngine:
+    """One flat index over the very passages (and vectors) the shards hold."""
+    return SearchEngine(Searcher(merged_shards, encoder, device="cpu"))
+
+
+@pytest.fixture(scope="module")
+def base_url(small_shards):
+    # Ray's workers import this worktree's code, whatever the venv has installed.
+    pythonpath = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": pythonpath}})
+    try:
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        settings = ServiceSettings(device="cpu", shard_timeout_s=SHARD_TIMEOUT_S)
+        # No CPUs reserved: four replicas share this machine's two cores.
+        threads = {"runtime_env": {"env_vars": {"OMP_NUM_THREADS": "2"}}}
+        application = build_application(small_shards, settings, shard_options={"num_cpus": 0},
+                                        ingress_options={"num_cpus": 0, **threads})
+        serve.run(application, name=APP_NAME, route_prefix="/")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(base_url):
+    with httpx.Client(base_url=base_url, timeout=60) as http:
+        yield http
+
+
+def expected(hits) -> list[dict]:
+    return [{"id": h.id, "text": h.text, "score": h.score, "rank": h.rank, "retrieval_score": None} for h in hits]
+
+
+def test_ready_names_the_shards_and_counts_every_passage(client):
+    assert client.get("/health").json()["status"] == "alive"
+    ready = client.get("/ready")
+    assert ready.status_code == 200
+    index = ready.json()["index"]
+    assert (index["count"], index["shards"], index["bm25"]) == (300, ["0/3", "1/3", "2/3"], False)
+
+
+@pytest.mark.parametrize("k", [10, 1000])
+def test_sharded_search_over_http_equals_one_flat_index(client, whole, demo_queries, k):
+    queries = list(demo_queries.values())[:50]
+    for query in queries:
+        response = client.post("/search", json={"query": query, "k": k})
+        assert response.status_code == 200, response.text
+        body = response.json()
+        assert body["results"] == expected(whole.search(query, k).hits)  # ids, order and scores, exactly
+        assert body["shards"] == {"answered": ["0/3", "1/3", "2/3"], "missing": []}
+    batch = client.post("/search/batch", json={"queries": queries, "k": k}).json()
+    assert [item["results"] for item in batch["results"]] == [expected(r.hits) for r in whole.search_batch(queries, k)]
+
+
+def test_bm25_and_hybrid_are_refused_with_400_saying_why(client):
+    for mode in ("bm25", "hybrid"):
+        response = client.post("/search", json={"query": "join two paths", "mode": mode})
+        assert response.status_code == 400
+        assert "corpus-wide" in response.json()["detail"]
+
+
+def replica_actor(deployment: str):
+    names = [actor["name"] for actor in ray.util.list_named_actors(all_namespaces=True)
+             if actor["namespace"] == "serve" and f"#{deployment}#" in actor["name"]]
+    assert len(names) == 1, names
+    return ray.get_actor(names[0], namespace="serve")
+
+
+def test_a_killed_shard_replica_gives_503s_naming_it_or_right_answers_never_wrong_ones(client, base_url, whole,
+                                                                                       demo_queries, small_shards):
+    queries = list(demo_queries.values())[:20]
+    answers = {query: expected(whole.search(query, 10).hits) for query in queries}
+    outcomes: list[tuple[str, httpx.Response]] = []
+    stop = threading.Event()
+
+    def traffic():
+        with httpx.Client(base_url=base_url, timeout=60) as http:
+            while not stop.is_set():
+                for query in queries:
+                    outcomes.append((query, http.post("/search", json={"query": query, "k": 10})))
+
+    workers = [threading.Thread(target=traffic) for _ in range(2)]
+    for worker in workers:
+        worker.start()
+    time.sleep(1.0)
+    ray.kill(replica_actor("shard-1"), no_restart=True)
+    # At once, before Serve has a new replica: the other shards' answer, saying which answered.
+    partial = client.post("/search", json={"query": queries[0], "k": 10, "allow_partial": True}).json()
+    # Then traffic until the replacement replica answers again (or a minute passes).
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        time.sleep(1.0)
+        if outcomes and outcomes[-1][1].status_code == 200 and any(r.status_code == 503 for _, r in outcomes):
+            break
+    stop.set()
+    for worker in workers:
+        worker.join()
+
+    statuses = [response.status_code for _, response in outcomes]
+    assert 503 in statuses and statuses[-1] == 200  # it failed, and it came back
+    for query, response in outcomes:
+        if response.status_code == 200:
+            assert [(r["id"], r["rank"]) for r in response.json()["results"]] == [
+                (r["id"], r["rank"]) for r in answers[query]]
+            # batched with the other client's query, the encoder's padding may move the last bits
+            assert [r["score"] for r in response.json()["results"]] == pytest.approx(
+                [r["score"] for r in answers[query]], abs=1e-5)
+        else:
+            assert response.status_code == 503, response.text
+            assert response.json()["detail"].startswith("shard 1/3 (shard-1) did not answer")
+
+    assert partial["shards"] == {"answered": ["0/3", "2/3"], "missing": ["1/3"]}
+    shard = ShardIndex(small_shards[1], device="cpu")
+    shard_one = {pid for pid, _ in shard.passages.get(range(shard.manifest.count))}
+    rest = [hit for hit in whole.search(queries[0], 300).hits if hit.id not in shard_one][:10]
+    assert [r["id"] for r in partial["results"]] == [hit.id for hit in rest]
+
+
+
+def test_the_config_file_builder_places_each_shard_where_its_directory_is():
+    from service.sharded import sharded_app
+
+    application = sharded_app({"shards": ["/indexes/shard0of2", "/indexes/shard1of2"], "shard_replicas": 2,
+                               "shard_gpus": 1, "shard_resources": True, "settings": {"gpu_fp16": True}})
+    ingress = application._bound_deployment
+    shards = [bound._bound_deployment for bound in ingress.init_args[2:]]
+    assert ingress.init_args[0].gpu_fp16 and ingress.init_args[1] == ["shard-0", "shard-1"]
+    assert [(shard.name, shard.num_replicas) for shard in shards] == [("shard-0", 2), ("shard-1", 2)]
+    assert [shard.ray_actor_options["resources"] for shard in shards] == [{"shard0of2": 1}, {"shard1of2": 1}]
+    assert all(shard.ray_actor_options["num_gpus"] == 1 for shard in shards)
