@@ -87,8 +87,9 @@ class MicroBatcher:
     budget runs alone); the request that would overflow it heads the next batch. A request whose
     caller cancelled it (its client disconnected) is dropped from the queue unrun, and counted by
     `on_drop`. Searches run by `run_batch`, embeddings (requests of several texts each) by
-    `embed_batch`, in forward passes of at most `max_batch` texts; a batch of both kinds runs each
-    kind apart."""
+    `embed_batch`, all the texts of the waiting requests in one call, which the encoder sorts by
+    length into its own batches: the texts of many requests pad far less than each request's alone
+    (Infinity's queue does the same); a batch of both kinds runs each kind apart."""
 
     def __init__(
         self, run_batch: RunBatch, executor: Executor, window_s: float, max_batch: int,
@@ -172,24 +173,7 @@ class MicroBatcher:
             for item in batch:  # requests fuse only with their like
                 groups.setdefault(item.job.key, []).append(item)
             for group in groups.values():
-                for part in self._forward_passes(group):
-                    await self._run(part)
-
-    def _forward_passes(self, group: list[_Pending]) -> list[list[_Pending]]:
-        """Searches run as one group. Embeddings requests, in arrival order, run in parts of at most
-        `max_batch` texts (one larger request alone): a larger pass is no faster per text, and each
-        part's requests are answered as soon as it ends rather than when the whole queue has run."""
-        if isinstance(group[0].job, SearchJob):
-            return [group]
-        parts, texts = [[]], 0
-        for item in group:
-            size = len(item.job.texts)
-            if parts[-1] and texts + size > self._max_batch:
-                parts.append([])
-                texts = 0
-            parts[-1].append(item)
-            texts += size
-        return parts
+                await self._run(group)
 
     async def _run(self, batch: list[_Pending]) -> None:
         started = time.perf_counter()

@@ -173,11 +173,3 @@ def test_embeddings_requests_queued_together_share_one_forward_pass_and_keep_the
         assert answer.vectors.shape == (len(texts), encoder.dimension)
         assert abs(answer.vectors - encoder.encode_queries(texts)).max() < 1e-5
 
-
-def test_queued_embeddings_run_in_forward_passes_of_at_most_max_batch_texts_in_arrival_order(engine, demo_queries):
-    texts = [demo_queries[f"q{n:04d}"] for n in range(1, 9)]
-    requests = [texts[0:3], texts[3:5], texts[5:8]]  # 3 + 2 fit a pass of 5; the last 3 make the next
-    calls, sizes, done = embeddings_queued_behind_one(engine, requests, max_batch=5)
-    assert calls == [["warm"], texts[0:5], texts[5:8]]
-    assert [answer.batch_size for answer in done] == [5, 5, 3]
-    assert done[0].finished <= done[2].started  # one pass after the other, the first answered as it ended
