@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -99,3 +100,15 @@ def demo_queries() -> dict[str, str]:
 @pytest.fixture(scope="session")
 def demo_qrels() -> dict[str, str]:
     return read_qrels_map(DEMO / "qrels.txt")
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """One local Ray for the whole test session (the Ray build and sharded serving share it): 2 CPUs,
+    and workers that import this checkout's code, whatever the environment has installed."""
+    ray = pytest.importorskip("ray", reason="ray is not installed (pip install 'dense-search[ray]')")
+    pythonpath = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    ray.init(num_cpus=2, include_dashboard=False, logging_level=logging.WARNING,
+             runtime_env={"env_vars": {"PYTHONPATH": pythonpath}})
+    yield ray
+    ray.shutdown()

@@ -4,7 +4,6 @@ worker and an interrupted run; bad flags exit 2 with one line; a build without -
 from __future__ import annotations
 
 import json
-import logging
 import sys
 
 import numpy as np
@@ -24,14 +23,6 @@ except ImportError:
 needs_ray = pytest.mark.skipif(ray is None, reason="ray is not installed (pip install 'dense-search[ray]')")
 PASSAGES, CHUNK, BATCH = 60, 20, 8  # 3 chunks of 3 batches (8, 8, 4)
 ACTOR_OPTIONS = {"path": None, "batch_size": BATCH}  # the packaged MiniLM, as the `encoder` fixture
-
-
-@pytest.fixture(scope="session")
-def ray_session():
-    """One local Ray for every test here: 2 CPUs, so 2 CPU encoder actors."""
-    ray.init(num_cpus=2, include_dashboard=False, logging_level=logging.WARNING)
-    yield
-    ray.shutdown()
 
 
 @pytest.fixture(scope="module")
