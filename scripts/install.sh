@@ -10,8 +10,8 @@ python3 -m venv .venv
 # The search page's browser test drives Debian's Chromium; install it where it is missing and we may.
 if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-        (DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null 2>&1 \
-            || (apt-get update -qq >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null 2>&1)) \
+        (DEBIAN_FRONTEND=noninteractive timeout 600 apt-get install -y -qq chromium chromium-driver >/dev/null 2>&1 \
+            || (timeout 300 apt-get update -qq >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive timeout 600 apt-get install -y -qq chromium chromium-driver >/dev/null 2>&1)) \
             || echo "chromium could not be installed: the browser test will be skipped"
     else
         echo "chromium and chromium-driver are missing (install them as root): the browser test will be skipped"
