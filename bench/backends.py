@@ -25,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.load import QUERIES, Server, _alternate  # noqa: E402
+from bench.load import QUERIES, Server, alternate, search_request  # noqa: E402
 from index_builder.build import BuildOptions, build_index  # noqa: E402
 from models.encoder import BiEncoder  # noqa: E402
 from models.onnx_backend import BACKENDS  # noqa: E402
@@ -79,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for server in servers.values():
             server.__enter__()
-        loads = asyncio.run(_alternate(servers, args.clients, args.seconds, args.slices, args.k))
+        targets = {backend: (server.base, search_request(args.k)) for backend, server in servers.items()}
+        loads = asyncio.run(alternate(targets, args.clients, args.seconds, args.slices, timeout_s=30.0))
     finally:
         for server in servers.values():
             if server.process.poll() is None:

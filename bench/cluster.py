@@ -22,12 +22,10 @@ import os
 import sys
 from pathlib import Path
 
-import httpx
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.load import QUERIES, Load, Server, drive, free_port  # noqa: E402
+from bench.load import Server, alternate, free_port, search_request  # noqa: E402
 from index_builder.build import BuildOptions, build_index  # noqa: E402
 from index_builder.merge import merge_shards  # noqa: E402
 from models.encoder import BiEncoder  # noqa: E402
@@ -53,26 +51,6 @@ def indexes(work: Path, lines: int, count: int) -> tuple[list[Path], Path]:
                 build_index(BuildOptions(corpus, out, shard=Shard(i, count)), encoder)
         merge_shards(shards, merged)
     return shards, merged
-
-
-async def alternate(bases: dict[str, str], clients: int, seconds: float, slices: int, k: int) -> dict[str, Load]:
-    """Each base URL driven by `clients` clients in alternating slices (a, b, b, a, ...), after a warm-up."""
-    pools = {name: [httpx.AsyncClient(base_url=base, timeout=60, trust_env=False) for _ in range(clients)]
-             for name, base in bases.items()}
-    loads = {name: Load() for name in bases}
-    request = lambda i: ("/search", {"query": QUERIES[i % len(QUERIES)], "k": k})  # noqa: E731
-    try:
-        for name, pool in pools.items():
-            await drive(pool, 1.0, Load(), request)
-        order = list(bases)
-        for number in range(slices):
-            for name in (order if number % 2 == 0 else order[::-1]):
-                await drive(pools[name], seconds / slices, loads[name], request)
-    finally:
-        for pool in pools.values():
-            for http in pool:
-                await http.aclose()
-    return loads
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -109,8 +87,10 @@ def main(argv: list[str] | None = None) -> int:
                 serve.run(application, name=APP_NAME, route_prefix="/")
                 ray_path = f"ray, {args.shards} shards x {replicas}"
                 for clients in args.clients:
-                    loads = asyncio.run(alternate({"plain": plain.base, ray_path: f"http://127.0.0.1:{port}"},
-                                                  clients, args.seconds, args.slices, args.k))
+                    search = search_request(args.k)
+                    targets = {"plain": (plain.base, search), ray_path: (f"http://127.0.0.1:{port}", search)}
+                    loads = asyncio.run(alternate(targets, clients, args.seconds, args.slices, warm_up_s=1.0,
+                                                  timeout_s=60.0))
                     base = loads["plain"].row()
                     for name, load in loads.items():
                         row = load.row()

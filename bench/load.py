@@ -115,18 +115,20 @@ class Load:
         return {"requests": len(self.latencies), "rps": rps, "p50": p50, "p99": p99, "errors": self.errors}
 
 
-async def load(pool: list[httpx.AsyncClient], seconds: float, k: int, into: Load) -> None:
-    """Each client of `pool` posts /search, one request after another, for `seconds`; answers and
-    errors go `into`. The clients exist and are connected before the clock starts: opening 32 of
-    them inside the timed window puts their set-up (~0.5 s on two cores) into the first requests'
-    latency, which was most of the p99."""
-    await drive(pool, seconds, into, lambda i: ("/search", {"query": QUERIES[i % len(QUERIES)], "k": k}))
+Request = Callable[[int], tuple[str, dict]]  # a pool's i-th request: (route, JSON body)
 
 
-async def drive(pool: list[httpx.AsyncClient], seconds: float, into: Load,
-                request: Callable[[int], tuple[str, dict]]) -> None:
+def search_request(k: int) -> Request:
+    """The pool's i-th /search request: demo query i at `k`."""
+    return lambda i: ("/search", {"query": QUERIES[i % len(QUERIES)], "k": k})
+
+
+async def drive(pool: list[httpx.AsyncClient], seconds: float, into: Load, request: Request) -> None:
     """Each client of `pool` posts `request(i)` (route, JSON body), one after another, for `seconds`,
-    i counting the pool's requests (client n sends n, n + len(pool), ...); answers and errors go `into`."""
+    i counting the pool's requests (client n sends n, n + len(pool), ...); answers and errors go `into`.
+    The clients exist and are connected before the clock starts (`alternate` warms them up): opening 32
+    of them inside the timed window puts their set-up (~0.5 s on two cores) into the first requests'
+    latency, which was most of the p99."""
     deadline = time.perf_counter() + seconds
     before = len(into.latencies)
 
@@ -173,24 +175,33 @@ def throughput(index: Path, device: str, clients: int, seconds: float, slices: i
     linear in time weighs on both alike), `seconds / slices` per slice, after a 2 s warm-up each.
     The batching server's mean batch size (warm-up included) comes back in its `mean_batch`."""
     with Server(index, device, microbatch="true") as on, Server(index, device, microbatch="false") as off:
-        results = asyncio.run(_alternate({"micro-batching on": on, "micro-batching off": off}, clients, seconds, slices, k))
+        servers = {"micro-batching on": on, "micro-batching off": off}
+        results = asyncio.run(alternate({label: (server.base, search_request(k)) for label, server in servers.items()},
+                                        clients, seconds, slices, timeout_s=30.0,
+                                        pids={label: server.process.pid for label, server in servers.items()}))
         results["micro-batching on"].mean_batch = mean_batch(on.base)
     return results
 
 
-async def _alternate(servers: dict[str, Server], clients: int, seconds: float, slices: int, k: int) -> dict[str, Load]:
-    results = {label: Load() for label in servers}
-    pools = {label: [httpx.AsyncClient(base_url=server.base, timeout=30, trust_env=False) for _ in range(clients)]
-             for label, server in servers.items()}
+async def alternate(targets: dict[str, tuple[str, Request]], clients: int, seconds: float, slices: int,
+                    warm_up_s: float = 2.0, timeout_s: float = 120.0,
+                    pids: dict[str, int] | None = None) -> dict[str, Load]:
+    """targets: label -> (base URL, request); each loaded in turn by its own `clients` httpx clients,
+    in `slices` alternating slices (first, second, second, first, ...) adding up to `seconds`, after a
+    warm-up that also opens every connection. Each Load also gets the CPU this process (the clients)
+    used, and the server's where `pids` gives its process (label -> pid)."""
+    results = {label: Load() for label in targets}
+    pools = {label: [httpx.AsyncClient(base_url=base, timeout=timeout_s, trust_env=False) for _ in range(clients)]
+             for label, (base, _) in targets.items()}
     try:
-        for pool in pools.values():
-            await load(pool, 2, k, Load())  # warm-up; also opens every client's connection
+        for label, (_, request) in targets.items():
+            await drive(pools[label], warm_up_s, Load(), request)
         for number in range(slices):
-            for label in (servers if number % 2 == 0 else reversed(servers)):
-                result, pid = results[label], servers[label].process.pid
-                client_before, server_before = own_cpu_seconds(), cpu_seconds(pid)
-                await load(pools[label], seconds / slices, k, result)
-                client_after, server_after = own_cpu_seconds(), cpu_seconds(pid)
+            for label in (list(targets) if number % 2 == 0 else list(reversed(targets))):
+                result, pid = results[label], (pids or {}).get(label)
+                client_before, server_before = own_cpu_seconds(), cpu_seconds(pid) if pid else None
+                await drive(pools[label], seconds / slices, result, targets[label][1])
+                client_after, server_after = own_cpu_seconds(), cpu_seconds(pid) if pid else None
                 result.client_cpu += client_after - client_before
                 if result.server_cpu is not None and server_before is not None and server_after is not None:
                     result.server_cpu += server_after - server_before

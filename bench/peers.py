@@ -23,7 +23,6 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Callable
 
 import httpx
 import numpy as np
@@ -31,7 +30,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.load import QUERIES, Load, Process, Server, drive, free_port  # noqa: E402
+from bench.load import QUERIES, Process, Request, Server, alternate, free_port  # noqa: E402
 from index_builder.build import BuildOptions, build_index  # noqa: E402
 from models.encoder import BiEncoder, default_model_path  # noqa: E402
 from retrieval.index_format import read_manifest  # noqa: E402
@@ -74,29 +73,10 @@ def embeddings(base: str, path: str, texts: list[str]) -> np.ndarray:
     return np.array([item["embedding"] for item in sorted(answer.json()["data"], key=lambda item: item["index"])])
 
 
-def embed_request(path: str, size: int) -> Callable[[int], tuple[str, dict]]:
+def embed_request(path: str, size: int) -> Request:
     """The pool's i-th request: `size` demo queries, each client's own."""
     return lambda i: (path, {"input": [QUERIES[(i * size + j) % len(QUERIES)] for j in range(size)],
                              "model": "minilm", "encoding_format": "float"})
-
-
-async def alternate(targets: dict[str, tuple[str, str]], size: int, clients: int, seconds: float,
-                    slices: int) -> dict[str, Load]:
-    """targets: label -> (base URL, route); loaded in turn, ours first on even slices."""
-    results = {label: Load() for label in targets}
-    pools = {label: [httpx.AsyncClient(base_url=base, timeout=120, trust_env=False) for _ in range(clients)]
-             for label, (base, _) in targets.items()}
-    try:
-        for label, (_, path) in targets.items():
-            await drive(pools[label], 2, Load(), embed_request(path, size))  # warm-up; opens every connection
-        for number in range(slices):
-            for label in (targets if number % 2 == 0 else reversed(targets)):
-                await drive(pools[label], seconds / slices, results[label], embed_request(targets[label][1], size))
-    finally:
-        for pool in pools.values():
-            for http in pool:
-                await http.aclose()
-    return results
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -119,13 +99,14 @@ def main(argv: list[str] | None = None) -> int:
     ours_label, theirs_label = f"dense-search ({args.backend})", "infinity (torch)"
     with Server(args.index, "cpu", backend=args.backend) as ours, Infinity(executable, model, 32) as theirs:
         # Infinity 0.0.78 serves OpenAI's shape at /embeddings; ours at /v1/embeddings.
-        targets = {ours_label: (ours.base, "/v1/embeddings"), theirs_label: (theirs.base, "/embeddings")}
+        routes = {ours_label: (ours.base, "/v1/embeddings"), theirs_label: (theirs.base, "/embeddings")}
         texts = QUERIES[:32]
         difference = np.abs(embeddings(ours.base, "/v1/embeddings", texts) - embeddings(theirs.base, "/embeddings", texts))
         print(f"same texts, both servers: largest embedding difference {difference.max():.2e}")
         rows = {}
         for shape, size in SHAPES.items():
-            rows[shape] = asyncio.run(alternate(targets, size, args.clients, args.seconds, args.slices))
+            targets = {label: (base, embed_request(path, size)) for label, (base, path) in routes.items()}
+            rows[shape] = asyncio.run(alternate(targets, args.clients, args.seconds, args.slices))
 
     print(f"\n/v1/embeddings, {args.clients} clients, {args.seconds:g} s per server and shape in {args.slices} "
           f"alternating slices, model {read_manifest(args.index).encoder.name} ({model})")

@@ -24,10 +24,9 @@ import numpy as np
 from tqdm import tqdm
 
 from index_builder.build import BuildError
-from index_builder.shard import Shard
 from retrieval import index_writer
 from retrieval.index_format import INDEX_FILE, PASSAGES_FILE, Manifest, read_manifest
-from retrieval.sharding import shard_agreement
+from retrieval.sharding import check_shard_set
 
 INSERT_BATCH = 2048
 
@@ -82,32 +81,17 @@ def merge_shards(directories: Sequence[Path], out: Path, overwrite: bool = False
 
 
 def _check_shards(directories: Sequence[Path]) -> list[tuple[Path, Manifest]]:
-    """(directory, manifest) of each shard, ordered by shard index, once they are known to fit together."""
+    """(directory, manifest) of each shard, ordered by shard index, once they are known to fit together
+    (the check sharded serving makes too: retrieval.sharding.check_shard_set)."""
     if not directories:
         raise BuildError("no shard directories given")
-    found: list[tuple[Shard, Path, Manifest]] = []
-    for directory in directories:
-        manifest = read_manifest(directory, verify_checksums=True)
-        if manifest.shard is None:
-            raise BuildError(f"{directory}: not a shard (its manifest names none; build shards with --shard i/N)")
-        found.append((Shard.parse(manifest.shard), directory, manifest))
-    first_shard, first_directory, first = found[0]
-    expected = shard_agreement(first)
-    by_index: dict[int, Path] = {}
-    for shard, directory, manifest in found:
-        if shard.count != first_shard.count:
-            raise BuildError(f"{directory} is shard {shard} but {first_directory} is shard {first_shard}: N differs")
-        for name, value in shard_agreement(manifest).items():
-            if value != expected[name]:
-                raise BuildError(f"{directory}: {name} {value!r} differs from {first_directory}'s {expected[name]!r}")
-        if shard.index in by_index:
-            raise BuildError(f"{by_index[shard.index]} and {directory} are both shard {shard}")
-        by_index[shard.index] = directory
-    missing = [f"{i}/{first_shard.count}" for i in range(first_shard.count) if i not in by_index]
-    if missing:
-        raise BuildError(f"shard {', '.join(missing)} missing (given {len(found)} of {first_shard.count})")
-    manifests = {shard.index: manifest for shard, _, manifest in found}
-    return [(by_index[i], manifests[i]) for i in range(first_shard.count)]
+    manifests = [read_manifest(directory, verify_checksums=True) for directory in directories]
+    try:
+        shards = check_shard_set([(str(directory), manifest) for directory, manifest in zip(directories, manifests)])
+    except ValueError as error:
+        raise BuildError(str(error)) from None
+    by_index = {shard.index: (directory, manifest) for shard, directory, manifest in zip(shards, directories, manifests)}
+    return [by_index[i] for i in range(len(by_index))]
 
 
 def _rows(connection: sqlite3.Connection, number: int) -> Iterator[tuple[int, int, int, str, str]]:
