@@ -229,6 +229,14 @@ class BiEncoder:
         segment = self.spec.passage_segment_id if kinds == {"passage"} else self.spec.query_segment_id
         return self._encode_ids([text.ids for text in texts], segment)
 
+    def encode_texts(self, texts: Sequence[str], tokens: Sequence[Tokens] | None = None,
+                     input_type: InputType = "query") -> np.ndarray:
+        """`texts`' vectors as queries (or passages); from `tokens` (them tokenized) where this encoder
+        made them all, else afresh (a served index reloaded since with another model)."""
+        if tokens is not None and all(text.encoder is self for text in tokens):
+            return self.encode_tokens(tokens)
+        return self.encode_queries(texts) if input_type == "query" else self.encode_passages(texts)
+
     def encode_passages(self, passages: Sequence[str], progress: tqdm | None = None) -> np.ndarray:
         """(len(passages), dimension) float32 embeddings (of each passage after the passage prefix);
         `progress` advances by each batch's size."""

@@ -101,6 +101,11 @@ def validate_k(k: int) -> None:
         raise ValueError(f"k must be between 1 and {MAX_K}, got {k}")
 
 
+def dense_score_kind(manifest: Manifest) -> str:
+    """What a dense hit's score is: `cosine` or `inner_product`, as the encoder's similarity."""
+    return "cosine" if manifest.similarity == "cosine" else "inner_product"
+
+
 class Searcher:
     """Encode -> exact inner-product search (and/or BM25, fused) -> passages, sorted by score.
 
@@ -157,15 +162,13 @@ class Searcher:
         """What a hit's score is for a retrieval set-up: `cosine` or `inner_product` (dense, as the
         encoder's similarity), `bm25`, `rrf` (reciprocal rank fusion) or `interleave` (1 / position)."""
         if mode == "dense":
-            return "cosine" if self.manifest.similarity == "cosine" else "inner_product"
+            return dense_score_kind(self.manifest)
         return "bm25" if mode == "bm25" else fusion
 
     def encode(self, queries: Sequence[str], tokens: Sequence[Tokens] | None = None) -> np.ndarray:
         """The queries' vectors; from `tokens` (the queries tokenized) where this encoder made them:
         an index reloaded since with another model tokenizes afresh."""
-        if tokens is not None and all(query.encoder is self.encoder for query in tokens):
-            return self.encoder.encode_tokens(tokens)
-        return self.encoder.encode_queries(queries)
+        return self.encoder.encode_texts(queries, tokens)
 
     def rank(
         self,

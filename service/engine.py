@@ -165,10 +165,7 @@ class SearchEngine:
     def embed(self, texts: Sequence[str], tokens: Sequence[Tokens]) -> np.ndarray:
         """The serving encoder's vectors of `texts` (`tokens`: them tokenized by `tokenize`, all of one
         input type), as the index holds them: an index reloaded since tokenizes them afresh."""
-        encoder = self._searcher.encoder
-        if any(text.encoder is not encoder for text in tokens):
-            tokens = [encoder.tokenize(text, tokens[0].input_type) for text in texts]
-        return encoder.encode_tokens(tokens)
+        return self._searcher.encoder.encode_texts(texts, tokens, tokens[0].input_type)
 
     def rescore(self, query: str, texts: Sequence[str], reranker: str | None = None) -> np.ndarray:
         """One score per text by a configured reranker (a kind; default: the first): NotServable

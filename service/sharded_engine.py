@@ -15,7 +15,7 @@ import numpy as np
 from models.encoder import Tokens
 from models.onnx_backend import Backend
 from retrieval.index_format import INDEX_FILE, PASSAGES_FILE, Manifest
-from retrieval.searcher import Hit, check_encoder, encoder_for, validate_k
+from retrieval.searcher import Hit, check_encoder, dense_score_kind, encoder_for, validate_k
 from retrieval.sharding import ShardHit, ShardIndex, check_shard_set, merge_top_k
 from service.engine import ReloadError, SearchEngine, SearchPlan, load_rerankers
 from service.errors import ShardsUnavailable
@@ -92,12 +92,10 @@ class ShardedSearcher:
                 "serve the merged index (index_builder merge) with python -m service")
 
     def score_kind(self, **_) -> str:
-        return "cosine" if self.manifest.similarity == "cosine" else "inner_product"
+        return dense_score_kind(self.manifest)
 
     def encode(self, queries: Sequence[str], tokens: Sequence[Tokens] | None = None) -> np.ndarray:
-        if tokens is not None and all(query.encoder is self.encoder for query in tokens):
-            return self.encoder.encode_tokens(tokens)
-        return self.encoder.encode_queries(queries)
+        return self.encoder.encode_texts(queries, tokens)
 
     def gather(self, vectors: np.ndarray, k: int, allow_partial: bool) -> tuple[list[list[Hit]], dict]:
         """Every shard's top k for each vector, merged: ShardsUnavailable names the first shard that
@@ -161,20 +159,14 @@ class ShardedEngine(SearchEngine):
                           "(python -m service --ray ... --shards NEW...), then move traffic")
 
     def describe(self) -> dict:
+        """SearchEngine's description, with what the shards hold together in place of the first's."""
         searcher: ShardedSearcher = self._searcher
-        manifest = searcher.manifest
         return {
+            **super().describe(),
             "index_dir": ", ".join(searcher.index_dirs),
             "count": searcher.count,
             "index_bytes": sum(m.files[name].bytes for m in searcher.manifests for name in (INDEX_FILE, PASSAGES_FILE)),
-            "model": manifest.encoder.name,
-            "similarity": manifest.similarity,
-            "dimension": manifest.dimension,
             "built_at": max(m.built_at for m in searcher.manifests),
             "bm25": False,
-            "backend": searcher.encoder.backend,
-            "query_prefix": manifest.encoder.query_prefix,
-            "passage_prefix": manifest.encoder.passage_prefix,
-            "rerankers": {kind: model.name for kind, model in self.rerankers.items()},
             "shards": searcher.shards,
         }
