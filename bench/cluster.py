@@ -4,7 +4,7 @@
                             [--slices 4] [--k 10] [--work runs/cluster]
 
 Builds (once, into `--work`) the first `--lines` passages of the demo corpus as `--shards` shards
-(`build --shard i/N`) and merges them (`merge`): one flat index over the very vectors the shards
+(`build --shards N`) and merges them (`merge`): one flat index over the very vectors the shards
 hold. Starts `python -m service` over the merged index, and on a local Ray (every core) the sharded
 application (`service.sharded.build_application`) with each `--replicas` count per shard in turn.
 For every client count it drives the plain service and the Ray path in alternating slices (plain,
@@ -26,10 +26,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.load import Server, alternate, free_port, search_request  # noqa: E402
-from index_builder.build import BuildOptions, build_index  # noqa: E402
+from index_builder.build import BuildOptions, build_index, shard_folder  # noqa: E402
 from index_builder.merge import merge_shards  # noqa: E402
 from models.encoder import BiEncoder  # noqa: E402
-from retrieval.sharding import Shard  # noqa: E402
 from service.settings import ServiceSettings  # noqa: E402
 
 GOAL = 1.3
@@ -38,17 +37,15 @@ GOAL = 1.3
 def indexes(work: Path, lines: int, count: int) -> tuple[list[Path], Path]:
     """The shards and their merge, built unless `work` already holds them."""
     folder = work / f"demo{lines}-{count}"
-    shards = [folder / f"shard{i}of{count}" for i in range(count)]
+    shards = [shard_folder(folder / "shards", i) for i in range(count)]
     merged = folder / "merged"
     if not merged.exists():
         folder.mkdir(parents=True, exist_ok=True)
         corpus = folder / "corpus.tsv"
         with (ROOT / "data/demo/corpus.tsv").open(encoding="utf-8") as source:
             corpus.write_text("".join(line for _, line in zip(range(lines), source)), encoding="utf-8")
-        encoder = BiEncoder(device="cpu")
-        for i, out in enumerate(shards):
-            if not out.exists():
-                build_index(BuildOptions(corpus, out, shard=Shard(i, count)), encoder)
+        if not shards[0].exists():
+            build_index(BuildOptions(corpus, folder / "shards", shards=count), BiEncoder(device="cpu"))
         merge_shards(shards, merged)
     return shards, merged
 

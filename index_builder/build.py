@@ -7,6 +7,12 @@ build therefore restarts after its last counted chunk, seeking straight to the
 byte where that chunk ended, and no passage is lost or stored twice. The
 finished folder is renamed into place, so `--out` is either the old index or
 the new one, never half of one.
+
+`--shards N` builds the whole corpus once and, at the end, writes N shard
+directories `OUT/shard-i` instead of one index: shard i holds the records a
+`--shard i/N` job keeps (each chunk saves which shard its passages fall to), so
+they serve sharded (`python -m service --ray --shards OUT/shard-*`) and merge
+back into the unsharded index like the jobs' output.
 """
 
 from __future__ import annotations
@@ -29,11 +35,17 @@ from models.checkpoint import read_json
 from models.encoder import EncoderSpec
 from retrieval import index_writer
 from retrieval.corpus import BadLine, CorpusFormat, Passage, detect_format, read_corpus
-from retrieval.index_format import CorpusRecord, EncoderRecord, write_json_atomic
+from retrieval.index_format import PASSAGES_FILE, CorpusRecord, EncoderRecord, write_json_atomic
 
 STATE_FILE = "state.json"
 CHUNKS_DIR = "chunks"  # STATE_FILE and CHUNKS_DIR are a build's scratch, dropped once the index is in place
 SHOWN_BAD_LINES = 5
+SHARD_INSERT_BATCH = 2048
+
+
+def shard_folder(out: Path, index: int) -> Path:
+    """Where `build --shards N --out OUT` puts shard `index`."""
+    return out / f"shard-{index}"
 
 
 class PassageEncoder(Protocol):
@@ -66,6 +78,7 @@ class BuildOptions:
     restart: bool = False
     bm25: bool = False  # also build a BM25 index over the same passages
     shard: Shard | None = None  # keep only this shard's records (see index_builder.shard)
+    shards: int | None = None  # write this many shard directories (shard_folder) instead of one index
 
 
 @dataclass
@@ -76,6 +89,7 @@ class BuildReport:
     encoded: int  # passages encoded by this run (fewer than `passages` after a resume)
     seconds: float
     resumed_chunks: int
+    shards: int | None = None
 
     @property
     def passages_per_second(self) -> float:
@@ -83,8 +97,9 @@ class BuildReport:
 
     def summary(self) -> str:
         resumed = f", resumed after {self.resumed_chunks} chunks" if self.resumed_chunks else ""
+        split = f" in {self.shards} shards {self.out}/shard-{{0..{self.shards - 1}}}" if self.shards else ""
         return (
-            f"built {self.out}: {self.passages} passages ({self.skipped} bad lines skipped{resumed}); "
+            f"built {self.out}: {self.passages} passages{split} ({self.skipped} bad lines skipped{resumed}); "
             f"encoded {self.encoded} in {self.seconds:.1f} s = {self.passages_per_second:.1f} passages/s"
         )
 
@@ -97,6 +112,7 @@ class _Chunk:
     end_line: int
     sha256: str  # of the corpus bytes [0, end_offset)
     records: int  # corpus records (passages and bad lines) in [0, end_offset): where --shard resumes counting
+    positions: dict[int, int]  # corpus line -> record position, for the chunk's passages and bad lines
 
 
 @dataclass
@@ -175,6 +191,8 @@ def build_index(options: BuildOptions, encoder: PassageEncoder) -> BuildReport:
         raise BuildError(f"{corpus}: corpus file not found")
     if options.chunk_size < 1:
         raise BuildError(f"--chunk-size must be at least 1, got {options.chunk_size}")
+    if options.shards is not None and (options.shards < 1 or options.shard is not None):
+        raise BuildError("--shards N needs N >= 1 and no --shard (it writes every shard itself)")
     if out.exists() and not options.overwrite:
         raise BuildError(f"{out} already exists; pass --overwrite to replace it")
     fmt = detect_format(corpus)
@@ -191,6 +209,8 @@ def build_index(options: BuildOptions, encoder: PassageEncoder) -> BuildReport:
         identity["backend"] = encoder.backend
     if options.shard is not None:  # only then, so builds interrupted before --shard existed still resume
         identity["shard"] = str(options.shard)
+    if options.shards is not None:
+        identity["shards"] = options.shards
     work = _work_dir(out)
     state = _open_state(work, identity, options.restart)
     resumed_chunks = len(state.chunks)
@@ -216,14 +236,23 @@ def build_index(options: BuildOptions, encoder: PassageEncoder) -> BuildReport:
                     report(line)
                 bad_lines = {line.line for line in bad}
                 passages = [p for p in chunk.passages if p.line not in bad_lines]
-                _commit_chunk(work, state, connection, encoder, passages, chunk, len(bad), progress)
+                split = _split(chunk, passages, bad, options.shards) if options.shards else None
+                _commit_chunk(work, state, connection, encoder, passages, chunk, len(bad), progress, split)
                 encoded += len(passages)
                 progress.set_postfix(read=f"{100 * chunk.end_offset / size:.0f}%")
         connection.close()
     if state.rows == 0 and options.shard is None:  # a shard of a tiny corpus may rightly be empty
         raise BuildError(f"{corpus}: no passages to index")
-    _finish(work, state, encoder, corpus, fmt, options.bm25, options.shard)
-    index_writer.move_into_place(work, out, scratch=(CHUNKS_DIR, STATE_FILE))
+    encoder_record = EncoderRecord(path=encoder.source, backend=encoder.backend, export_sha256=encoder.export_sha256,
+                                   **encoder.spec.to_dict())
+    corpus_record = CorpusRecord(path=str(corpus.resolve()), format=fmt, passages=state.rows,
+                                 skipped=sum(chunk["skipped"] for chunk in state.chunks))
+    if options.shards:
+        _finish_shards(work, state, encoder_record, corpus_record, options.bm25, options.shards)
+        index_writer.move_into_place(work, out, scratch=(CHUNKS_DIR, STATE_FILE, PASSAGES_FILE))
+    else:
+        _finish(work, state, encoder_record, corpus_record, options.bm25, options.shard)
+        index_writer.move_into_place(work, out, scratch=(CHUNKS_DIR, STATE_FILE))
     return BuildReport(
         out=out,
         passages=state.rows,
@@ -231,6 +260,7 @@ def build_index(options: BuildOptions, encoder: PassageEncoder) -> BuildReport:
         encoded=encoded,
         seconds=time.perf_counter() - started,
         resumed_chunks=resumed_chunks,
+        shards=options.shards,
     )
 
 
@@ -242,6 +272,7 @@ def _read_chunks(
     records only; `records` counts those before `offset`)."""
     passages: list[Passage] = []
     bad: list[BadLine] = []
+    positions: dict[int, int] = {}
     for item, raw in read_corpus(handle, fmt, first_line=line + 1):
         offset += len(raw)
         line += 1
@@ -250,28 +281,44 @@ def _read_chunks(
             records += 1
             if shard is not None and not shard.keeps(records - 1):
                 continue
+            positions[item.line] = records - 1
         if isinstance(item, BadLine):
             bad.append(item)
         elif item is not None:
             passages.append(item)
         if len(passages) == chunk_size:
-            yield _Chunk(passages, bad, offset, line, digest.hexdigest(), records)
-            passages, bad = [], []
+            yield _Chunk(passages, bad, offset, line, digest.hexdigest(), records, positions)
+            passages, bad, positions = [], [], {}
     if passages or bad:
-        yield _Chunk(passages, bad, offset, line, digest.hexdigest(), records)
+        yield _Chunk(passages, bad, offset, line, digest.hexdigest(), records, positions)
 
 
-def _commit_chunk(work, state: _State, connection, encoder: PassageEncoder, passages, chunk: _Chunk, skipped, progress):
-    """Embeddings to disk, passages to SQLite, then count the chunk: in that order, so a crash loses nothing."""
-    number = len(state.chunks)
-    vectors = encoder.encode_passages([p.text for p in passages], progress=progress)
-    path = work / CHUNKS_DIR / f"{number:06d}.npy"
+def _split(chunk: _Chunk, passages: list[Passage], bad: list[BadLine], shards: int) -> tuple[np.ndarray, list[int]]:
+    """The shard of each kept passage, and the bad lines each shard counts: by record position, as --shard i/N."""
+    assignment = np.array([chunk.positions[p.line] % shards for p in passages], dtype=np.int32)
+    skipped = np.bincount([chunk.positions[b.line] % shards for b in bad], minlength=shards)
+    return assignment, [int(n) for n in skipped]
+
+
+def _save_array(path: Path, array: np.ndarray) -> None:
+    """`array` to `path` durably, by rename: a crash leaves the old file or the new one."""
     tmp = path.with_name(path.name + ".tmp")
     with tmp.open("wb") as handle:
-        np.save(handle, vectors)
+        np.save(handle, array)
         handle.flush()
         os.fsync(handle.fileno())
     os.replace(tmp, path)
+
+
+def _commit_chunk(work, state: _State, connection, encoder: PassageEncoder, passages, chunk: _Chunk, skipped, progress,
+                  split: tuple[np.ndarray, list[int]] | None = None):
+    """Embeddings (and with --shards each passage's shard) to disk, passages to SQLite, then count the
+    chunk: in that order, so a crash loses nothing."""
+    number = len(state.chunks)
+    vectors = encoder.encode_passages([p.text for p in passages], progress=progress)
+    _save_array(work / CHUNKS_DIR / f"{number:06d}.npy", vectors)
+    if split is not None:
+        _save_array(work / CHUNKS_DIR / f"{number:06d}.shards.npy", split[0])
     first_row = state.rows
     index_writer.insert_passages(connection, ((first_row + i, p.id, p.text, p.line) for i, p in enumerate(passages)))
     state.chunks.append(
@@ -282,28 +329,63 @@ def _commit_chunk(work, state: _State, connection, encoder: PassageEncoder, pass
             "skipped": skipped,
             "sha256": chunk.sha256,
             "records": chunk.records,
+            **({"skipped_by_shard": split[1]} if split is not None else {}),
         }
     )
     state.save(work)
 
 
-def _finish(
-    work: Path, state: _State, encoder: PassageEncoder, corpus: Path, fmt: CorpusFormat, bm25: bool, shard: Shard | None
-) -> None:
+def _chunk_vectors(work: Path, state: _State) -> Iterator[np.ndarray]:
+    return (np.load(work / CHUNKS_DIR / f"{number:06d}.npy") for number in range(len(state.chunks)))
+
+
+def _finish(work: Path, state: _State, encoder: EncoderRecord, corpus: CorpusRecord, bm25: bool,
+            shard: Shard | None) -> None:
     """FAISS index from the chunks (and BM25 from the stored passages), then the manifest."""
-    chunks = (np.load(work / CHUNKS_DIR / f"{number:06d}.npy") for number in range(len(state.chunks)))
-    count = index_writer.write_vectors(work, chunks, encoder.dimension)
-    index_writer.write_manifest(
-        work,
-        encoder=EncoderRecord(path=encoder.source, backend=encoder.backend, export_sha256=encoder.export_sha256,
-                              **encoder.spec.to_dict()),
-        corpus=CorpusRecord(
-            path=str(corpus.resolve()),
-            format=fmt,
-            passages=state.rows,
-            skipped=sum(chunk["skipped"] for chunk in state.chunks),
-        ),
-        count=count,
-        bm25=bm25,
-        shard=str(shard) if shard is not None else None,
+    count = index_writer.write_vectors(work, _chunk_vectors(work, state), encoder.dimension)
+    index_writer.write_manifest(work, encoder=encoder, corpus=corpus, count=count, bm25=bm25,
+                                shard=str(shard) if shard is not None else None)
+
+
+def _finish_shards(work: Path, state: _State, encoder: EncoderRecord, corpus: CorpusRecord, bm25: bool,
+                   shards: int) -> None:
+    """`shards` whole shard indexes inside `work` from its chunks and passage store, each written as a
+    `--shard i/N` build writes it (rows in corpus order, its own passage count and bad lines)."""
+    assignment = np.concatenate(
+        [np.load(work / CHUNKS_DIR / f"{number:06d}.shards.npy") for number in range(len(state.chunks))]
+        or [np.empty(0, dtype=np.int32)]
     )
+    folders = [shard_folder(work, i) for i in range(shards)]
+    for folder in folders:  # a finish that crashed left some: start them again
+        if folder.exists():
+            shutil.rmtree(folder)
+        folder.mkdir()
+    stores = [index_writer.open_store(folder) for folder in folders]
+    source = sqlite3.connect(work / PASSAGES_FILE)
+    try:
+        rows = [0] * shards
+        batches: list[list] = [[] for _ in range(shards)]
+        with tqdm(total=state.rows, desc="splitting into shards", unit=" passages") as progress:
+            for row, pid, text, line in source.execute("SELECT row, id, text, line FROM passages ORDER BY row"):
+                i = int(assignment[row])
+                batches[i].append((rows[i], pid, text, line))
+                rows[i] += 1
+                if len(batches[i]) == SHARD_INSERT_BATCH:
+                    index_writer.insert_passages(stores[i], batches[i])
+                    progress.update(len(batches[i]))
+                    batches[i] = []
+            for store, batch in zip(stores, batches):
+                index_writer.insert_passages(store, batch)
+                progress.update(len(batch))
+    finally:
+        source.close()
+        for store in stores:
+            store.close()
+    for i, folder in enumerate(folders):
+        parts = (vectors[assignment_part == i] for vectors, assignment_part in zip(
+            _chunk_vectors(work, state),
+            (np.load(work / CHUNKS_DIR / f"{number:06d}.shards.npy") for number in range(len(state.chunks)))))
+        count = index_writer.write_vectors(folder, parts, encoder.dimension)
+        skipped = sum(chunk["skipped_by_shard"][i] for chunk in state.chunks)
+        index_writer.write_manifest(folder, encoder=encoder, bm25=bm25, count=count, shard=f"{i}/{shards}",
+                                    corpus=corpus.model_copy(update={"passages": count, "skipped": skipped}))

@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from index_builder.build import BuildError, BuildOptions, build_index
+from index_builder.build import BuildError, BuildOptions, build_index, shard_folder
 from index_builder.evaluate import (
     CONSISTENCY_DEPTHS,
     EVAL_MODES,
@@ -79,6 +79,9 @@ def _parser() -> argparse.ArgumentParser:
     build.add_argument("--bm25", action="store_true", help="also build a BM25 index (bm25s) over the same passages")
     build.add_argument("--shard", type=_shard, metavar="i/N",
                        help="keep only records i, i+N, i+2N, ... (0-based) of the corpus; combine with `merge`")
+    build.add_argument("--shards", type=_positive, metavar="N",
+                       help="write N shard indexes OUT/shard-0 ... OUT/shard-{N-1} (shard i as --shard i/N "
+                       "makes it) from one pass over the corpus, for sharded serving")
     build.add_argument("--if-missing", action="store_true",
                        help="if --out already holds an index, keep it and exit 0 (for one-shot deploy jobs)")
     build.add_argument("--ray", nargs="?", const=LOCAL_RAY, metavar="auto|ADDRESS",
@@ -123,6 +126,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def _check_ray_flags(args: argparse.Namespace) -> None:
     """BuildError (one line, exit 2) for --ray flags that cannot work, before anything is loaded."""
+    if args.shard is not None and args.shards is not None:
+        raise BuildError("--shard i/N builds one shard, --shards N all of them: pass one of the two")
     if args.ray is None:
         if args.workers is not None or args.gpus_per_worker is not None:
             raise BuildError("--workers and --gpus-per-worker need --ray")
@@ -141,12 +146,14 @@ def _check_ray_flags(args: argparse.Namespace) -> None:
 def _build(args: argparse.Namespace) -> None:
     _check_ray_flags(args)
     if args.if_missing and args.out.exists():
-        manifest = read_manifest(args.out)  # a broken folder stops the job rather than being served
-        print(f"kept {args.out}: it already holds an index of {manifest.count} passages (--if-missing)")
+        # A broken folder stops the job rather than being served.
+        folders = [shard_folder(args.out, i) for i in range(args.shards)] if args.shards else [args.out]
+        count = sum(read_manifest(folder).count for folder in folders)
+        print(f"kept {args.out}: it already holds an index of {count} passages (--if-missing)")
         return
     options = BuildOptions(
         args.corpus, args.out, args.chunk_size, args.skip_bad, args.overwrite, args.restart, bm25=args.bm25,
-        shard=args.shard,
+        shard=args.shard, shards=args.shards,
     )
     encoder_options = dict(
         batch_size=args.batch_size,

@@ -86,7 +86,8 @@ def check_shard_set(manifests: Sequence[tuple[str, Manifest]]) -> list[Shard]:
     found = []
     for name, manifest in manifests:
         if manifest.shard is None:
-            raise ValueError(f"{name}: not a shard (its manifest names none; build shards with --shard i/N)")
+            raise ValueError(f"{name}: not a shard (its manifest names none; "
+                             "build shards with --shard i/N or --shards N)")
         found.append(Shard.parse(manifest.shard))
     (first_name, first), first_shard = manifests[0], found[0]
     expected = shard_agreement(first)

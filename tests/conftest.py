@@ -8,11 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from index_builder.build import BuildOptions, build_index
+from index_builder.build import BuildOptions, build_index, shard_folder
 from index_builder.merge import merge_shards
 from models.encoder import BiEncoder
 from retrieval.searcher import Searcher
-from retrieval.sharding import Shard
 from service.engine import SearchEngine
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -65,12 +64,11 @@ def small_index(tmp_path_factory, small_corpus, encoder) -> Path:
 
 @pytest.fixture(scope="session")
 def small_shards(tmp_path_factory, small_corpus, encoder) -> list[Path]:
-    """The small corpus as `build --shard i/3` builds it: the shards of `small_index`'s passages."""
-    folder = tmp_path_factory.mktemp("shards")
-    shards = [folder / f"shard{i}of{SMALL_SHARDS}" for i in range(SMALL_SHARDS)]
-    for i, out in enumerate(shards):
-        build_index(BuildOptions(small_corpus, out, chunk_size=128, shard=Shard(i, SMALL_SHARDS)), encoder)
-    return shards
+    """The small corpus as `build --shards 3` writes it (in one pass): the shards of `small_index`'s passages.
+    (tests/test_shards.py shows they equal what three `build --shard i/3` jobs write.)"""
+    out = tmp_path_factory.mktemp("shards") / "small"
+    build_index(BuildOptions(small_corpus, out, chunk_size=128, shards=SMALL_SHARDS), encoder)
+    return [shard_folder(out, i) for i in range(SMALL_SHARDS)]
 
 
 @pytest.fixture(scope="session")

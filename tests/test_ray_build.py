@@ -9,8 +9,9 @@ import sys
 import numpy as np
 import pytest
 
-from index_builder.build import BuildError, BuildOptions, build_index
+from index_builder.build import BuildError, BuildOptions, build_index, shard_folder
 from index_builder.cli import main as cli_main
+from index_builder.merge import merge_shards
 from retrieval.index_format import read_manifest
 from tests.conftest import demo_corpus_head
 from tests.test_build import index_contents
@@ -55,6 +56,18 @@ def test_a_ray_build_equals_a_local_build_row_for_row(ray_session, corpus, local
     assert cli_main(argv) == 0
     assert capsys.readouterr().out.startswith(f"built {out}: {PASSAGES} passages (0 bad lines skipped); encoded 60 ")
     assert_same_index(out, local_index)
+
+
+@needs_ray
+def test_a_ray_build_writes_shards_that_merge_into_the_local_build(ray_session, corpus, local_index, tmp_path, capsys):
+    out = tmp_path / "ray"
+    argv = ["build", "--corpus", str(corpus), "--out", str(out), "--chunk-size", str(CHUNK),
+            "--batch-size", str(BATCH), "--ray", "--workers", "2", "--shards", "3"]
+    assert cli_main(argv) == 0
+    assert capsys.readouterr().out.startswith(f"built {out}: {PASSAGES} passages in 3 shards ")
+    assert [read_manifest(shard_folder(out, i)).shard for i in range(3)] == ["0/3", "1/3", "2/3"]
+    merge_shards([shard_folder(out, i) for i in range(3)], tmp_path / "merged")
+    assert_same_index(tmp_path / "merged", local_index)  # the same chunks and batches as the local build
 
 
 @needs_ray

@@ -1,4 +1,5 @@
-"""Sharded builds (`build --shard i/N`) and `merge`: merged shards equal one unsharded build, row for row."""
+"""Sharded builds (`build --shard i/N` jobs, or `build --shards N` in one pass) and `merge`: merged shards
+equal one unsharded build, row for row."""
 
 from __future__ import annotations
 
@@ -11,12 +12,13 @@ import faiss
 import numpy as np
 import pytest
 
-from index_builder.build import BuildError, BuildOptions, build_index
+from index_builder.build import BuildError, BuildOptions, build_index, shard_folder
 from index_builder.cli import main as cli_main
 from index_builder.merge import merge_shards
 from index_builder.shard import Shard
 from retrieval.index_format import INDEX_FILE, MANIFEST_FILE, PASSAGES_FILE, manifest_digest, read_manifest
 from retrieval.searcher import Searcher
+from retrieval.sharding import check_shard_set
 from tests.conftest import demo_corpus_head
 
 LINES = 60
@@ -168,7 +170,8 @@ def test_merge_refuses_shards_of_another_encoder_naming_both_values(shards, tmp_
 
 def test_merge_refuses_an_unsharded_index_and_an_existing_out(shards, unsharded, tmp_path, capsys):
     message = merge_error(capsys, "--shards", str(unsharded), "--out", str(tmp_path / "m"))
-    assert message == f"error: {unsharded}: not a shard (its manifest names none; build shards with --shard i/N)"
+    assert message == (f"error: {unsharded}: not a shard "
+                       "(its manifest names none; build shards with --shard i/N or --shards N)")
     message = merge_error(capsys, "--shards", *map(str, shards), "--out", str(shards[0]))
     assert message == f"error: {shards[0]} already exists; pass --overwrite to replace it"
 
@@ -184,3 +187,84 @@ def test_build_refuses_a_malformed_shard(value, tmp_path, capsys):
 def test_if_missing_keeps_an_existing_index_without_loading_a_model(unsharded, capsys):
     assert cli_main(["build", "--corpus", "no-such-file.tsv", "--out", str(unsharded), "--if-missing"]) == 0
     assert capsys.readouterr().out.strip() == f"kept {unsharded}: it already holds an index of {LINES} passages (--if-missing)"
+
+
+# `build --shards N`: the corpus read and encoded once, every shard written at the end
+
+
+@pytest.fixture(scope="module")
+def one_pass(demo_head, encoder) -> Path:
+    return build_index(BuildOptions(demo_head, demo_head.parent / "one-pass", chunk_size=16, bm25=True, shards=N),
+                       encoder).out
+
+
+def test_shards_n_writes_what_n_shard_i_of_n_jobs_write(one_pass, shards):
+    assert sorted(p.name for p in one_pass.iterdir()) == [f"shard-{i}" for i in range(N)]  # no scratch left
+    assert not (one_pass.parent / ".one-pass.partial").exists()
+    for i, job in enumerate(shards):
+        vectors, rows = contents(shard_folder(one_pass, i))
+        job_vectors, job_rows = contents(job)
+        assert rows == job_rows  # row, id, text and corpus line
+        np.testing.assert_allclose(vectors, job_vectors, atol=1e-5)  # other batches: the last bits differ
+        manifest, reference = read_manifest(shard_folder(one_pass, i), verify_checksums=True), read_manifest(job)
+        assert (manifest.shard, manifest.count, manifest.corpus, manifest.encoder) == (
+            reference.shard, reference.count, reference.corpus, reference.encoder)
+        assert manifest.bm25 is not None and (shard_folder(one_pass, i) / "bm25").is_dir()
+    check_shard_set([(str(shard_folder(one_pass, i)), read_manifest(shard_folder(one_pass, i))) for i in range(N)])
+
+
+def test_shards_n_merge_back_into_the_unsharded_index(one_pass, unsharded, tmp_path):
+    report = merge_shards([shard_folder(one_pass, i) for i in range(N)], tmp_path / "merged")
+    assert (report.passages, report.skipped) == (LINES, 0)
+    merged_vectors, merged_rows = contents(tmp_path / "merged")
+    whole_vectors, whole_rows = contents(unsharded)
+    assert merged_rows == whole_rows
+    np.testing.assert_allclose(merged_vectors, whole_vectors, atol=1e-5)
+
+
+def test_shards_n_counts_bad_lines_in_their_shard_and_sees_duplicates_across_shards(tmp_path, encoder):
+    corpus = tmp_path / "corpus.tsv"
+    corpus.write_text("id\ttext\na\tone\n\n\nb\ttwo\nbroken\n\nc\tthree\nd\tfour\nb\tagain\n")
+    # records: a, b, broken, c, d, b (a duplicate) -> shard 0: a, broken, d; shard 1: b, c, duplicate b
+    report = build_index(BuildOptions(corpus, tmp_path / "out", skip_bad=True, chunk_size=2, shards=2), encoder)
+    assert (report.passages, report.skipped, report.shards) == (4, 2, 2)
+    assert report.summary().startswith(f"built {tmp_path / 'out'}: 4 passages in 2 shards ")
+    folders = [shard_folder(tmp_path / "out", i) for i in range(2)]
+    assert [[row[1:] for row in contents(f)[1]] for f in folders] == [
+        [("a", "one", 2), ("d", "four", 9)], [("b", "two", 5), ("c", "three", 8)]]
+    assert [read_manifest(f).corpus.skipped for f in folders] == [1, 1]
+    assert [read_manifest(f).corpus.passages for f in folders] == [2, 2]
+
+
+def test_an_interrupted_shards_n_build_resumes_without_losing_or_doubling_a_passage(tmp_path, encoder):
+    corpus = tmp_path / "corpus.tsv"
+    corpus.write_text("a\tone\nb\ttwo\nc\tthree\nd\tfour\ne\tfive\nf\n")  # f: no tab
+    options = BuildOptions(corpus, tmp_path / "out", chunk_size=2, shards=2)
+    with pytest.raises(BuildError, match="line 6"):
+        build_index(options, encoder)
+    corpus.write_text("a\tone\nb\ttwo\nc\tthree\nd\tfour\ne\tfive\nf\tsix\n")
+    report = build_index(options, encoder)
+    assert (report.resumed_chunks, report.encoded, report.passages) == (2, 2, 6)
+    assert [[row[1] for row in contents(shard_folder(tmp_path / "out", i))[1]] for i in range(2)] == [
+        ["a", "c", "e"], ["b", "d", "f"]]
+
+
+def test_shards_n_with_if_missing_keeps_the_existing_shards(one_pass, capsys):
+    args = ["build", "--corpus", "no-such-file.tsv", "--out", str(one_pass), "--shards", str(N), "--if-missing"]
+    assert cli_main(args) == 0
+    kept = f"kept {one_pass}: it already holds an index of {LINES} passages (--if-missing)"
+    assert capsys.readouterr().out.strip() == kept
+
+
+@pytest.mark.parametrize("flags, reason", [
+    (["--shards", "2", "--shard", "0/2"],
+     "error: --shard i/N builds one shard, --shards N all of them: pass one of the two"),
+    (["--shards", "0"], "--shards: must be at least 1, got 0"),
+])
+def test_build_refuses_contradictory_or_empty_shard_counts(flags, reason, tmp_path, capsys):
+    try:
+        code = cli_main(["build", "--corpus", "c.tsv", "--out", str(tmp_path / "o"), *flags])
+    except SystemExit as exit_info:  # argparse's own refusal
+        code = exit_info.code
+    assert code == 2
+    assert reason in capsys.readouterr().err
