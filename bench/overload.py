@@ -1,12 +1,14 @@
 """Overload and soak: does the service refuse what it cannot take, quickly, and stay healthy?
 
     python bench/overload.py [--index indexes/demo] [--cap 64] [--clients 1000] [--seconds 20]
-                             [--soak-clients 64] [--soak-seconds 120] [--device cpu]
+                             [--soak-clients 64] [--soak-seconds 120] [--device cpu] [--no-backoff | --jitter]
 
 Starts `python -m service` with SEARCH_MAX_CONCURRENT_REQUESTS=--cap, then:
 1. at the cap: `--cap` clients for `--seconds`, the service's own p99 when full;
 2. overload: `--clients` clients for `--seconds` (each posts /search again as soon as it is answered,
-   or, told 429, after its Retry-After; `--no-backoff`: at once), with one more client polling /health every 50 ms: the share answered 429 and their
+   or, told 429, after its Retry-After; `--no-backoff`: at once; `--jitter`: after Retry-After times a
+   random factor in [1, 2), as client libraries with jittered backoff wait, so the clients told 429
+   together do not all come back in the same instant), with one more client polling /health every 50 ms: the share answered 429 and their
    p50/p99, the accepted requests' p99 against the p99 at the cap, /health's p99, answers other than
    200 and 429, and the server's RSS before and after;
 3. soak: `--soak-clients` clients for `--soak-seconds`, RSS sampled every 10 s.
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import random
 import sys
 import time
 from collections import Counter
@@ -107,10 +110,10 @@ class Connection:
 
 
 async def drive(base: str, clients: int, seconds: float, k: int = 10, health: Answers | None = None,
-                backoff: bool = True) -> Answers:
+                backoff: bool = True, jitter: bool = False) -> Answers:
     """`clients` concurrent /search loops for `seconds`, each on its own keep-alive connection (opened
-    before the clock starts); a client told 429 waits its Retry-After (unless not `backoff`); with
-    `health`, a /health poll every 50 ms alongside."""
+    before the clock starts); a client told 429 waits its Retry-After (unless not `backoff`; with
+    `jitter`, times a random factor in [1, 2)); with `health`, a /health poll every 50 ms alongside."""
     answers = Answers()
     host, port = base.removeprefix("http://").split(":")
     bodies = [json.dumps({"query": query, "k": k}).encode() for query in QUERIES]
@@ -126,7 +129,8 @@ async def drive(base: str, clients: int, seconds: float, k: int = 10, health: An
                 status, retry_after = await connection.request("POST", "/search", bodies[i % len(bodies)])
                 answers.add(status, 1000 * (time.perf_counter() - started))
                 if status == 429 and backoff:
-                    await asyncio.sleep(min(retry_after, max(0.0, deadline - time.perf_counter())))
+                    wait = retry_after * (1 + random.random()) if jitter else retry_after
+                    await asyncio.sleep(min(wait, max(0.0, deadline - time.perf_counter())))
             except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError) as error:
                 answers.failures[type(error).__name__] += 1
             i += clients
@@ -173,8 +177,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--soak-clients", type=int, default=64)
     parser.add_argument("--soak-seconds", type=float, default=120.0)
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--no-backoff", action="store_true",
-                        help="overload clients retry at once after a 429 instead of waiting its Retry-After")
+    backoff = parser.add_mutually_exclusive_group()
+    backoff.add_argument("--no-backoff", action="store_true",
+                         help="overload clients retry at once after a 429 instead of waiting its Retry-After")
+    backoff.add_argument("--jitter", action="store_true",
+                         help="overload clients wait Retry-After times a random factor in [1, 2) after a 429")
     args = parser.parse_args(argv)
     for name in ("cap", "clients", "soak_clients", "seconds", "soak_seconds"):
         if getattr(args, name) < (0 if name == "soak_seconds" else 1):
@@ -190,7 +197,8 @@ def main(argv: list[str] | None = None) -> int:
         at_cap = asyncio.run(drive(server.base, args.cap, args.seconds))
         health = Answers()
         cpu = own_cpu_seconds()
-        over = asyncio.run(drive(server.base, args.clients, args.seconds, health=health, backoff=not args.no_backoff))
+        over = asyncio.run(drive(server.base, args.clients, args.seconds, health=health, backoff=not args.no_backoff,
+                                 jitter=args.jitter))
         client_cpu = own_cpu_seconds() - cpu
         rss_after = rss_mib(pid)
         soaked, rss = asyncio.run(soak(server.base, pid, args.soak_clients, args.soak_seconds)) \
@@ -200,7 +208,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"at the cap ({args.cap} clients, {args.seconds:g} s): {at_cap.count(200)} answered, "
           f"{at_cap.count(200) / at_cap.seconds:.1f}/s, p50 {at_cap.p(200, 50):.1f} ms, p99 {cap_p99:.1f} ms, "
           f"{at_cap.count(429)} x 429, {at_cap.errors()} errors")
-    behaviour = "retrying at once" if args.no_backoff else "waiting Retry-After after a 429"
+    behaviour = ("retrying at once" if args.no_backoff else
+                 "waiting Retry-After x [1, 2) after a 429" if args.jitter else "waiting Retry-After after a 429")
     print(f"overload ({args.clients} clients {behaviour}, {args.seconds:g} s): {over.total()} requests, "
           f"{over.count(429) / max(over.total(), 1):.1%} answered 429 (p50 {over.p(429, 50):.1f} ms, "
           f"p99 {over.p(429, 99):.1f} ms), {over.count(200)} accepted ({over.count(200) / over.seconds:.1f}/s, "

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import logging
+import os
+import threading
 from pathlib import Path
 
 import faiss
 import numpy as np
 
 from models.checkpoint import resolve_device
+
+log = logging.getLogger(__name__)
+PREFETCH_CHUNK = 1 << 20
 
 
 def gpu_count() -> int:
@@ -48,7 +54,9 @@ def load_index(path: str | Path, device: str = "auto", *, mmap: bool = False, fp
     `mmap`: an index that stays on the CPU is memory-mapped (read-only) instead of read, so loading
     reads nothing up front and processes on one host share the vectors through the page cache; the
     file must not be changed in place while mapped (the index writer replaces files by rename, which
-    is safe). Ignored on a GPU, whose copy reads every vector anyway. `fp16`: vectors stored as fp16
+    is safe). A background thread then reads the file once in order (`prefetch`), where it fits the
+    available memory, so the first searches do not fault the vectors in a page-cluster at a time.
+    Ignored on a GPU, whose copy reads every vector anyway. `fp16`: vectors stored as fp16
     on the GPU (see shard_over_gpus); ignored on the CPU."""
     resolved = resolve_device(device)
     on_gpu = resolved.type != "cpu"
@@ -60,6 +68,8 @@ def load_index(path: str | Path, device: str = "auto", *, mmap: bool = False, fp
     # IVF inverted lists and reads a flat index whole (measured with faiss 1.15: RSS grew by the vectors).
     index = faiss.read_index(str(path), faiss.IO_FLAG_MMAP_IFC if mmap and not on_gpu else 0)
     if not on_gpu:
+        if mmap:
+            threading.Thread(target=prefetch, args=(Path(path),), name="index-prefetch", daemon=True).start()
         return index
     return shard_over_gpus(index, fp16) if resolved.index is None else to_gpu(index, resolved.index, fp16)
 
@@ -68,3 +78,30 @@ def search(index: faiss.Index, vectors: np.ndarray, k: int) -> tuple[np.ndarray,
     """(scores, rows), each (len(vectors), k), best first; rows are -1 past the index's size."""
     vectors = np.ascontiguousarray(vectors, dtype=np.float32)
     return index.search(vectors, k)
+
+
+def _available_bytes() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def prefetch(path: Path) -> bool:
+    """Read `path` once, in order, into the page cache, where it fits the available memory; whether it
+    did. A mapped index's first search otherwise faults its pages in small read-around clusters:
+    measured on this project's 2-core VM, 108 s for 7.3 GiB cold against 21 s for reading it whole."""
+    try:
+        size = path.stat().st_size
+        if size > _available_bytes():
+            log.info("not prefetching %s: %d MiB is more than the available memory", path, size >> 20)
+            return False
+        buffer = bytearray(PREFETCH_CHUNK)
+        with path.open("rb", buffering=0) as handle:
+            os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            while handle.readinto(buffer):
+                pass
+        return True
+    except OSError as error:  # only a speed-up: a failure leaves the mapping to fault pages in
+        log.warning("prefetching %s failed: %s", path, error)
+        return False

@@ -3,6 +3,7 @@ without a copy of the vectors in the process."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import faiss
@@ -63,6 +64,28 @@ def test_memory_mapped_index_keeps_its_vectors_in_the_file_not_the_process(tmp_p
     assert loaded_growth > 0.9 * vector_bytes  # the measure sees a copy where there is one
     assert mapped_growth < 0.1 * vector_bytes, f"mapping grew private memory by {mapped_growth / 2**20:.0f} MiB"
     assert np.array_equal(dense_index.search(mapped, probe, 100)[1], dense_index.search(loaded, probe, 100)[1])
+
+
+def read_syscall_bytes() -> int:
+    """Bytes this process has read through read() calls (rchar), page cache hits included."""
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("rchar:"):
+            return int(line.split()[1])
+    raise AssertionError("no rchar in /proc/self/io")
+
+
+def test_a_mapped_index_is_read_once_in_the_background_so_first_searches_do_not_fault_it_in(tmp_path):
+    path = tmp_path / INDEX_FILE
+    written = dense_index.new_flat_index(64)
+    written.add(np.random.default_rng(0).standard_normal((40_000, 64), dtype=np.float32))  # 10 MiB
+    faiss.write_index(written, str(path))
+    before = read_syscall_bytes()
+    dense_index.load_index(path, "cpu", mmap=True)
+    for thread in threading.enumerate():
+        if thread.name == "index-prefetch":
+            thread.join(timeout=60)
+    assert read_syscall_bytes() - before >= path.stat().st_size
+    assert dense_index.prefetch(tmp_path / "missing.faiss") is False  # only a speed-up: never an error
 
 
 def test_fp16_is_ignored_on_the_cpu(small_index, query_vectors):
