@@ -76,6 +76,11 @@ class ServiceSettings(BaseSettings):
     )
     microbatch_max: int = Field(64, ge=1, description="most requests fused into one batch")
     stats_window: int = Field(1000, ge=1, description="requests kept for /stats percentiles")
+    gc_freeze: bool = Field(
+        True, description="once an index is loaded (and after each reload), keep every object alive then out of "
+        "Python's cyclic garbage collections (gc.freeze): a full one otherwise walks the model's 400,000 objects, "
+        "a quarter of a second with the GIL held, stalling every request under load",
+    )
     shard_timeout_s: float = Field(
         10.0, gt=0, description="sharded serving (--ray): how long a search waits for every shard; a shard that has "
         "not answered by then fails the request with 503 naming it (or is listed as missing with allow_partial)",

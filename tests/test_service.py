@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import os
 import shutil
@@ -10,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+import weakref
 from pathlib import Path
 
 import httpx
@@ -208,6 +210,23 @@ def test_reload_switches_to_another_index_under_the_root(index_root, encoder):
     assert response.status_code == 200 and response.json()["count"] == 2
     hits = one(app, "POST", "/search", {"query": "wing stall", "k": 5}).json()["results"]
     assert [h["id"] for h in hits] == ["t1", "t2"]
+
+
+def in_collected_generations(thing) -> bool:
+    """Whether Python's cyclic garbage collector still walks `thing` (gc.freeze takes objects out)."""
+    return any(any(o is thing for o in gc.get_objects(generation)) for generation in range(3))
+
+
+@pytest.mark.parametrize("freeze", [True, False])
+def test_the_loaded_index_is_frozen_out_of_gc_and_a_reload_frees_the_one_it_replaced(index_root, encoder, freeze):
+    searcher = Searcher(index_root / "small", encoder)
+    app = create_app(settings_for(index_root / "small", gc_freeze=freeze), SearchEngine(searcher))
+    assert in_collected_generations(searcher) is not freeze
+    replaced = weakref.ref(searcher)
+    del searcher
+    assert one(app, "POST", "/admin/reload", {"index": "tiny"}).status_code == 200
+    assert replaced() is None  # not kept alive, frozen or not
+    assert one(app, "GET", "/ready").json()["index"]["count"] == 2
 
 
 @pytest.mark.parametrize("name,message", [("broken", "not valid JSON"), ("empty", "no manifest.json"),
