@@ -26,9 +26,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.load import Server, alternate, free_port, search_request  # noqa: E402
-from index_builder.build import BuildOptions, build_index, shard_folder  # noqa: E402
+from index_builder.build import BuildOptions, build_index  # noqa: E402
 from index_builder.merge import merge_shards  # noqa: E402
 from models.encoder import BiEncoder  # noqa: E402
+from retrieval.sharding import shard_folder  # noqa: E402
 from service.settings import ServiceSettings  # noqa: E402
 
 GOAL = 1.3

@@ -35,17 +35,18 @@ from models.checkpoint import read_json
 from models.encoder import EncoderSpec
 from retrieval import index_writer
 from retrieval.corpus import BadLine, CorpusFormat, Passage, detect_format, read_corpus
-from retrieval.index_format import PASSAGES_FILE, CorpusRecord, EncoderRecord, write_json_atomic
+from retrieval.index_format import (
+    PASSAGES_FILE,
+    CorpusRecord,
+    EncoderRecord,
+    write_json_atomic,
+)
+from retrieval.sharding import shard_folder
 
 STATE_FILE = "state.json"
 CHUNKS_DIR = "chunks"  # STATE_FILE and CHUNKS_DIR are a build's scratch, dropped once the index is in place
 SHOWN_BAD_LINES = 5
 SHARD_INSERT_BATCH = 2048
-
-
-def shard_folder(out: Path, index: int) -> Path:
-    """Where `build --shards N --out OUT` puts shard `index`."""
-    return out / f"shard-{index}"
 
 
 class PassageEncoder(Protocol):

@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from index_builder.build import BuildError, BuildOptions, build_index, shard_folder
+from index_builder.build import BuildError, BuildOptions, build_index
 from index_builder.evaluate import (
     CONSISTENCY_DEPTHS,
     EVAL_MODES,
@@ -28,6 +28,7 @@ from models.reranker import load_reranker
 from retrieval.index_format import IndexFormatError, read_manifest
 from retrieval.readers import InputFileError, Run, read_qrels, read_queries, read_run, write_run
 from retrieval.searcher import MAX_K, EncoderMismatch, Searcher, encoder_for
+from retrieval.sharding import expand_shard_dirs, shard_folder
 
 LOCAL_RAY = "local"  # `--ray` with no address: ray.init()'s own choice
 # OSError and sqlite3.Error cover a full disk too: the build's partial folder stays for a resume.
@@ -94,7 +95,7 @@ def _parser() -> argparse.ArgumentParser:
                        "(default: 1 where the cluster has GPUs, else 0)")
 
     merge = commands.add_parser("merge", help="merge the indexes of `build --shard i/N` jobs into one index")
-    merge.add_argument("--shards", type=Path, nargs="+", required=True, help="all N shard index directories")
+    merge.add_argument("--shards", type=Path, nargs="+", required=True, help="all N shard index directories (or the folder of a build --shards N)")
     merge.add_argument("--out", type=Path, required=True, help="index directory to create")
     merge.add_argument("--overwrite", action="store_true", help="replace an existing --out (atomically)")
 
@@ -231,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "build":
             _build(args)
         elif args.command == "merge":
-            print(merge_shards(args.shards, args.out, args.overwrite).summary())
+            print(merge_shards(expand_shard_dirs(args.shards), args.out, args.overwrite).summary())
         elif args.command == "eval":
             _eval(args)
         else:

@@ -18,7 +18,7 @@ from typing import NamedTuple, Sequence
 import numpy as np
 
 from retrieval import dense_index
-from retrieval.index_format import INDEX_FILE, PASSAGES_FILE, Manifest, read_manifest
+from retrieval.index_format import INDEX_FILE, MANIFEST_FILE, PASSAGES_FILE, Manifest, read_manifest
 from retrieval.passage_store import PassageStore
 from retrieval.searcher import check_rows
 
@@ -47,6 +47,26 @@ class Shard:
 
     def __str__(self) -> str:
         return f"{self.index}/{self.count}"
+
+
+def shard_folder(out: str | Path, index: int) -> Path:
+    """Where `build --shards N --out OUT` puts shard `index`."""
+    return Path(out) / f"shard-{index}"
+
+
+def expand_shard_dirs(directories: Sequence[str | Path]) -> list[Path]:
+    """The directories given, with each folder that `build --shards N` wrote (no manifest of its own,
+    `shard-0` inside) replaced by its shard-0 ... shard-{N-1}, so `--shards OUT` means all of them."""
+    expanded = []
+    for directory in map(Path, directories):
+        if (directory / MANIFEST_FILE).exists() or not shard_folder(directory, 0).is_dir():
+            expanded.append(directory)
+            continue
+        count = 0
+        while shard_folder(directory, count).is_dir():
+            count += 1
+        expanded.extend(shard_folder(directory, i) for i in range(count))
+    return expanded
 
 
 class ShardHit(NamedTuple):

@@ -20,7 +20,7 @@ from typing import Sequence
 import numpy as np
 from ray import serve
 
-from retrieval.sharding import ShardIndex
+from retrieval.sharding import ShardIndex, expand_shard_dirs
 from service.app import create_app
 from service.settings import ServiceSettings
 from service.sharded_engine import ShardedEngine, describe_shard
@@ -125,13 +125,13 @@ def build_application(shard_dirs: Sequence[str | Path], settings: ServiceSetting
 
 def sharded_app(args: dict):
     """An application builder for Serve config files and KubeRay's RayService (`import_path:
-    service.sharded:sharded_app`): `args` holds `shards` (the directories, as each node sees them) and
+    service.sharded:sharded_app`): `args` holds `shards` (the directories, as each node sees them, or a `build --shards N` folder seen here) and
     optionally shard_replicas, shard_cpus, shard_gpus, shard_resources, ingress_replicas, ingress_cpus,
     ingress_gpus (as the --ray flags) and `settings`, SEARCH_* settings by their lower-case names (those
     left out come from the SEARCH_* variables where the builder runs)."""
     settings = ServiceSettings(**args.get("settings", {}))
     return build_application(
-        list(args["shards"]), settings, shard_replicas=int(args.get("shard_replicas", 1)),
+        [str(d) for d in expand_shard_dirs(args["shards"])], settings, shard_replicas=int(args.get("shard_replicas", 1)),
         shard_options={"num_cpus": float(args.get("shard_cpus", 1)), "num_gpus": float(args.get("shard_gpus", 0))},
         ingress_replicas=int(args.get("ingress_replicas", 1)),
         ingress_options={"num_cpus": float(args.get("ingress_cpus", 1)), "num_gpus": float(args.get("ingress_gpus", 0))},
@@ -144,7 +144,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--ray", nargs="?", const="", metavar="ADDRESS",
                        help="serve --shards on Ray Serve; ADDRESS of a running cluster (e.g. auto, or ray://HOST:10001); "
                             "none: RAY_ADDRESS, else a local Ray started here")
-    group.add_argument("--shards", nargs="+", metavar="DIR", help="the N shard directories of one build --shard i/N")
+    group.add_argument("--shards", nargs="+", metavar="DIR",
+                       help="the N shard directories of one build (--shard i/N jobs), or the folder of a build --shards N")
     group.add_argument("--shard-replicas", type=int, default=1, metavar="R", help="replicas per shard (default 1)")
     group.add_argument("--shard-cpus", type=float, default=1, help="CPUs each shard replica reserves (default 1)")
     group.add_argument("--shard-gpus", type=float, default=0,
@@ -168,15 +169,16 @@ def serve_sharded(args: argparse.Namespace, settings: ServiceSettings) -> int:
     env_vars = {name: os.environ[name] for name in ("PYTHONPATH",) if name in os.environ}
     ray.init(address=args.ray or None, runtime_env={"env_vars": env_vars} if env_vars else None)
     serve.start(http_options={"host": settings.host, "port": settings.port})
+    shard_dirs = [str(d.resolve()) for d in expand_shard_dirs(args.shards)]
     application = build_application(
-        [str(Path(d).resolve()) for d in args.shards], settings, shard_replicas=args.shard_replicas,
+        shard_dirs, settings, shard_replicas=args.shard_replicas,
         shard_options={"num_cpus": args.shard_cpus, "num_gpus": args.shard_gpus},
         ingress_replicas=args.ingress_replicas,
         ingress_options={"num_cpus": args.ingress_cpus, "num_gpus": args.ingress_gpus},
         shard_resources=args.shard_resources,
     )
     serve.run(application, name=APP_NAME, route_prefix="/")
-    log.info("serving %d shards on http://%s:%d", len(args.shards), settings.host, settings.port)
+    log.info("serving %d shards on http://%s:%d", len(shard_dirs), settings.host, settings.port)
     # Ctrl-C deletes the application. SIGTERM is Ray's to handle (its own handler ends the process); a
     # local Ray started here goes with it, and on a cluster the application stays until `serve shutdown`.
     try:

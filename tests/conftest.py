@@ -8,10 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from index_builder.build import BuildOptions, build_index, shard_folder
+from index_builder.build import BuildOptions, build_index
 from index_builder.merge import merge_shards
 from models.encoder import BiEncoder
 from retrieval.searcher import Searcher
+from retrieval.sharding import shard_folder
 from service.engine import SearchEngine
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -9,10 +9,11 @@ import sys
 import numpy as np
 import pytest
 
-from index_builder.build import BuildError, BuildOptions, build_index, shard_folder
+from index_builder.build import BuildError, BuildOptions, build_index
 from index_builder.cli import main as cli_main
 from index_builder.merge import merge_shards
 from retrieval.index_format import read_manifest
+from retrieval.sharding import shard_folder
 from tests.conftest import demo_corpus_head
 from tests.test_build import index_contents
 

@@ -12,13 +12,13 @@ import faiss
 import numpy as np
 import pytest
 
-from index_builder.build import BuildError, BuildOptions, build_index, shard_folder
+from index_builder.build import BuildError, BuildOptions, build_index
 from index_builder.cli import main as cli_main
 from index_builder.merge import merge_shards
 from index_builder.shard import Shard
 from retrieval.index_format import INDEX_FILE, MANIFEST_FILE, PASSAGES_FILE, manifest_digest, read_manifest
 from retrieval.searcher import Searcher
-from retrieval.sharding import check_shard_set
+from retrieval.sharding import check_shard_set, expand_shard_dirs, shard_folder
 from tests.conftest import demo_corpus_head
 
 LINES = 60
@@ -220,6 +220,13 @@ def test_shards_n_merge_back_into_the_unsharded_index(one_pass, unsharded, tmp_p
     whole_vectors, whole_rows = contents(unsharded)
     assert merged_rows == whole_rows
     np.testing.assert_allclose(merged_vectors, whole_vectors, atol=1e-5)
+
+
+def test_the_folder_of_a_shards_n_build_stands_for_its_shards(one_pass, unsharded, shards, tmp_path, capsys):
+    assert expand_shard_dirs([one_pass]) == [shard_folder(one_pass, i) for i in range(N)]
+    assert expand_shard_dirs([unsharded, *shards]) == [unsharded, *shards]  # index folders stay as given
+    assert cli_main(["merge", "--shards", str(one_pass), "--out", str(tmp_path / "merged")]) == 0
+    assert capsys.readouterr().out.startswith(f"merged {N} shards into {tmp_path / 'merged'}: {LINES} passages")
 
 
 def test_shards_n_counts_bad_lines_in_their_shard_and_sees_duplicates_across_shards(tmp_path, encoder):
