@@ -11,8 +11,11 @@ the new one, never half of one.
 `--shards N` builds the whole corpus once and, at the end, writes N shard
 directories `OUT/shard-i` instead of one index: shard i holds the records a
 `--shard i/N` job keeps (each chunk saves which shard its passages fall to), so
-they serve sharded (`python -m service --ray --shards OUT/shard-*`) and merge
-back into the unsharded index like the jobs' output.
+they serve sharded (`python -m service --ray --shards OUT`) and merge back into
+the unsharded index like the jobs' output. One difference: a passage id repeated
+in two shards is a duplicate here (refused, or skipped in the later line's
+shard with --skip-bad), where separate jobs keep both and `merge` refuses them.
+The shards are written in a sibling `.NAME.shards/`, renamed into place whole.
 """
 
 from __future__ import annotations
@@ -139,7 +142,8 @@ def _open_state(work: Path, identity: dict, restart: bool) -> _State:
     saved = read_json(work / STATE_FILE)
     if saved is not None and not restart:
         if saved["identity"] != identity:
-            changed = sorted(k for k in identity if saved["identity"].get(k) != identity[k])
+            changed = sorted(k for k in identity.keys() | saved["identity"].keys()
+                             if saved["identity"].get(k) != identity.get(k))
             raise BuildError(
                 f"{work} holds an interrupted build with a different {', '.join(changed)}; "
                 "rerun with --restart to discard it"
@@ -249,8 +253,12 @@ def build_index(options: BuildOptions, encoder: PassageEncoder) -> BuildReport:
     corpus_record = CorpusRecord(path=str(corpus.resolve()), format=fmt, passages=state.rows,
                                  skipped=sum(chunk["skipped"] for chunk in state.chunks))
     if options.shards:
-        _finish_shards(work, state, encoder_record, corpus_record, options.bm25, options.shards)
-        index_writer.move_into_place(work, out, scratch=(CHUNKS_DIR, STATE_FILE, PASSAGES_FILE))
+        # Written beside the scratch, not inside it: `out` never holds the whole store or the chunks,
+        # even for a moment, and a crash before the last line leaves only the scratch to resume from.
+        shards_dir = out.parent / f".{out.name}.shards"
+        _finish_shards(work, shards_dir, state, encoder_record, corpus_record, options.bm25, options.shards)
+        index_writer.move_into_place(shards_dir, out)
+        shutil.rmtree(work)
     else:
         _finish(work, state, encoder_record, corpus_record, options.bm25, options.shard)
         index_writer.move_into_place(work, out, scratch=(CHUNKS_DIR, STATE_FILE))
@@ -348,19 +356,25 @@ def _finish(work: Path, state: _State, encoder: EncoderRecord, corpus: CorpusRec
                                 shard=str(shard) if shard is not None else None)
 
 
-def _finish_shards(work: Path, state: _State, encoder: EncoderRecord, corpus: CorpusRecord, bm25: bool,
-                   shards: int) -> None:
-    """`shards` whole shard indexes inside `work` from its chunks and passage store, each written as a
-    `--shard i/N` build writes it (rows in corpus order, its own passage count and bad lines)."""
-    assignment = np.concatenate(
-        [np.load(work / CHUNKS_DIR / f"{number:06d}.shards.npy") for number in range(len(state.chunks))]
-        or [np.empty(0, dtype=np.int32)]
-    )
-    folders = [shard_folder(work, i) for i in range(shards)]
-    for folder in folders:  # a finish that crashed left some: start them again
-        if folder.exists():
-            shutil.rmtree(folder)
-        folder.mkdir()
+def _finish_shards(work: Path, target: Path, state: _State, encoder: EncoderRecord, corpus: CorpusRecord,
+                   bm25: bool, shards: int) -> None:
+    """`shards` whole shard indexes in a fresh `target` from `work`'s chunks and passage store, each
+    written as a `--shard i/N` build writes it (rows in corpus order, its own passage count and bad
+    lines). The chunks are read once; like an unsharded finish, it holds every vector in memory."""
+    if target.exists():  # left by a finish that crashed: start it again
+        shutil.rmtree(target)
+    folders = [shard_folder(target, i) for i in range(shards)]
+    for folder in folders:
+        folder.mkdir(parents=True)
+    parts: list[list[np.ndarray]] = [[] for _ in range(shards)]
+    assignments = []
+    for number in range(len(state.chunks)):
+        assignment = np.load(work / CHUNKS_DIR / f"{number:06d}.shards.npy")
+        vectors = np.load(work / CHUNKS_DIR / f"{number:06d}.npy")
+        for i in range(shards):
+            parts[i].append(vectors[assignment == i])
+        assignments.append(assignment)
+    assignment = np.concatenate(assignments or [np.empty(0, dtype=np.int32)])
     stores = [index_writer.open_store(folder) for folder in folders]
     source = sqlite3.connect(work / PASSAGES_FILE)
     try:
@@ -383,10 +397,8 @@ def _finish_shards(work: Path, state: _State, encoder: EncoderRecord, corpus: Co
         for store in stores:
             store.close()
     for i, folder in enumerate(folders):
-        parts = (vectors[assignment_part == i] for vectors, assignment_part in zip(
-            _chunk_vectors(work, state),
-            (np.load(work / CHUNKS_DIR / f"{number:06d}.shards.npy") for number in range(len(state.chunks)))))
-        count = index_writer.write_vectors(folder, parts, encoder.dimension)
+        count = index_writer.write_vectors(folder, parts[i], encoder.dimension)
+        parts[i] = []  # one shard's vectors freed before the next is indexed
         skipped = sum(chunk["skipped_by_shard"][i] for chunk in state.chunks)
         index_writer.write_manifest(folder, encoder=encoder, bm25=bm25, count=count, shard=f"{i}/{shards}",
                                     corpus=corpus.model_copy(update={"passages": count, "skipped": skipped}))

@@ -125,8 +125,8 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _check_ray_flags(args: argparse.Namespace) -> None:
-    """BuildError (one line, exit 2) for --ray flags that cannot work, before anything is loaded."""
+def _check_build_flags(args: argparse.Namespace) -> None:
+    """BuildError (one line, exit 2) for flags that cannot work together, before anything is loaded."""
     if args.shard is not None and args.shards is not None:
         raise BuildError("--shard i/N builds one shard, --shards N all of them: pass one of the two")
     if args.ray is None:
@@ -145,11 +145,15 @@ def _check_ray_flags(args: argparse.Namespace) -> None:
 
 
 def _build(args: argparse.Namespace) -> None:
-    _check_ray_flags(args)
+    _check_build_flags(args)
     if args.if_missing and args.out.exists():
         # A broken folder stops the job rather than being served.
         folders = [shard_folder(args.out, i) for i in range(args.shards)] if args.shards else [args.out]
-        count = sum(read_manifest(folder).count for folder in folders)
+        manifests = [read_manifest(folder) for folder in folders]
+        if args.shards and (shard_folder(args.out, args.shards).exists()
+                            or [m.shard for m in manifests] != [f"{i}/{args.shards}" for i in range(args.shards)]):
+            raise BuildError(f"{args.out} holds shards of another --shards N, not {args.shards}")
+        count = sum(manifest.count for manifest in manifests)
         print(f"kept {args.out}: it already holds an index of {count} passages (--if-missing)")
         return
     options = BuildOptions(

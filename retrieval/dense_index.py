@@ -81,10 +81,20 @@ def search(index: faiss.Index, vectors: np.ndarray, k: int) -> tuple[np.ndarray,
 
 
 def _available_bytes() -> int:
+    """The host's available memory, or less where a cgroup (v2: a container) caps this process's,
+    since the page cache counts against that cap."""
+    available = 0
     for line in Path("/proc/meminfo").read_text().splitlines():
         if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) * 1024
-    return 0
+            available = int(line.split()[1]) * 1024
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max":
+            used = int(Path("/sys/fs/cgroup/memory.current").read_text())
+            available = min(available, int(limit) - used)
+    except (OSError, ValueError):
+        pass  # no cgroup v2 memory controller here
+    return available
 
 
 def prefetch(path: Path) -> bool:

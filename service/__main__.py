@@ -31,7 +31,8 @@ def limit_malloc_arenas(arenas: int = 2) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m service", add_help=False, description=(
-        "Serve SEARCH_INDEX_DIR with uvicorn; with --ray, serve the shards of one build --shard i/N on Ray Serve. "
+        "Serve SEARCH_INDEX_DIR with uvicorn; with --ray, serve the shards of one build (--shards N, or --shard i/N "
+        "jobs) on Ray Serve. "
         "Every other setting is a SEARCH_* variable."))
     parser.add_argument("--ray", nargs="?", const="", metavar="ADDRESS",
                         help="serve --shards on Ray Serve (python -m service --ray --help for its options)")

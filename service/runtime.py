@@ -86,8 +86,8 @@ class Runtime:
                 mmap=settings.index_mmap, fp16=settings.gpu_fp16,
             )
             engine.warm_up()
+            self._settle()  # before the engine is served, so no request waits for its collection
             self.engine = engine
-            self._settle()
             log.info("ready: %s", engine.describe())
         except Exception as error:  # noqa: BLE001 - reported by /ready; /health stays up
             self.load_error = f"loading {settings.index_dir} failed: {str(error) or type(error).__name__}"

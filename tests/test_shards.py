@@ -200,7 +200,7 @@ def one_pass(demo_head, encoder) -> Path:
 
 def test_shards_n_writes_what_n_shard_i_of_n_jobs_write(one_pass, shards):
     assert sorted(p.name for p in one_pass.iterdir()) == [f"shard-{i}" for i in range(N)]  # no scratch left
-    assert not (one_pass.parent / ".one-pass.partial").exists()
+    assert not (one_pass.parent / ".one-pass.partial").exists() and not (one_pass.parent / ".one-pass.shards").exists()
     for i, job in enumerate(shards):
         vectors, rows = contents(shard_folder(one_pass, i))
         job_vectors, job_rows = contents(job)
@@ -231,8 +231,9 @@ def test_the_folder_of_a_shards_n_build_stands_for_its_shards(one_pass, unsharde
 
 def test_shards_n_counts_bad_lines_in_their_shard_and_sees_duplicates_across_shards(tmp_path, encoder):
     corpus = tmp_path / "corpus.tsv"
-    corpus.write_text("id\ttext\na\tone\n\n\nb\ttwo\nbroken\n\nc\tthree\nd\tfour\nb\tagain\n")
-    # records: a, b, broken, c, d, b (a duplicate) -> shard 0: a, broken, d; shard 1: b, c, duplicate b
+    corpus.write_text("id\ttext\na\tone\n\n\nb\ttwo\nbroken\n\nc\tthree\nd\tfour\na\tagain\n")
+    # records: a, b, broken, c, d, a (shard 0's id again) -> shard 0: a, broken, d; shard 1: b, c, duplicate a
+    # (separate --shard 1/2 jobs would keep it, and `merge` would refuse their shards)
     report = build_index(BuildOptions(corpus, tmp_path / "out", skip_bad=True, chunk_size=2, shards=2), encoder)
     assert (report.passages, report.skipped, report.shards) == (4, 2, 2)
     assert report.summary().startswith(f"built {tmp_path / 'out'}: 4 passages in 2 shards ")
@@ -261,6 +262,21 @@ def test_shards_n_with_if_missing_keeps_the_existing_shards(one_pass, capsys):
     assert cli_main(args) == 0
     kept = f"kept {one_pass}: it already holds an index of {LINES} passages (--if-missing)"
     assert capsys.readouterr().out.strip() == kept
+
+
+def test_if_missing_refuses_shards_of_another_n(one_pass, capsys):
+    args = ["build", "--corpus", "c.tsv", "--out", str(one_pass), "--shards", str(N - 1), "--if-missing"]
+    assert cli_main(args) == 2
+    assert f"error: {one_pass} holds shards of another --shards N, not {N - 1}" in capsys.readouterr().err
+
+
+def test_an_interrupted_shards_n_build_is_not_resumed_as_another_build_naming_what_differs(tmp_path, encoder):
+    corpus = tmp_path / "corpus.tsv"
+    corpus.write_text("a\tone\nb\ttwo\nc\n")  # c: no tab
+    with pytest.raises(BuildError, match="line 3"):
+        build_index(BuildOptions(corpus, tmp_path / "out", chunk_size=1, shards=2), encoder)
+    with pytest.raises(BuildError, match="interrupted build with a different shards; rerun with --restart"):
+        build_index(BuildOptions(corpus, tmp_path / "out", chunk_size=1), encoder)
 
 
 @pytest.mark.parametrize("flags, reason", [
