@@ -139,17 +139,19 @@ class Runtime:
         async with self.reload_lock:
             candidate = await asyncio.to_thread(engine.prepare, target, verify_checksums=self.settings.verify_checksums)
             await self._on_model_thread(engine.install, candidate)
-            await self._on_model_thread(self._settle)
+            await self._on_model_thread(self._settle, True)
         return engine.describe()
 
-    def _settle(self) -> None:
+    def _settle(self, reloaded: bool = False) -> None:
         """With SEARCH_GC_FREEZE, everything alive once an index is in (model, tokenizer, index, imports)
         leaves the cyclic collector's generations: under load a full collection would otherwise walk
         its ~400,000 objects, 0.25 s here with the GIL held, and every request waits (bench/overload.py,
-        1,000 clients: /health p99 233 -> 41 ms, 429 p99 359 -> 82 ms). Unfrozen first, so what a
-        reload dropped is collected rather than kept frozen."""
+        1,000 clients: /health p99 233 -> 41 ms, 429 p99 359 -> 82 ms). After a reload, unfrozen first,
+        so what the replaced index held in reference cycles is collected rather than kept frozen; on a
+        first load only what is not frozen yet is walked."""
         if self.settings.gc_freeze:
-            gc.unfreeze()
+            if reloaded:
+                gc.unfreeze()
             gc.collect()
             gc.freeze()
 
