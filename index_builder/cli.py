@@ -95,7 +95,8 @@ def _parser() -> argparse.ArgumentParser:
                        "(default: 1 where the cluster has GPUs, else 0)")
 
     merge = commands.add_parser("merge", help="merge the indexes of `build --shard i/N` jobs into one index")
-    merge.add_argument("--shards", type=Path, nargs="+", required=True, help="all N shard index directories (or the folder of a build --shards N)")
+    merge.add_argument("--shards", type=Path, nargs="+", required=True,
+                       help="all N shard index directories (or the folder of a build --shards N)")
     merge.add_argument("--out", type=Path, required=True, help="index directory to create")
     merge.add_argument("--overwrite", action="store_true", help="replace an existing --out (atomically)")
 
