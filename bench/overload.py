@@ -54,10 +54,6 @@ class Answers:
         if sent >= self.settled:
             self.later.setdefault(status, []).append(ms)
 
-    def p_later(self, status: int, q: float) -> float:
-        values = self.later.get(status)
-        return float(np.percentile(values, q)) if values else float("nan")
-
     def count(self, *statuses: int) -> int:
         return sum(len(self.by_status.get(status, [])) for status in statuses)
 
@@ -68,8 +64,9 @@ class Answers:
         """Answers other than 200 and 429, and requests that got no answer."""
         return self.total() - self.count(200, 429)
 
-    def p(self, status: int, q: float) -> float:
-        values = self.by_status.get(status)
+    def p(self, status: int, q: float, later: bool = False) -> float:
+        """The q-th percentile ms of the answers with `status` (`later`: of those sent after `settled`)."""
+        values = (self.later if later else self.by_status).get(status)
         return float(np.percentile(values, q)) if values else float("nan")
 
 
@@ -221,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
                  "waiting Retry-After x [1, 2) after a 429" if args.jitter else "waiting Retry-After after a 429")
     print(f"overload ({args.clients} clients {behaviour}, {args.seconds:g} s): {over.total()} requests, "
           f"{over.count(429) / max(over.total(), 1):.1%} answered 429 (p50 {over.p(429, 50):.1f} ms, "
-          f"p99 {over.p(429, 99):.1f} ms; sent after the first 2 s: p99 {over.p_later(429, 99):.1f} ms), "
+          f"p99 {over.p(429, 99):.1f} ms; sent after the first 2 s: p99 {over.p(429, 99, later=True):.1f} ms), "
           f"{over.count(200)} accepted ({over.count(200) / over.seconds:.1f}/s, "
           f"p50 {over.p(200, 50):.1f} ms, p99 {accepted_p99:.1f} ms = {accepted_p99 / cap_p99:.2f}x the cap's), "
           f"/health p99 {health.p(200, 99):.1f} ms over {health.count(200)} polls, "

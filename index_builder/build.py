@@ -309,6 +309,11 @@ def _split(chunk: _Chunk, passages: list[Passage], bad: list[BadLine], shards: i
     return assignment, [int(n) for n in skipped]
 
 
+def _chunk_file(work: Path, number: int, kind: str = "vectors") -> Path:
+    """Chunk `number`'s saved vectors, or (`kind` "shards") its passages' shard numbers."""
+    return work / CHUNKS_DIR / (f"{number:06d}.npy" if kind == "vectors" else f"{number:06d}.{kind}.npy")
+
+
 def _save_array(path: Path, array: np.ndarray) -> None:
     """`array` to `path` durably, by rename: a crash leaves the old file or the new one."""
     tmp = path.with_name(path.name + ".tmp")
@@ -325,9 +330,9 @@ def _commit_chunk(work, state: _State, connection, encoder: PassageEncoder, pass
     chunk: in that order, so a crash loses nothing."""
     number = len(state.chunks)
     vectors = encoder.encode_passages([p.text for p in passages], progress=progress)
-    _save_array(work / CHUNKS_DIR / f"{number:06d}.npy", vectors)
+    _save_array(_chunk_file(work, number), vectors)
     if split is not None:
-        _save_array(work / CHUNKS_DIR / f"{number:06d}.shards.npy", split[0])
+        _save_array(_chunk_file(work, number, "shards"), split[0])
     first_row = state.rows
     index_writer.insert_passages(connection, ((first_row + i, p.id, p.text, p.line) for i, p in enumerate(passages)))
     state.chunks.append(
@@ -344,14 +349,11 @@ def _commit_chunk(work, state: _State, connection, encoder: PassageEncoder, pass
     state.save(work)
 
 
-def _chunk_vectors(work: Path, state: _State) -> Iterator[np.ndarray]:
-    return (np.load(work / CHUNKS_DIR / f"{number:06d}.npy") for number in range(len(state.chunks)))
-
-
 def _finish(work: Path, state: _State, encoder: EncoderRecord, corpus: CorpusRecord, bm25: bool,
             shard: Shard | None) -> None:
     """FAISS index from the chunks (and BM25 from the stored passages), then the manifest."""
-    count = index_writer.write_vectors(work, _chunk_vectors(work, state), encoder.dimension)
+    chunks = (np.load(_chunk_file(work, number)) for number in range(len(state.chunks)))
+    count = index_writer.write_vectors(work, chunks, encoder.dimension)
     index_writer.write_manifest(work, encoder=encoder, corpus=corpus, count=count, bm25=bm25,
                                 shard=str(shard) if shard is not None else None)
 
@@ -369,8 +371,8 @@ def _finish_shards(work: Path, target: Path, state: _State, encoder: EncoderReco
     parts: list[list[np.ndarray]] = [[] for _ in range(shards)]
     assignments = []
     for number in range(len(state.chunks)):
-        assignment = np.load(work / CHUNKS_DIR / f"{number:06d}.shards.npy")
-        vectors = np.load(work / CHUNKS_DIR / f"{number:06d}.npy")
+        assignment = np.load(_chunk_file(work, number, "shards"))
+        vectors = np.load(_chunk_file(work, number))
         for i in range(shards):
             parts[i].append(vectors[assignment == i])
         assignments.append(assignment)

@@ -98,7 +98,7 @@ class RayEncoder:
         ray = import_ray()
         from ray.util import ActorPool
 
-        self.batch_size = encoder_options.get("batch_size", 64)
+        self.batch_size = encoder_options.get("batch_size") or 64  # None: BiEncoder's own choice, per actor
         resources = ray.cluster_resources()
         gpus, cpus = resources.get("GPU", 0), resources.get("CPU", 0)
         if gpus_per_worker is None:

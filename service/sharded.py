@@ -125,13 +125,15 @@ def build_application(shard_dirs: Sequence[str | Path], settings: ServiceSetting
 
 def sharded_app(args: dict):
     """An application builder for Serve config files and KubeRay's RayService (`import_path:
-    service.sharded:sharded_app`): `args` holds `shards` (the directories, as each node sees them, or a `build --shards N` folder seen here) and
-    optionally shard_replicas, shard_cpus, shard_gpus, shard_resources, ingress_replicas, ingress_cpus,
-    ingress_gpus (as the --ray flags) and `settings`, SEARCH_* settings by their lower-case names (those
+    service.sharded:sharded_app`): `args` holds `shards` (the directories, as each node sees them, or the
+    folder of a `build --shards N` as seen where the builder runs) and optionally shard_replicas,
+    shard_cpus, shard_gpus, shard_resources, ingress_replicas, ingress_cpus, ingress_gpus (as the --ray
+    flags) and `settings`, SEARCH_* settings by their lower-case names (those
     left out come from the SEARCH_* variables where the builder runs)."""
     settings = ServiceSettings(**args.get("settings", {}))
     return build_application(
-        [str(d) for d in expand_shard_dirs(args["shards"])], settings, shard_replicas=int(args.get("shard_replicas", 1)),
+        [str(d) for d in expand_shard_dirs(args["shards"])], settings,
+        shard_replicas=int(args.get("shard_replicas", 1)),
         shard_options={"num_cpus": float(args.get("shard_cpus", 1)), "num_gpus": float(args.get("shard_gpus", 0))},
         ingress_replicas=int(args.get("ingress_replicas", 1)),
         ingress_options={"num_cpus": float(args.get("ingress_cpus", 1)), "num_gpus": float(args.get("ingress_gpus", 0))},
