@@ -60,8 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     except TracingUnavailable as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level="info",
-                access_log=settings.access_log, http=timeout_protocol(settings.read_timeout_s, settings.write_timeout_s))
+    protocol = timeout_protocol(settings.read_timeout_s, settings.write_timeout_s, app.state.runtime.occupancy)
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level="info", access_log=settings.access_log,
+                http=protocol)
     return 0
 
 

@@ -319,7 +319,6 @@ def create_app(settings: ServiceSettings | None = None, engine: SearchEngine | N
     errors.install(app)
     app.add_middleware(limits.BodyLimits, max_bytes=settings.body_limit, timeout_s=settings.read_timeout_s)
     # Outside the body limits: an overloaded service refuses before reading a byte of the body.
-    app.add_middleware(Admission, occupancy=runtime.occupancy, retry_after_s=settings.retry_after_s,
-                       on_reject=runtime.monitor.rejected.inc)
+    app.add_middleware(Admission, occupancy=runtime.occupancy)
     app.add_middleware(_RequestCounter, monitor=runtime.monitor, paths={r.path for r in app.routes})
     return app

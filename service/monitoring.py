@@ -27,6 +27,7 @@ class Monitor:
         self.requests = Counter(
             "search_http_requests", "HTTP requests by route and status", ["route", "status"], registry=self.registry
         )
+        self._request_counters: dict[tuple[str, int], Counter] = {}
         self.stage_seconds = Histogram(
             "search_stage_seconds", "Time per search stage", ["stage"], buckets=STAGE_BUCKETS, registry=self.registry
         )
@@ -57,7 +58,12 @@ class Monitor:
         self._lock = threading.Lock()
 
     def observe_request(self, route: str, status: int) -> None:
-        self.requests.labels(route=route, status=str(status)).inc()
+        # One labelled child per route and status, looked up once: labels() costs more than inc() (3 us
+        # against 0.6), and a wave of refusals counts a thousand at once.
+        counter = self._request_counters.get((route, status))
+        if counter is None:
+            counter = self._request_counters[route, status] = self.requests.labels(route=route, status=str(status))
+        counter.inc()
 
     def observe_search(self, timings: StageTimings, reranker: str | None = None) -> None:
         """One query's stage times; `reranker` names the reranker that rescored it, if any."""

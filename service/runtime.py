@@ -7,6 +7,9 @@ import asyncio
 import functools
 import gc
 import logging
+import os
+import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -26,6 +29,13 @@ from service.tracing import Stage, Tracing
 log = logging.getLogger("service")
 
 
+def _lower_priority(nice: int) -> None:
+    """Gives the calling thread `nice` (Linux keeps a nice value per thread, and threads it starts inherit it:
+    torch's OpenMP workers, started by the first forward pass on the model thread)."""
+    if nice and sys.platform == "linux":
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+
+
 class Runtime:
     """What every request shares: the engine (once loaded), the one thread that runs the model, the
     queue in front of it, the requests in the service, the metrics, and the traces (`tracing`: none
@@ -38,14 +48,15 @@ class Runtime:
         self.load_error: str | None = None
         # One model thread: torch already spreads a forward pass over the cores, and the
         # encoder is not re-entrant; concurrency comes from batching, not from threads.
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model",
+                                           initializer=_lower_priority, initargs=(settings.model_thread_nice,))
         self.monitor = Monitor(settings.stats_window)
         self.batcher = MicroBatcher(
             self._run, self.executor, settings.microbatch_window_ms / 1000, settings.microbatch_max,
             on_batch=self.monitor.observe_batch, max_tokens=settings.max_batch_tokens,
             on_drop=self.monitor.dropped.inc, embed_batch=self._embed,
         )
-        self.occupancy = Occupancy(settings.max_concurrent_requests)
+        self.occupancy = Occupancy(settings.max_concurrent_requests, settings.retry_after_s, self.monitor)
         self.monitor.queued.set_function(lambda: self.batcher.waiting)
         self.monitor.in_flight.set_function(lambda: self.occupancy.in_flight)
         self.reload_lock = asyncio.Lock()

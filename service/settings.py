@@ -81,6 +81,11 @@ class ServiceSettings(BaseSettings):
         "Python's cyclic garbage collections (gc.freeze): a full one otherwise walks the model's 400,000 objects, "
         "a quarter of a second with the GIL held, stalling every request under load",
     )
+    model_thread_nice: int = Field(
+        10, ge=0, le=19, description="the nice value of the thread that runs the model, and of the OpenMP workers "
+        "it starts (Linux; the event loop keeps the process's own): on a busy host a forward pass then yields the "
+        "cores to the loop, so accepting, refusing and answering requests does not wait for the cores it holds",
+    )
     shard_timeout_s: float = Field(
         10.0, gt=0, description="sharded serving (--ray): how long a search waits for every shard; a shard that has "
         "not answered by then fails the request with 503 naming it (or is listed as missing with allow_partial)",

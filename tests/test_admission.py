@@ -5,6 +5,7 @@ bodies and unread answers do not hold the service; a micro-batch keeps to its to
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
 import socket
 import threading
@@ -32,13 +33,21 @@ def free_port() -> int:
 
 
 @contextmanager
-def serving(small_index, engine, **overrides):
-    """The app on a loopback port, served by uvicorn as `python -m service` serves it."""
+def serving(small_index, engine, entered: list | None = None, **overrides):
+    """The app on a loopback port, served by uvicorn as `python -m service` serves it; `entered` collects
+    the path of every HTTP request that reached the app."""
     settings = settings_for(small_index, read_timeout_s=READ_TIMEOUT_S, write_timeout_s=WRITE_TIMEOUT_S, **overrides)
     app = create_app(settings, engine)
+
+    async def entry(scope, receive, send):
+        if scope["type"] == "http" and entered is not None:
+            entered.append(scope["path"])
+        await app(scope, receive, send)
+
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                           http=timeout_protocol(READ_TIMEOUT_S, WRITE_TIMEOUT_S)))
+    server = uvicorn.Server(uvicorn.Config(entry, host="127.0.0.1", port=port, log_level="warning",
+                                           http=timeout_protocol(READ_TIMEOUT_S, WRITE_TIMEOUT_S,
+                                                                 app.state.runtime.occupancy)))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     try:
@@ -100,6 +109,43 @@ def test_past_the_concurrency_cap_a_search_is_refused_at_once_with_retry_after(s
         assert metric(base, "search_rejected_requests_total") == 1
         wait_until(lambda: app.state.runtime.occupancy.in_flight == 0)
         assert httpx.post(f"{base}/search", json={"query": demo_queries["q0002"]}, trust_env=False).status_code == 200
+
+
+def test_past_the_cap_the_http_protocol_refuses_before_any_of_the_app_runs(small_index, engine, demo_queries):
+    entered = []
+    body = json.dumps({"query": demo_queries["q0002"], "k": 3})
+    with serving(small_index, engine, entered, max_concurrent_requests=1) as (app, base, port):
+        keep_alive = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        with model_busy(app):
+            first = send_search(port, demo_queries["q0001"])
+            wait_until(lambda: app.state.runtime.occupancy.in_flight == 1)
+            keep_alive.request("POST", "/search", body, {"Content-Type": "application/json"})
+            refused = keep_alive.getresponse()
+            assert (refused.status, refused.getheader("retry-after")) == (429, "1")
+            assert "SEARCH_MAX_CONCURRENT_REQUESTS" in json.loads(refused.read())["detail"]
+            closing = socket.create_connection(("127.0.0.1", port))
+            closing.sendall(b"POST /search HTTP/1.1\r\nHost: t\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%s"
+                            % (len(body), body.encode()))
+            closing.settimeout(10)
+            answer = b""
+            while chunk := closing.recv(4096):  # until the server closes the connection
+                answer += chunk
+            closing.close()
+        assert answer.startswith(b"HTTP/1.1 429") and b"\r\nconnection: close\r\n" in answer
+        first.settimeout(60)
+        assert first.recv(64).startswith(b"HTTP/1.1 200")
+        first.close()
+        wait_until(lambda: app.state.runtime.occupancy.in_flight == 0)
+        # The refused request's connection serves the next one (its body was skipped, not read as a request).
+        sock = keep_alive.sock
+        keep_alive.request("POST", "/search", body, {"Content-Type": "application/json"})
+        served = keep_alive.getresponse()
+        assert served.status == 200 and json.loads(served.read())["query"] == demo_queries["q0002"]
+        assert keep_alive.sock is sock
+        keep_alive.close()
+        assert metric(base, 'search_http_requests_total{route="/search",status="429"}') == 2
+        assert metric(base, "search_rejected_requests_total") == 2
+    assert entered.count("/search") == 2  # the first and the last: neither refusal reached the app
 
 
 def test_a_queued_request_whose_client_has_gone_never_reaches_the_model(small_index, engine, demo_queries):

@@ -96,3 +96,16 @@ def test_length_sorted_batches_cover_every_position_once_longest_first():
     assert sorted(i for batch in batches for i in batch) == list(range(6))
     assert [lengths[i] for batch in batches for i in batch] == sorted(lengths, reverse=True)
     assert [len(b) for b in batches] == [4, 2]
+
+
+def test_one_text_is_tokenized_as_the_tokenizer_itself_tokenizes_it(encoder, demo_queries):
+    limit = encoder.spec.query_max_tokens
+    texts = [*demo_queries.values(), "", "caf\u00e9 \u00df \u4e2d\u6587 \U0001f600", "[SEP] [CLS] [MASK] x",
+             "tabs\tand\nnew lines", "heat " * 400]
+    # The tokenizer's own call leaves truncation set on its backend: the service's copy is not touched.
+    encoder.tokenizer("heat " * 10, truncation=True, max_length=4)
+    for text in texts:
+        tokens = encoder.tokenize(text)
+        assert list(tokens.ids) == encoder.tokenizer(text, truncation=True, max_length=limit)["input_ids"]
+        assert tokens.count == len(encoder.tokenizer(text, truncation=False)["input_ids"])
+    assert encoder.tokenize("heat " * 400).count == 402

@@ -10,6 +10,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 import weakref
 from pathlib import Path
@@ -230,6 +231,20 @@ def test_the_loaded_index_is_frozen_out_of_gc_and_a_reload_frees_the_one_it_repl
         gc.collect()  # the collector's own schedule would get to it
     assert replaced() is None  # collected, not kept frozen
     assert one(app, "GET", "/ready").json()["index"]["count"] == 2
+
+
+def nice_of(thread_id: int) -> int:
+    return int(Path(f"/proc/self/task/{thread_id}/stat").read_text().rpartition(")")[2].split()[16])
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="per-thread nice values are Linux's")
+def test_the_model_thread_yields_the_cores_to_the_event_loop(small_index, engine):
+    app = create_app(settings_for(small_index, model_thread_nice=7), engine)
+    runtime = app.state.runtime
+    model_thread = runtime.executor.submit(threading.get_native_id).result()
+    assert nice_of(model_thread) == os.nice(0) + 7
+    assert nice_of(threading.get_native_id()) == os.nice(0)  # the caller's, as the event loop's, is untouched
+    assert one(app, "POST", "/search", {"query": "paths", "k": 3}).status_code == 200
 
 
 @pytest.mark.parametrize("name,message", [("broken", "not valid JSON"), ("empty", "no manifest.json"),
