@@ -1,13 +1,15 @@
 """The encoder backends on the CPU: torch against ONNX Runtime (fp32, and int8 weights).
 
     python bench/backends.py [--index indexes/demo] [--rounds 300] [--clients 32] [--seconds 30] [--slices 6]
+                             [--light-clients]
 
 1. Query encoding in this process, one query at a time (`--rounds` demo queries) and in batches of
    32, each backend in turn per block of queries (torch, onnx, onnx-int8, then reversed, ...), so a
    drift of the host's speed weighs on all alike: p50 ms and the ratio to torch.
 2. /search under `--clients` concurrent clients: three `python -m service` processes on the same
-   index (SEARCH_BACKEND=torch, onnx, onnx-int8), loaded in alternating slices (bench/load.py):
-   requests/s, p50, p99 and the ratio to torch.
+   index (SEARCH_BACKEND=torch, onnx, onnx-int8), loaded in alternating slices (bench/load.py) by
+   httpx clients (`--light-clients`: bench/load.py's `Connection`s, which leave the servers more of the
+   host's CPU): requests/s, p50, p99, the ratio to torch and the clients' own CPU.
 Goals (issue 17): encode p50 at least 2x torch's with a setting whose quality holds, /search
 requests/s at least 1.5x. Quality: scripts/backends.sh (nDCG@10 on Cranfield and SciFact dev).
 Builds the demo index first if `--index` does not exist.
@@ -58,6 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=30.0, help="of load per backend, over all slices")
     parser.add_argument("--slices", type=int, default=6)
     parser.add_argument("--k", type=int, default=10)
+    parser.add_argument("--light-clients", action="store_true",
+                        help="load /search with bench/load.py's light HTTP connections instead of httpx clients, "
+                             "which take less of the CPU the servers share with them")
     args = parser.parse_args(argv)
     for name in ("rounds", "clients", "seconds", "slices", "k"):
         if getattr(args, name) < 1:
@@ -80,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
         for server in servers.values():
             server.__enter__()
         targets = {backend: (server.base, search_request(args.k)) for backend, server in servers.items()}
-        loads = asyncio.run(alternate(targets, args.clients, args.seconds, args.slices, timeout_s=30.0))
+        loads = asyncio.run(alternate(targets, args.clients, args.seconds, args.slices, timeout_s=30.0,
+                                      light=args.light_clients))
     finally:
         for server in servers.values():
             if server.process.poll() is None:
@@ -89,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     for backend, row in rows.items():
         print(f"/search {backend:9} ({args.clients} clients, {loads[backend].seconds:.0f} s): {row['rps']:.1f} req/s "
               f"({row['rps'] / rows['torch']['rps']:.2f}x torch), p50 {row['p50']:.1f} ms, p99 {row['p99']:.1f} ms, "
-              f"{row['errors']} errors")
+              f"{row['errors']} errors; the clients used {loads[backend].client_cpu / loads[backend].seconds:.0%} "
+              f"of a core")
     return 0
 
 

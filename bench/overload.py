@@ -34,7 +34,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.load import QUERIES, Server, own_cpu_seconds  # noqa: E402
+from bench.load import QUERIES, Connection, Server, own_cpu_seconds  # noqa: E402
 from index_builder.build import BuildOptions, build_index  # noqa: E402
 from models.encoder import BiEncoder  # noqa: E402
 
@@ -75,66 +75,6 @@ def rss_mib(pid: int) -> float:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     return float("nan")
-
-
-class Connection(asyncio.Protocol):
-    """One keep-alive HTTP/1.1 connection, as an asyncio protocol that parses only the status line,
-    Content-Length and Retry-After of each answer. The clients share this process's two cores with the
-    server they measure, and in the first wave of 1,000 requests every microsecond the client spends
-    on one answer delays the next one's clock: httpx costs about a core for a thousand clients, asyncio
-    streams about 60 us a request, this about half of that."""
-
-    def __init__(self, host: str, port: int) -> None:
-        self.host, self.port = host, port
-        self.transport: asyncio.Transport | None = None
-        self.buffer = bytearray()
-        self.waiter: asyncio.Future | None = None
-
-    def connection_made(self, transport) -> None:
-        self.transport = transport
-
-    def data_received(self, data: bytes) -> None:
-        self.buffer += data
-        end = self.buffer.find(b"\r\n\r\n")
-        if end < 0 or self.waiter is None or self.waiter.done():
-            return
-        head = bytes(self.buffer[:end]).lower()
-        length = int(self._field(head, b"content-length") or 0)
-        if len(self.buffer) < end + 4 + length:
-            return
-        del self.buffer[:end + 4 + length]
-        self.waiter.set_result((int(head[9:12]), float(self._field(head, b"retry-after") or 0)))
-
-    @staticmethod
-    def _field(head: bytes, name: bytes) -> bytes | None:
-        """The value of header `name` in a lower-cased answer head; None where it is absent."""
-        at = head.find(b"\r\n" + name + b":")
-        if at < 0:
-            return None
-        end = head.find(b"\r\n", at + 2)
-        return head[at + len(name) + 3:end if end >= 0 else len(head)].strip()
-
-    def connection_lost(self, exc) -> None:
-        self.transport = None
-        if self.waiter is not None and not self.waiter.done():
-            self.waiter.set_exception(ConnectionResetError("the server closed the connection"))
-
-    async def request(self, method: str, path: str, body: bytes = b"") -> tuple[int, float]:
-        """Sends one request, waits for its whole answer: its status and Retry-After seconds (0 without one).
-        Reconnects when the connection was closed."""
-        loop = asyncio.get_running_loop()
-        if self.transport is None or self.transport.is_closing():
-            self.buffer.clear()
-            await loop.create_connection(lambda: self, self.host, self.port)
-        self.waiter = loop.create_future()
-        self.transport.write((f"{method} {path} HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: application/json\r\n"
-                              f"Content-Length: {len(body)}\r\n\r\n").encode() + body)
-        return await self.waiter
-
-    def close(self) -> None:
-        if self.transport is not None:
-            self.transport.close()
-            self.transport = None
 
 
 async def drive(base: str, clients: int, seconds: float, k: int = 10, health: Answers | None = None,
