@@ -104,8 +104,8 @@ class Connection(asyncio.Protocol):
     requests, delays the next answer's clock): httpx costs about a core for a thousand clients, asyncio
     streams about 60 us a request, this about half of that."""
 
-    def __init__(self, host: str, port: int | str) -> None:
-        self.host, self.port = host, int(port)
+    def __init__(self, host: str, port: int | str, timeout_s: float | None = None) -> None:
+        self.host, self.port, self.timeout_s = host, int(port), timeout_s
         self.transport: asyncio.Transport | None = None
         self.buffer = bytearray()
         self.waiter: asyncio.Future | None = None
@@ -149,7 +149,11 @@ class Connection(asyncio.Protocol):
         self.waiter = loop.create_future()
         self.transport.write((f"{method} {path} HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: application/json\r\n"
                               f"Content-Length: {len(body)}\r\n\r\n").encode() + body)
-        return await self.waiter
+        try:
+            return await asyncio.wait_for(self.waiter, self.timeout_s)
+        except TimeoutError:  # an OSError: counted as a failure; the late answer must not be read as the next
+            self.close()
+            raise
 
     def close(self) -> None:
         if self.transport is not None:
@@ -257,7 +261,7 @@ async def alternate(targets: dict[str, tuple[str, Request]], clients: int, secon
     also opens every connection. Each Load also gets the CPU this process (the clients) used, and the
     server's where `pids` gives its process (label -> pid)."""
     results = {label: Load() for label in targets}
-    pools = {label: [Connection(*base.removeprefix("http://").split(":")) if light else
+    pools = {label: [Connection(*base.removeprefix("http://").split(":"), timeout_s=timeout_s) if light else
                      httpx.AsyncClient(base_url=base, timeout=timeout_s, trust_env=False) for _ in range(clients)]
              for label, (base, _) in targets.items()}
     try:

@@ -113,19 +113,27 @@ def _copy_sentence_transformers_layout(source: Path, target: Path) -> None:
             shutil.copytree(source / folder, target / folder, dirs_exist_ok=True)
 
 
-def single_text_tokenizer(tokenizer) -> Tokenizer | None:
-    """A private copy of a fast tokenizer's Rust backend, with no truncation and no padding, for one text at
-    a time (None for a tokenizer without one). The tokenizer's own call hands even one text to
-    `encode_batch` and its rayon pool, which on a busy host waits for cores a forward pass holds: with one
-    running beside it, 57 us at p50 but 1.4 to 4 ms at p99, against a steady 22 to 40 us for the backend's
-    `encode`. A copy, because the tokenizer sets truncation and padding on its own backend at every call,
-    from whichever thread calls it."""
+def single_text_tokenizer(tokenizer, max_length: int | None = None) -> Tokenizer | None:
+    """A private copy of a fast tokenizer's Rust backend for one text at a time, with no padding and no
+    truncation (`max_length`: cut there as the tokenizer's own `truncation=True, max_length=` cuts); None
+    for a tokenizer without a backend that can be copied (a slow one, a custom Python pre-tokenizer).
+    The tokenizer's own call hands even one text to `encode_batch` and its rayon pool, which on a busy
+    host waits for cores a forward pass holds: with one running beside it, 57 us at p50 but 1.4 to 4 ms
+    at p99, against a steady 22 to 40 us for the backend's `encode`. A copy, because the tokenizer sets
+    truncation and padding on its own backend at every call, from whichever thread calls it."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
         return None
-    single = Tokenizer.from_str(backend.to_str())
-    single.no_truncation()
+    try:
+        single = Tokenizer.from_str(backend.to_str())
+    except Exception:  # a component written in Python cannot be serialised
+        return None
+    single.encode_special_tokens = backend.encode_special_tokens
     single.no_padding()
+    if max_length is None:
+        single.no_truncation()
+    else:
+        single.enable_truncation(max_length, strategy="longest_first", direction=tokenizer.truncation_side)
     return single
 
 
@@ -158,7 +166,6 @@ class BiEncoder:
         self.source = str(self.path.resolve()) if path is not None else None
         name = DEFAULT_MODEL_NAME if path is None else self.path.name
         self.tokenizer, self.model, self.device = load_pretrained(self.path, AutoModel, device=device, fp16=fp16)
-        self._single_text_tokenizer = single_text_tokenizer(self.tokenizer)  # for `tokenize`, on the event loop
         # On the CPU, 32 short texts per pass encode faster than 64 (measured on 2 cores: 512 demo
         # queries from 16 clients, 110 texts/s at 64, 178 to 190 at 32, 183 at 16; bench/peers.py).
         self.batch_size = batch_size or (64 if self.device.type == "cuda" else 32)
@@ -190,6 +197,12 @@ class BiEncoder:
             query_prefix=default_query_prefix if query_prefix is None else query_prefix,
             passage_prefix=default_passage_prefix if passage_prefix is None else passage_prefix,
         )
+        # For `tokenize`, on the event loop: uncut, and cut at each token limit (made here, not by a request).
+        uncut = single_text_tokenizer(self.tokenizer)
+        self._single_text_tokenizers = {None: uncut}
+        if uncut is not None:
+            for limit in (self.spec.query_max_tokens, self.spec.passage_max_tokens):
+                self._single_text_tokenizers[limit] = single_text_tokenizer(self.tokenizer, limit)
         check_backend(backend, self.device)
         self.backend = backend
         self._transformer = self._torch_transformer
@@ -231,12 +244,17 @@ class BiEncoder:
         the limit (it then cuts it its own way)."""
         limit = self.token_limit(input_type)
         text = self.prefix(input_type) + text
-        single = self._single_text_tokenizer
-        ids = single.encode(text).ids if single is not None else self.tokenizer(text, truncation=False)["input_ids"]
+        ids = self._single_text_ids(text, None)
         count = len(ids)
         if count > limit:
-            ids = self.tokenizer(text, truncation=True, max_length=limit)["input_ids"]
+            ids = self._single_text_ids(text, limit)
         return Tokens(ids, count, input_type, self)
+
+    def _single_text_ids(self, text: str, max_length: int | None) -> list[int]:
+        single = self._single_text_tokenizers.get(max_length)
+        if single is None:  # no copy of this tokenizer's backend can be made
+            return self.tokenizer(text, truncation=max_length is not None, max_length=max_length)["input_ids"]
+        return single.encode(text).ids
 
     def encode_tokens(self, texts: Sequence[Tokens]) -> np.ndarray:
         """`encode_queries` (or `encode_passages`) of texts `tokenize` made (by this encoder, one input type)."""

@@ -29,11 +29,17 @@ from service.tracing import Stage, Tracing
 log = logging.getLogger("service")
 
 
-def _lower_priority(nice: int) -> None:
-    """Gives the calling thread `nice` (Linux keeps a nice value per thread, and threads it starts inherit it:
-    torch's OpenMP workers, started by the first forward pass on the model thread)."""
-    if nice and sys.platform == "linux":
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+def _lower_priority(increment: int) -> None:
+    """Adds `increment` to the calling thread's nice value, up to 19 (Linux keeps one per thread, and
+    threads it starts inherit it: torch's OpenMP workers, started by the first forward pass on the model
+    thread). Never raises: a pool whose initializer fails never runs anything, the index load included."""
+    if not increment or sys.platform != "linux":
+        return
+    thread = threading.get_native_id()
+    try:
+        os.setpriority(os.PRIO_PROCESS, thread, min(19, os.getpriority(os.PRIO_PROCESS, thread) + increment))
+    except OSError as error:
+        log.warning("the model thread keeps the process's priority: %s", error)
 
 
 class Runtime:

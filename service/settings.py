@@ -82,9 +82,9 @@ class ServiceSettings(BaseSettings):
         "a quarter of a second with the GIL held, stalling every request under load",
     )
     model_thread_nice: int = Field(
-        10, ge=0, le=19, description="the nice value of the thread that runs the model, and of the OpenMP workers "
-        "it starts (Linux; the event loop keeps the process's own): on a busy host a forward pass then yields the "
-        "cores to the loop, so accepting, refusing and answering requests does not wait for the cores it holds",
+        10, ge=0, le=19, description="added to the nice value of the thread that runs the model, and of the OpenMP "
+        "workers it starts (Linux, up to 19; the event loop keeps the process's own): on a busy host a forward pass "
+        "then yields the cores to the loop, so accepting, refusing and answering requests does not wait for them",
     )
     shard_timeout_s: float = Field(
         10.0, gt=0, description="sharded serving (--ray): how long a search waits for every shard; a shard that has "

@@ -148,6 +148,39 @@ def test_past_the_cap_the_http_protocol_refuses_before_any_of_the_app_runs(small
     assert entered.count("/search") == 2  # the first and the last: neither refusal reached the app
 
 
+def statuses_read(stream, count: int) -> list[int]:
+    """The statuses of the next `count` answers on `stream` (a socket's file), each read whole."""
+    statuses = []
+    for _ in range(count):
+        statuses.append(int(stream.readline().split()[1]))
+        length = 0
+        while (line := stream.readline()) not in (b"\r\n", b""):
+            name, _, value = line.partition(b":")
+            length = int(value) if name.strip().lower() == b"content-length" else length
+        stream.read(length)
+    return statuses
+
+
+def test_pipelined_searches_are_admitted_once_the_one_before_has_left(small_index, engine, demo_queries):
+    body = json.dumps({"query": demo_queries["q0001"], "k": 3}).encode()
+    search = b"POST /search HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (
+        len(body), body)
+    with serving(small_index, engine, max_concurrent_requests=1) as (app, base, port):
+        with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
+            sock.sendall(search * 3)  # one at a time in the service: never over the cap of 1
+            assert statuses_read(sock.makefile("rb"), 3) == [200, 200, 200]
+        with model_busy(app):
+            first = send_search(port, demo_queries["q0002"])
+            wait_until(lambda: app.state.runtime.occupancy.in_flight == 1)
+            with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
+                # Each refused in turn on the connection that sent them; a HEAD is no search (405, no body).
+                sock.sendall(search * 300 + b"HEAD /search HTTP/1.1\r\nHost: t\r\n\r\n")
+                stream = sock.makefile("rb")
+                assert statuses_read(stream, 300) == [429] * 300
+                assert stream.readline().startswith(b"HTTP/1.1 405")
+        first.close()
+
+
 def test_a_queued_request_whose_client_has_gone_never_reaches_the_model(small_index, engine, demo_queries):
     with serving(small_index, engine) as (app, base, port):
         runtime = app.state.runtime
