@@ -56,6 +56,10 @@ class Runtime:
         # encoder is not re-entrant; concurrency comes from batching, not from threads.
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model",
                                            initializer=_lower_priority, initargs=(settings.model_thread_nice,))
+        # Where a reload reads the new index beside the serving one: niced as the model thread is, so the
+        # load, and the thread pool ONNX Runtime starts with a new encoder's session, yield to serving.
+        self.loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reload",
+                                         initializer=_lower_priority, initargs=(settings.model_thread_nice,))
         self.monitor = Monitor(settings.stats_window)
         self.batcher = MicroBatcher(
             self._run, self.executor, settings.microbatch_window_ms / 1000, settings.microbatch_max,
@@ -92,6 +96,7 @@ class Runtime:
     async def close(self) -> None:
         await self.batcher.close()
         self.executor.shutdown(wait=False, cancel_futures=True)
+        self.loader.shutdown(wait=False, cancel_futures=True)
         await asyncio.to_thread(self.tracing.shutdown)  # exports the last spans: network I/O
 
     def _load(self) -> None:
@@ -154,7 +159,8 @@ class Runtime:
         swaps it in; ReloadError leaves the serving one in place. One reload at a time."""
         engine = self.ready_engine()
         async with self.reload_lock:
-            candidate = await asyncio.to_thread(engine.prepare, target, verify_checksums=self.settings.verify_checksums)
+            candidate = await asyncio.get_running_loop().run_in_executor(
+                self.loader, functools.partial(engine.prepare, target, verify_checksums=self.settings.verify_checksums))
             await self._on_model_thread(engine.install, candidate)
             await self._on_model_thread(self._settle, True)
         return engine.describe()

@@ -243,6 +243,8 @@ def test_the_model_thread_yields_the_cores_to_the_event_loop(small_index, engine
     runtime = app.state.runtime
     model_thread = runtime.executor.submit(threading.get_native_id).result()
     assert nice_of(model_thread) == min(19, os.nice(0) + 7)
+    reload_thread = runtime.loader.submit(threading.get_native_id).result()  # a reload loads the new index here
+    assert nice_of(reload_thread) == min(19, os.nice(0) + 7)
     assert nice_of(threading.get_native_id()) == os.nice(0)  # the caller's, as the event loop's, is untouched
     assert one(app, "POST", "/search", {"query": "paths", "k": 3}).status_code == 200
 
