@@ -126,9 +126,9 @@ def single_text_tokenizer(tokenizer, max_length: int | None = None) -> Tokenizer
         return None
     try:
         single = Tokenizer.from_str(backend.to_str())
+        single.encode_special_tokens = backend.encode_special_tokens  # not in the serialised form
     except Exception:  # a component written in Python cannot be serialised
         return None
-    single.encode_special_tokens = backend.encode_special_tokens
     single.no_padding()
     if max_length is None:
         single.no_truncation()

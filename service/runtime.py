@@ -39,7 +39,7 @@ def _lower_priority(increment: int) -> None:
     try:
         os.setpriority(os.PRIO_PROCESS, thread, min(19, os.getpriority(os.PRIO_PROCESS, thread) + increment))
     except OSError as error:
-        log.warning("the model thread keeps the process's priority: %s", error)
+        log.warning("thread %s keeps the process's priority: %s", threading.current_thread().name, error)
 
 
 class Runtime:
