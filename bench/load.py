@@ -160,6 +160,9 @@ class Connection(asyncio.Protocol):
             self.transport.close()
             self.transport = None
 
+    async def aclose(self) -> None:  # as httpx.AsyncClient's, so a pool of either closes alike
+        self.close()
+
 
 @dataclass
 class Load:
@@ -280,10 +283,7 @@ async def alternate(targets: dict[str, tuple[str, Request]], clients: int, secon
                     result.server_cpu = None
     finally:
         for pool in pools.values():
-            await asyncio.gather(*(http.aclose() for http in pool if not isinstance(http, Connection)))
-            for connection in pool:
-                if isinstance(connection, Connection):
-                    connection.close()
+            await asyncio.gather(*(http.aclose() for http in pool))
     return results
 
 

@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         asyncio.run(drive(server.base, args.cap, 2))  # warm-up
         rss_before = rss_mib(pid)
         at_cap = asyncio.run(drive(server.base, args.cap, args.seconds))
-        repeats = []  # (429 p99, the same sent after the first 2 s, /health p99) of the runs before the last
+        repeats = []  # (429 p99, the same sent after the first 2 s, /health p99) of every run; the last printed whole
         for _ in range(args.repeat):
             health = Answers()
             cpu = own_cpu_seconds()

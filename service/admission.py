@@ -2,10 +2,11 @@
 
 A cap on search requests in the service (queued or running): past it the answer is 429 at once, with
 Retry-After, as text-embeddings-inference answers past its max_concurrent_requests, instead of a
-queue that only grows slower; the HTTP protocol itself answers it, as soon as the request head is in. And the two timeouts uvicorn lacks: a connection that has not sent a
-whole request head within the read timeout is closed, so half-sent requests cannot hold connections
-forever (the body's timeout is in `limits.BodyLimits`); one whose client stops reading its answer is
-aborted after the write timeout, so unread responses cannot pin memory."""
+queue that only grows slower; the HTTP protocol itself answers it, as soon as the request head is in.
+And the two timeouts uvicorn lacks: a connection that has not sent a whole request head within the
+read timeout is closed, so half-sent requests cannot hold connections forever (the body's timeout is
+in `limits.BodyLimits`); one whose client stops reading its answer is aborted after the write
+timeout, so unread responses cannot pin memory."""
 
 from __future__ import annotations
 
@@ -26,6 +27,11 @@ from service.monitoring import Monitor
 MODEL_PATHS = frozenset({"/search", "/search/batch", "/v1/embeddings", "/rerank"})
 # In the ASGI scope of a search request the HTTP protocol has already counted in (see `timeout_protocol`).
 ADMITTED = "search.admitted"
+
+
+def is_search(scope: dict) -> bool:
+    """Whether the request of ASGI `scope` runs a model, so counts against the cap."""
+    return scope["path"] in MODEL_PATHS and scope["method"] == "POST"
 
 
 class Occupancy:
@@ -57,8 +63,7 @@ class Admission:
         self.app, self.occupancy = app, occupancy
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["path"] not in MODEL_PATHS or scope["method"] != "POST" \
-                or scope.get(ADMITTED):
+        if scope["type"] != "http" or not is_search(scope) or scope.get(ADMITTED):
             return await self.app(scope, receive, send)
         occupancy = self.occupancy
         if occupancy.full():
@@ -124,7 +129,7 @@ def timeout_protocol(read_timeout_s: float, write_timeout_s: float, occupancy: O
                 self.transport.close()
 
         def _start_asgi_task(self, cycle, app) -> None:  # httptools: a request's head is complete
-            if occupancy is None or cycle.scope["path"] not in MODEL_PATHS or cycle.scope["method"] != "POST":
+            if occupancy is None or not is_search(cycle.scope):
                 super()._start_asgi_task(cycle, app)
             elif self._completing:
                 # A pipelined request, started from inside the previous one's last send: decided on the
