@@ -6,7 +6,10 @@
 Builds (once, into `--work`) the first `--lines` passages of the demo corpus as `--shards` shards
 (`build --shards N`) and merges them (`merge`): one flat index over the very vectors the shards
 hold. Starts `python -m service` over the merged index, and on a local Ray (every core) the sharded
-application (`service.sharded.build_application`) with each `--replicas` count per shard in turn.
+application (`service.sharded.build_application`) with each `--replicas` count per shard in turn, in
+Serve's high-throughput mode as `python -m service --ray` sets it (`service.sharded.serve_env`: each
+variable overridden by the environment, e.g. RAY_SERVE_THROUGHPUT_OPTIMIZED=0 RAY_SERVE_ENABLE_HA_PROXY=0
+for Serve's defaults).
 For every client count it drives the plain service and the Ray path in alternating slices (plain,
 Ray, Ray, plain, ...) adding up to `--seconds` each, and prints throughput, p50 and p99 with the Ray
 path's p50 as a ratio of the plain service's (the goal: at most 1.3 at one client). No CPUs are
@@ -66,14 +69,14 @@ def main(argv: list[str] | None = None) -> int:
     import ray
     from ray import serve
 
-    from service.sharded import APP_NAME, build_application
+    from service.sharded import APP_NAME, build_application, serve_env
 
     shards, merged = indexes(args.work, args.lines, args.shards)
     rows = []
     pythonpath = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     threads = str(os.cpu_count() or 1)
     with Server(merged, "cpu") as plain:
-        ray.init(include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": pythonpath}})
+        ray.init(include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": pythonpath, **serve_env()}})
         try:
             port = free_port()
             serve.start(http_options={"host": "127.0.0.1", "port": port})

@@ -42,10 +42,11 @@ class ShardDeployment:
     def describe(self) -> dict:
         return describe_shard(self.index)
 
-    def search(self, vectors: np.ndarray, k: int):
-        # Sync: Serve runs it in its thread pool, so the replica's event loop (health checks, describe)
-        # stays free during a long search. (On the replica's loop instead: 18 against 23 ms retrieve for
-        # three shards on the loaded 2-core machine, within its noise.)
+    async def search(self, vectors: np.ndarray, k: int):
+        # On the replica's event loop, not Serve's thread pool for sync methods: one thread hop less a
+        # call (three shards' retrieve 7.6 against 9.9 ms on the 2-core machine), and one search at a
+        # time per replica, which FAISS parallelises itself. Serve's own work on this loop (health
+        # checks, queue-length probes) waits for a search in progress.
         return self.index.search(vectors, k)
 
 
@@ -65,10 +66,13 @@ class RayShard:
 @serve.deployment
 @serve.ingress()
 class SearchIngress:
-    """The HTTP routes of `python -m service` over the shards `handles` (named by `names`)."""
+    """The HTTP routes of `python -m service` over the shard deployments `names` (their `handles`)."""
 
     def __init__(self, settings: ServiceSettings, names: list[str], *handles) -> None:
-        self.settings, self.clients = settings, [RayShard(n, h) for n, h in zip(names, handles)]
+        # The bound `handles` make the shards part of this application; the calls go through handles made
+        # here, which take this replica's Serve settings (gRPC under SERVE_ENV) where a bound handle keeps
+        # those of the process that built the application (Ray object references unless it set SERVE_ENV).
+        self.settings, self.clients = settings, [RayShard(n, serve.get_deployment_handle(n)) for n in names]
 
     async def __serve_build_asgi_app__(self):
         # Off the event loop: the handles' blocking result() may not run on it, and the warm-up searches.
@@ -84,12 +88,34 @@ class SearchIngress:
         return create_app(settings, engine)
 
 
+# Ray Serve's high-throughput mode (Ray's guide "Enable High Throughput on Ray Serve"): HAProxy (shipped
+# with ray[serve] on Linux) forwards HTTP straight to the ingress replica's own server in place of Serve's
+# Python proxy, and the ingress calls the shards over gRPC. The router keeps its own loop, since the engine
+# calls the shard handles from its model thread. On bench/cluster.py's one client: p50 2.3x the plain
+# service's with Serve's defaults, 1.5x with these (README, "Benchmarks"). Each is read where Serve's processes start (the
+# controller and proxy from the job's runtime_env, each replica from its own); setting one in the
+# environment of `python -m service --ray` overrides it (RAY_SERVE_ENABLE_HA_PROXY=0: Serve's proxy).
+SERVE_ENV = {
+    "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
+    "RAY_SERVE_ENABLE_HA_PROXY": "1",
+    "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "1",
+    # gRPC's default 4 MiB cap on a received message would refuse a shard's answer to a batch at k = 1000.
+    "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": str(2**31 - 1),
+}
+
+
+def serve_env() -> dict[str, str]:
+    """SERVE_ENV, each variable as this process's environment sets it where it does."""
+    return {name: os.environ.get(name, default) for name, default in SERVE_ENV.items()}
+
+
 def _with_threads(options: dict | None) -> dict:
     """ray_actor_options with OMP_NUM_THREADS set to the CPUs it reserves (at least 1), unless given:
-    FAISS and torch would otherwise start a thread per core in every replica of a shared machine."""
+    FAISS and torch would otherwise start a thread per core in every replica of a shared machine; and
+    with serve_env(), which a replica reads when it starts."""
     options = dict(options or {})
     runtime_env = dict(options.get("runtime_env") or {})
-    env_vars = dict(runtime_env.get("env_vars") or {})
+    env_vars = {**serve_env(), **dict(runtime_env.get("env_vars") or {})}
     env_vars.setdefault("OMP_NUM_THREADS", str(max(1, math.ceil(options.get("num_cpus", 1)))))
     options["runtime_env"] = {**runtime_env, "env_vars": env_vars}
     return options
@@ -169,7 +195,7 @@ def serve_sharded(args: argparse.Namespace, settings: ServiceSettings) -> int:
         print("error: --ray needs --shards DIR [DIR ...]", flush=True)
         return 2
     env_vars = {name: os.environ[name] for name in ("PYTHONPATH",) if name in os.environ}
-    ray.init(address=args.ray or None, runtime_env={"env_vars": env_vars} if env_vars else None)
+    ray.init(address=args.ray or None, runtime_env={"env_vars": {**env_vars, **serve_env()}})
     serve.start(http_options={"host": settings.host, "port": settings.port})
     shard_dirs = [str(d.resolve()) for d in expand_shard_dirs(args.shards)]
     application = build_application(

@@ -20,6 +20,11 @@ from retrieval.sharding import ShardHit, ShardIndex, check_shard_set, merge_top_
 from service.engine import ReloadError, SearchEngine, SearchPlan, load_rerankers
 from service.errors import ShardsUnavailable
 
+# Past the deadline, an answer that came while an earlier shard was awaited is still taken: over gRPC
+# (service/sharded.py's SERVE_ENV) Serve fetches it through its router's loop, which a zero timeout never
+# gives time to. At worst a search waits timeout_s plus this for each shard behind a silent one.
+FETCH_GRACE_S = 0.25
+
 
 class Pending(Protocol):
     def result(self, timeout_s: float | None = None) -> list[list[ShardHit]]: ...
@@ -114,7 +119,7 @@ class ShardedSearcher:
             if call is None:
                 continue
             try:
-                answered[shard] = call.result(timeout_s=max(0.0, deadline - time.monotonic()))
+                answered[shard] = call.result(timeout_s=max(FETCH_GRACE_S, deadline - time.monotonic()))
             except Exception as error:  # noqa: BLE001
                 failures[shard] = error
                 cancel = getattr(call, "cancel", None)

@@ -3,6 +3,8 @@ and a ShardedEngine over `build --shard i/3` shards answers as the engine over t
 
 from __future__ import annotations
 
+import time
+
 import faiss
 import numpy as np
 import pytest
@@ -105,3 +107,39 @@ def test_a_shard_that_does_not_answer_fails_the_search_naming_it_unless_partial_
     shard_one = {pid for pid, _ in ShardIndex(small_shards[1]).passages.get(range(100))}
     expected = [hit for hit in whole.search(query, 300).hits if hit.id not in shard_one][:10]
     assert [(h.id, h.score) for h in partial.hits] == [(h.id, h.score) for h in expected]
+
+
+class Silent(Down):
+    """Takes the search and never answers: its result waits out whatever time it is given."""
+
+    def search(self, vectors, k):
+        return self
+
+    def result(self, timeout_s=None):
+        time.sleep(timeout_s)
+        raise TimeoutError("no answer")
+
+
+class FetchedLater(Down):
+    """Answers at once, but, like a Serve response over gRPC, its answer is fetched only within a timeout
+    above zero."""
+
+    def search(self, vectors, k):
+        return self.Answer(self.shard.search(vectors, k).result())
+
+    class Answer:
+        def __init__(self, value) -> None:
+            self.value = value
+
+        def result(self, timeout_s=None):
+            if timeout_s is not None and timeout_s <= 0:
+                raise TimeoutError("not fetched yet")
+            return self.value
+
+
+def test_a_silent_shard_does_not_make_a_later_shard_that_answered_count_as_missing(small_shards):
+    clients = [LocalShard(ShardIndex(folder, device="cpu"), f"shard-{i}") for i, folder in enumerate(small_shards)]
+    clients[1], clients[2] = Silent(clients[1]), FetchedLater(clients[2])
+    sharded = ShardedEngine.over(clients, device="cpu", timeout_s=0.2)
+    partial = sharded.search("join two paths", 10, allow_partial=True)
+    assert partial.shards == {"answered": ["0/3", "2/3"], "missing": ["1/3"]}
