@@ -92,9 +92,11 @@ class SearchIngress:
 # with ray[serve] on Linux) forwards HTTP straight to the ingress replica's own server in place of Serve's
 # Python proxy, and the ingress calls the shards over gRPC. The router keeps its own loop, since the engine
 # calls the shard handles from its model thread. On bench/cluster.py's one client: p50 2.3x the plain
-# service's with Serve's defaults, 1.5x with these (README, "Benchmarks"). Each is read where Serve's processes start (the
-# controller and proxy from the job's runtime_env, each replica from its own); setting one in the
-# environment of `python -m service --ray` overrides it (RAY_SERVE_ENABLE_HA_PROXY=0: Serve's proxy).
+# service's with Serve's defaults, 1.5x with these (README, "Benchmarks"). They go into the runtime_env
+# of the job that starts Serve, whose controller, proxies and replicas all inherit it (a Serve already
+# running on a cluster keeps the mode it started in: under `serve run` and KubeRay, set them in the
+# cluster's environment). Setting one where `python -m service --ray` runs overrides it
+# (RAY_SERVE_ENABLE_HA_PROXY=0: Serve's Python proxy).
 SERVE_ENV = {
     "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
     "RAY_SERVE_ENABLE_HA_PROXY": "1",
@@ -111,11 +113,10 @@ def serve_env() -> dict[str, str]:
 
 def _with_threads(options: dict | None) -> dict:
     """ray_actor_options with OMP_NUM_THREADS set to the CPUs it reserves (at least 1), unless given:
-    FAISS and torch would otherwise start a thread per core in every replica of a shared machine; and
-    with serve_env(), which a replica reads when it starts."""
+    FAISS and torch would otherwise start a thread per core in every replica of a shared machine."""
     options = dict(options or {})
     runtime_env = dict(options.get("runtime_env") or {})
-    env_vars = {**serve_env(), **dict(runtime_env.get("env_vars") or {})}
+    env_vars = dict(runtime_env.get("env_vars") or {})
     env_vars.setdefault("OMP_NUM_THREADS", str(max(1, math.ceil(options.get("num_cpus", 1)))))
     options["runtime_env"] = {**runtime_env, "env_vars": env_vars}
     return options
@@ -187,8 +188,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def serve_sharded(args: argparse.Namespace, settings: ServiceSettings) -> int:
-    """Starts (or joins) Ray, runs the application with Serve's HTTP proxy on SEARCH_HOST:SEARCH_PORT,
-    and keeps it up until interrupted."""
+    """Starts (or joins) Ray, runs the application on SEARCH_HOST:SEARCH_PORT (behind HAProxy under
+    SERVE_ENV), and keeps it up until interrupted."""
     import ray
 
     if not args.shards:
