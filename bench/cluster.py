@@ -69,14 +69,13 @@ def main(argv: list[str] | None = None) -> int:
     import ray
     from ray import serve
 
-    from service.sharded import APP_NAME, build_application, serve_env
+    from service.sharded import APP_NAME, build_application, job_env
 
     shards, merged = indexes(args.work, args.lines, args.shards)
     rows = []
-    pythonpath = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     threads = str(os.cpu_count() or 1)
     with Server(merged, "cpu") as plain:
-        ray.init(include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": pythonpath, **serve_env()}})
+        ray.init(include_dashboard=False, runtime_env={"env_vars": job_env()})
         try:
             port = free_port()
             serve.start(http_options={"host": "127.0.0.1", "port": port})

@@ -11,8 +11,8 @@
 #   monobert     monoBERT cross-encoder from MiniLM (paper 004)       -> $WORK/models/monobert
 #   coattention  n-gram co-attention reranker (paper 002; biGRU hidden 64, not 200, and 128 passage
 #                words, to train on a CPU: COATTENTION_HIDDEN=200 for the paper's) -> $WORK/models/coattention
-#   biencoder    RepBERT bi-encoder from MiniLM (paper 000, eq. 4,
-#                in-batch + mined hard negatives), and its index      -> $WORK/models/biencoder, $WORK/index-biencoder
+#   biencoder    RepBERT bi-encoder from MiniLM (paper 000: in-batch + mined hard negatives, with
+#                a softmax over them in place of eq. 4's hinge), and its index -> $WORK/models/biencoder, $WORK/index-biencoder
 #   table        the dev-split table of every pipeline                -> $WORK/table-*.txt
 #   generative   generative reranker from SmolLM2-135M (paper 003; MLE then RLL) and its rows:
 #                not in `all` (hours on a CPU; see README "SciFact recipe") -> $WORK/models/generative
@@ -69,7 +69,7 @@ step() {
             --output "$WORK/models/coattention" ;;
     biencoder)
         [ -d "$WORK/models/biencoder" ] || timed biencoder $PY -m training.train_biencoder "${TRAIN[@]}" \
-            "${NEGATIVES[@]}" --negatives 1 --margin 0.1 --batch-size 16 --lr 2e-5 --max-steps "${STEPS_BIENCODER:-200}" \
+            "${NEGATIVES[@]}" --negatives 1 --loss softmax --batch-size 16 --lr 2e-5 --max-steps "${STEPS_BIENCODER:-200}" \
             --save-every 1000 --device "$DEVICE" --output "$WORK/models/biencoder"
         timed index-biencoder $PY -m index_builder build --corpus "$DATA/corpus.jsonl" \
             --out "$WORK/index-biencoder" --model "$(newest "$WORK/models/biencoder")" --bm25 --device "$DEVICE" \

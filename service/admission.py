@@ -44,6 +44,14 @@ class Occupancy:
     def full(self) -> bool:
         return self.in_flight >= self.cap
 
+    async def serve(self, app, scope, receive, send) -> None:
+        """Runs `app` for a request counted in (`in_flight += 1` as it was let in, which a burst of heads
+        must see at once), and counts it out however it ends."""
+        try:
+            await app(scope, receive, send)
+        finally:
+            self.in_flight -= 1
+
     def refuse(self, unrouted_path: str | None = None) -> Overloaded:
         """Counts a refusal and returns its error. `unrouted_path`: the refusal is answered outside the app,
         whose request counter does not see it, so it is counted by route here."""
@@ -69,10 +77,7 @@ class Admission:
         if occupancy.full():
             return await send_error(send, occupancy.refuse())
         occupancy.in_flight += 1
-        try:
-            await self.app(scope, receive, send)
-        finally:
-            occupancy.in_flight -= 1
+        await occupancy.serve(self.app, scope, receive, send)
 
 
 def http_answer(error: errors.ServiceError, default_headers: list[tuple[bytes, bytes]], keep_alive: bool) -> bytes:
@@ -146,14 +151,7 @@ def timeout_protocol(read_timeout_s: float, write_timeout_s: float, occupancy: O
             else:
                 occupancy.in_flight += 1
                 cycle.scope[ADMITTED] = True
-                super()._start_asgi_task(cycle, functools.partial(self._admitted, app))
-
-        @staticmethod
-        async def _admitted(app, scope, receive, send) -> None:
-            try:
-                await app(scope, receive, send)
-            finally:
-                occupancy.in_flight -= 1
+                super()._start_asgi_task(cycle, functools.partial(occupancy.serve, app))
 
         def _refuse(self, cycle) -> None:
             """Answers `cycle`'s request 429 whole; its body, if any, is skipped as it arrives (uvicorn drops

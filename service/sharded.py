@@ -111,6 +111,13 @@ def serve_env() -> dict[str, str]:
     return {name: os.environ.get(name, default) for name, default in SERVE_ENV.items()}
 
 
+def job_env() -> dict[str, str]:
+    """The env_vars of a Ray job that starts Serve: `serve_env()`, and a PYTHONPATH with this checkout
+    ahead of the caller's, so that Ray's workers on this host import the code that started them."""
+    root = str(Path(__file__).resolve().parents[1])
+    return {"PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])), **serve_env()}
+
+
 def _with_threads(options: dict | None) -> dict:
     """ray_actor_options with OMP_NUM_THREADS set to the CPUs it reserves (at least 1), unless given:
     FAISS and torch would otherwise start a thread per core in every replica of a shared machine."""
@@ -195,8 +202,7 @@ def serve_sharded(args: argparse.Namespace, settings: ServiceSettings) -> int:
     if not args.shards:
         print("error: --ray needs --shards DIR [DIR ...]", flush=True)
         return 2
-    env_vars = {name: os.environ[name] for name in ("PYTHONPATH",) if name in os.environ}
-    ray.init(address=args.ray or None, runtime_env={"env_vars": {**env_vars, **serve_env()}})
+    ray.init(address=args.ray or None, runtime_env={"env_vars": job_env()})
     serve.start(http_options={"host": settings.host, "port": settings.port})
     shard_dirs = [str(d.resolve()) for d in expand_shard_dirs(args.shards)]
     application = build_application(

@@ -106,14 +106,9 @@ def ray_session():
     """One local Ray for the whole test session (the Ray build and sharded serving share it): 2 CPUs,
     and workers that import this checkout's code, whatever the environment has installed."""
     ray = pytest.importorskip("ray", reason="ray is not installed (pip install 'dense-search[ray]')")
-    pythonpath = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    env_vars = {"PYTHONPATH": pythonpath}
-    try:  # Serve's settings as `python -m service --ray` starts it (HAProxy, gRPC), where ray[serve] is
-        from service.sharded import serve_env
-        env_vars.update(serve_env())
-    except ImportError:
-        pass
-    ray.init(num_cpus=2, include_dashboard=False, logging_level=logging.WARNING,
-             runtime_env={"env_vars": env_vars})
+    pytest.importorskip("ray.serve", reason="ray[serve] is not installed (pip install 'dense-search[ray]')")
+    from service.sharded import job_env  # Serve's settings as `python -m service --ray` starts it (HAProxy, gRPC)
+
+    ray.init(num_cpus=2, include_dashboard=False, logging_level=logging.WARNING, runtime_env={"env_vars": job_env()})
     yield ray
     ray.shutdown()

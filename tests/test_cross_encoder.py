@@ -11,7 +11,7 @@ from transformers import BertConfig, BertForSequenceClassification, BertModel, B
 
 from models.cross_encoder import CrossEncoder
 from models.encoder import default_model_path
-from training.losses import multilabel_margin_loss, relevance_cross_entropy
+from training.losses import group_softmax_loss, in_batch_softmax_loss, multilabel_margin_loss, relevance_cross_entropy
 
 QUERY = "Return the absolute version of a path."
 PASSAGES = [
@@ -109,6 +109,31 @@ def test_multilabel_margin_loss_equals_eq_4_by_hand_and_torch():
     assert loss.item() == pytest.approx(torch.nn.MultiLabelMarginLoss()(scores, targets).item(), abs=1e-6)
     # margin 0.5: row 0 keeps 0.5 - (0.5 - 1.5) = 1.5 (its gap of 0.5 is met), row 1 keeps 0.5 - 0.4 = 0.1 only
     assert multilabel_margin_loss(scores, positive, margin=0.5).item() == pytest.approx((1.5 / 3 + 0.1 / 3) / 2, abs=1e-6)
+
+
+def test_in_batch_softmax_loss_leaves_other_positives_out_of_each_pairs_denominator():
+    scores = torch.tensor([[0.9, 0.1, 0.5], [0.2, 0.8, 0.8]])
+    positive = torch.tensor([[True, False, False], [False, True, True]])
+    # Scale 2: row 0 has one pair, -log(e^1.8 / (e^1.8 + e^0.2 + e^1.0)); row 1 has two, each
+    # against its one negative only, -log(e^1.6 / (e^1.6 + e^0.4)); the loss is the mean of the 3 pairs.
+    row0 = -math.log(math.exp(1.8) / (math.exp(1.8) + math.exp(0.2) + math.exp(1.0)))
+    row1 = -math.log(math.exp(1.6) / (math.exp(1.6) + math.exp(0.4)))
+    assert in_batch_softmax_loss(scores, positive, scale=2.0).item() == pytest.approx((row0 + 2 * row1) / 3, abs=1e-6)
+    # It keeps pulling where eq. 4's hinge at margin 0.1 has stopped: every gap here is at least 0.3.
+    assert multilabel_margin_loss(scores, positive, margin=0.1).item() == 0.0
+    assert in_batch_softmax_loss(scores, positive).item() > 1e-4
+
+
+def test_group_softmax_loss_ranks_each_positive_against_its_own_groups_negatives():
+    # Two groups, positive first: (log-odds 1 against 0) and (2 against -1 and 3), from a two-label head.
+    two_label = torch.tensor([[0.0, 1.0], [0.0, 0.0], [0.0, 2.0], [1.0, 0.0], [0.0, 3.0]])
+    first = math.log(math.exp(1) + math.exp(0)) - 1
+    second = math.log(math.exp(2) + math.exp(-1) + math.exp(3)) - 2
+    assert group_softmax_loss(two_label, [2, 3]).item() == pytest.approx((first + second) / 2, abs=1e-6)
+    one_logit = torch.tensor([[1.0], [0.0], [2.0], [-1.0], [3.0]])  # the same scores from a one-logit head
+    assert group_softmax_loss(one_logit, [2, 3]).item() == pytest.approx((first + second) / 2, abs=1e-6)
+    with pytest.raises(ValueError, match="5 pairs, but groups of 4"):
+        group_softmax_loss(one_logit, [2, 2])
 
 
 def test_cross_entropy_equals_eq_1_by_hand_for_two_label_and_one_logit_heads():

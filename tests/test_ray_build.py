@@ -39,6 +39,12 @@ def local_index(tmp_path_factory, corpus, encoder):
     return out
 
 
+def summary(capsys) -> str:
+    """The build's one-line summary: the last line of stdout, where Ray's own log lines (a Serve
+    controller of another test shutting down, say) may come first."""
+    return capsys.readouterr().out.strip().splitlines()[-1]
+
+
 def assert_same_index(built, reference):
     manifests = [read_manifest(folder, verify_checksums=True) for folder in (built, reference)]
     assert manifests[0].encoder == manifests[1].encoder
@@ -55,7 +61,7 @@ def test_a_ray_build_equals_a_local_build_row_for_row(ray_session, corpus, local
     argv = ["build", "--corpus", str(corpus), "--out", str(out), "--chunk-size", str(CHUNK),
             "--batch-size", str(BATCH), "--ray", "--workers", "2"]
     assert cli_main(argv) == 0
-    assert capsys.readouterr().out.startswith(f"built {out}: {PASSAGES} passages (0 bad lines skipped); encoded 60 ")
+    assert summary(capsys).startswith(f"built {out}: {PASSAGES} passages (0 bad lines skipped); encoded 60 ")
     assert_same_index(out, local_index)
 
 
@@ -65,7 +71,7 @@ def test_a_ray_build_writes_shards_that_merge_into_the_local_build(ray_session, 
     argv = ["build", "--corpus", str(corpus), "--out", str(out), "--chunk-size", str(CHUNK),
             "--batch-size", str(BATCH), "--ray", "--workers", "2", "--shards", "3"]
     assert cli_main(argv) == 0
-    assert capsys.readouterr().out.startswith(f"built {out}: {PASSAGES} passages in 3 shards ")
+    assert summary(capsys).startswith(f"built {out}: {PASSAGES} passages in 3 shards ")
     assert [read_manifest(shard_folder(out, i)).shard for i in range(3)] == ["0/3", "1/3", "2/3"]
     merge_shards([shard_folder(out, i) for i in range(3)], tmp_path / "merged")
     assert_same_index(tmp_path / "merged", local_index)  # the same chunks and batches as the local build

@@ -1,5 +1,5 @@
 """Sharded serving on Ray Serve, over HTTP through HAProxy, in Serve's high-throughput mode as
-`python -m service --ray` runs it (tests/conftest.py's Ray takes service.sharded.serve_env()): three
+`python -m service --ray` runs it (tests/conftest.py's Ray takes service.sharded.job_env()): three
 `build --shard i/3` shards answer as one flat index over the same passages, bm25 is refused, and a
 shard replica killed under traffic gives 503s naming it or right answers, never wrong ones. One local
 Ray for the module."""

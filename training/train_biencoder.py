@@ -3,7 +3,8 @@
 Each micro-batch holds `--batch-size` (query, relevant passage) pairs. Every query is
 scored against every passage of the batch (Q @ P^T, eq. 3); the other pairs' passages
 are its negatives, except those judged relevant to it, which count as positives; the
-loss is MultiLabelMarginLoss (eq. 4). `--negatives N` adds N mined hard negatives per
+loss is MultiLabelMarginLoss (eq. 4), or with `--loss softmax` the cross-entropy over the
+same candidates that the packaged MiniLM was trained with (see training.losses). `--negatives N` adds N mined hard negatives per
 pair to the batch's passages (from `--negatives-run`, e.g. the dense and BM25 runs of
 the training queries; random passages without one); every query is scored against
 them too. RepBERT itself used in-batch negatives only (N = 0, the default).
@@ -26,7 +27,7 @@ import torch
 from models.checkpoint import padded_batch
 from models.encoder import BiEncoder, default_model_path
 from training.data import Collection, TrainingDataError, batch_positions, batch_rng
-from training.losses import multilabel_margin_loss
+from training.losses import in_batch_softmax_loss, multilabel_margin_loss
 from training.trainer import add_negatives_arguments, add_training_arguments, load_training_data, run_cli
 
 
@@ -34,7 +35,7 @@ class BiEncoderTrainee:
     """A BiEncoder whose weights are being fine-tuned; scores keep its pooling and normalisation."""
 
     def __init__(self, encoder: BiEncoder, data: Collection, batch_size: int, negatives: int, seed: int,
-                 margin: float = 1.0) -> None:
+                 margin: float = 1.0, objective: str = "margin") -> None:
         self.encoder = encoder
         self.model = encoder.model
         self.data = data
@@ -42,6 +43,7 @@ class BiEncoderTrainee:
         self.negatives = negatives
         self.seed = seed
         self.margin = margin
+        self.objective = objective
 
     def scores(self, queries: list[str], passages: list[str]) -> torch.Tensor:
         """Rel(q, p) for every query and passage, eq. 3, with gradients."""
@@ -65,6 +67,8 @@ class BiEncoderTrainee:
             candidates += [pid for qid in qids for pid in self.data.sample_negatives(qid, self.negatives, rng)]
         positive = in_batch_positives(qids, candidates, self.data.positives).to(self.encoder.device)
         scores = self.scores([self.data.queries[qid] for qid in qids], [self.data.passages[p] for p in candidates])
+        if self.objective == "softmax":
+            return in_batch_softmax_loss(scores, positive)
         return multilabel_margin_loss(scores, positive, self.margin)
 
     def save(self, folder: Path) -> None:
@@ -88,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--margin", type=float, default=1.0,
                         help="the hinge's margin (eq. 4: 1, for raw inner products; a cosine model such as "
                         "MiniLM, whose scores lie in [-1, 1], trains better with a smaller one, e.g. 0.1)")
+    parser.add_argument("--loss", choices=("margin", "softmax"), default="margin",
+                        help="margin: eq. 4's hinge (default); softmax: cross-entropy over the same candidates, "
+                        "scale 20, which keeps learning once the hinge is met (--margin is then unused)")
     add_negatives_arguments(parser, 0, "mined hard negatives per pair beside the in-batch ones (default 0)")
     add_training_arguments(parser, lr=3e-6, batch_size=32, pairs="query, passage")
     return parser
@@ -109,8 +116,11 @@ def _build(args: argparse.Namespace, start: Path | None):
         fp16=False,
     )
     about = {"model": "biencoder", "started_from": str(args.model or default_model_path()), "pairs": len(data.pairs)}
-    about["margin"] = args.margin
-    return BiEncoderTrainee(encoder, data, args.batch_size, args.negatives, args.seed, args.margin), about
+    about["loss"] = args.loss
+    if args.loss == "margin":
+        about["margin"] = args.margin
+    trainee = BiEncoderTrainee(encoder, data, args.batch_size, args.negatives, args.seed, args.margin, args.loss)
+    return trainee, about
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,4 +1,5 @@
-"""Fine-tunes the monoBERT cross-encoder (paper 004, section 2) with cross-entropy (eq. 1).
+"""Fine-tunes the monoBERT cross-encoder (paper 004, section 2) with cross-entropy (eq. 1), or with
+`--loss group`, a softmax over each query's positive and negatives (training.losses.group_softmax_loss).
 
 Each micro-batch holds `--batch-size` (query, relevant passage) pairs; each brings its
 positive and `--negatives` sampled negatives, so a micro-batch is
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -31,19 +33,25 @@ import torch
 from models.cross_encoder import CrossEncoder
 from models.encoder import default_model_path
 from training.data import TrainingDataError
-from training.losses import relevance_cross_entropy
+from training.losses import group_softmax_loss, relevance_cross_entropy
 from training.trainer import GroupTrainee, add_negatives_arguments, add_training_arguments, load_training_data, run_cli
 
 
+@dataclass
 class CrossEncoderTrainee(GroupTrainee):
     """A CrossEncoder whose weights are being fine-tuned on positives and sampled negatives."""
 
+    objective: str = "pointwise"  # or "group" (see --loss)
+
     def loss(self, batch_index: int) -> torch.Tensor:
-        pairs, labels = [], []
+        pairs, labels, sizes = [], [], []
         for query, passages in self.groups(batch_index):
             pairs += self.ranker.tokenize(query, passages)
             labels += [1] + [0] * (len(passages) - 1)
+            sizes.append(len(passages))
         logits = self.ranker.logits(pairs)
+        if self.objective == "group":
+            return group_softmax_loss(logits, sizes)
         return relevance_cross_entropy(logits, torch.tensor(labels, device=logits.device))
 
 
@@ -54,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--init", type=Path, default=None, help="starting BERT folder (default: the packaged MiniLM)")
     add_negatives_arguments(parser, 1, "sampled negatives per positive (default 1)")
+    parser.add_argument("--loss", choices=("pointwise", "group"), default="pointwise",
+                        help="pointwise: eq. 1's cross-entropy on each pair (default); group: a softmax over each "
+                        "positive and its negatives (localized contrastive estimation; use several --negatives)")
     parser.add_argument("--query-max-tokens", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=512)
     add_training_arguments(parser, lr=3e-6, batch_size=8, pairs="query, positive")
@@ -74,8 +85,8 @@ def _build(args: argparse.Namespace, start: Path | None):
         fp16=False,
     )
     data = load_training_data(args)
-    about = {"model": "cross-encoder", "started_from": str(init), "pairs": len(data.pairs)}
-    return CrossEncoderTrainee(encoder, data, args.batch_size, args.negatives, args.seed), about
+    about = {"model": "cross-encoder", "started_from": str(init), "pairs": len(data.pairs), "loss": args.loss}
+    return CrossEncoderTrainee(encoder, data, args.batch_size, args.negatives, args.seed, args.loss), about
 
 
 def main(argv: list[str] | None = None) -> int:
