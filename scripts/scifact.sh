@@ -69,7 +69,7 @@ step() {
             --output "$WORK/models/coattention" ;;
     biencoder)
         [ -d "$WORK/models/biencoder" ] || timed biencoder $PY -m training.train_biencoder "${TRAIN[@]}" \
-            "${NEGATIVES[@]}" --negatives 1 --loss softmax --batch-size 16 --lr 2e-5 --max-steps "${STEPS_BIENCODER:-200}" \
+            "${NEGATIVES[@]}" --negatives 1 --objective softmax --batch-size 16 --lr 2e-5 --max-steps "${STEPS_BIENCODER:-200}" \
             --save-every 1000 --device "$DEVICE" --output "$WORK/models/biencoder"
         timed index-biencoder $PY -m index_builder build --corpus "$DATA/corpus.jsonl" \
             --out "$WORK/index-biencoder" --model "$(newest "$WORK/models/biencoder")" --bm25 --device "$DEVICE" \

@@ -139,7 +139,7 @@ def test_biencoder_learns_with_the_in_batch_softmax_loss_too(tmp_path, demo_spli
     steps = 100
     assert train_biencoder(["--model", str(start), *demo_split["train"], "--output", str(tmp_path / "run"),
                             "--max-steps", str(steps), "--batch-size", "16", "--lr", "1e-3", "--passage-max-tokens",
-                            "64", "--save-every", str(steps), "--loss", "softmax"]) == 0
+                            "64", "--save-every", str(steps), "--objective", "softmax"]) == 0
     checkpoint = tmp_path / "run" / f"checkpoint-{steps:07d}"
     candidates = candidate_lists(demo, demo_split["held_out"], size=20)
     untrained = mrr_at_10(demo, candidates, biencoder_scorer(BiEncoder(start, device="cpu", passage_max_tokens=64)))
@@ -163,7 +163,7 @@ def test_cross_encoder_cli_learns_from_minilm_and_its_checkpoint_loads(tmp_path,
     """Starts from the packaged MiniLM with a new random head; --max-steps 0 saves that starting point.
     Each objective learns: eq. 1 on each pair, and the softmax over each positive's group."""
     common = [*demo_split["train"], "--batch-size", "2", "--negatives", "3", "--lr", "2e-4",
-              "--query-max-tokens", "32", "--max-tokens", "80", "--loss", loss]
+              "--query-max-tokens", "32", "--max-tokens", "80", "--objective", loss]
     steps = 60  # held-out MRR@10 0.85-0.88 over seeds 1, 2, 13; 40 steps gave 0.51-0.80
     assert train_cross_encoder([*common, "--output", str(tmp_path / "start"), "--max-steps", "0"]) == 0
     assert train_cross_encoder([*common, "--output", str(tmp_path / "run"), "--max-steps", str(steps),

@@ -3,11 +3,12 @@
 Each micro-batch holds `--batch-size` (query, relevant passage) pairs. Every query is
 scored against every passage of the batch (Q @ P^T, eq. 3); the other pairs' passages
 are its negatives, except those judged relevant to it, which count as positives; the
-loss is MultiLabelMarginLoss (eq. 4), or with `--loss softmax` the cross-entropy over the
-same candidates that the packaged MiniLM was trained with (see training.losses). `--negatives N` adds N mined hard negatives per
-pair to the batch's passages (from `--negatives-run`, e.g. the dense and BM25 runs of
-the training queries; random passages without one); every query is scored against
-them too. RepBERT itself used in-batch negatives only (N = 0, the default).
+loss is MultiLabelMarginLoss (eq. 4), or with `--objective softmax` the cross-entropy over
+the same candidates that the packaged MiniLM was trained with (see training.losses).
+`--negatives N` adds N mined hard negatives per pair to the batch's passages (from
+`--negatives-run`, e.g. the dense and BM25 runs of the training queries; random passages
+without one); every query is scored against them too. RepBERT itself used in-batch
+negatives only (N = 0, the default).
 
     python -m training.train_biencoder --corpus C.tsv --queries Q.tsv --qrels QRELS --output OUT
         [--negatives 1 --negatives-run DENSE.run BM25.run --negatives-depth 100]
@@ -92,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--margin", type=float, default=1.0,
                         help="the hinge's margin (eq. 4: 1, for raw inner products; a cosine model such as "
                         "MiniLM, whose scores lie in [-1, 1], trains better with a smaller one, e.g. 0.1)")
-    parser.add_argument("--loss", choices=("margin", "softmax"), default="margin",
+    parser.add_argument("--objective", choices=("margin", "softmax"), default="margin",
                         help="margin: eq. 4's hinge (default); softmax: cross-entropy over the same candidates, "
                         "scale 20, which keeps learning once the hinge is met (--margin is then unused)")
     add_negatives_arguments(parser, 0, "mined hard negatives per pair beside the in-batch ones (default 0)")
@@ -116,10 +117,10 @@ def _build(args: argparse.Namespace, start: Path | None):
         fp16=False,
     )
     about = {"model": "biencoder", "started_from": str(args.model or default_model_path()), "pairs": len(data.pairs)}
-    about["loss"] = args.loss
-    if args.loss == "margin":
+    about["objective"] = args.objective
+    if args.objective == "margin":
         about["margin"] = args.margin
-    trainee = BiEncoderTrainee(encoder, data, args.batch_size, args.negatives, args.seed, args.margin, args.loss)
+    trainee = BiEncoderTrainee(encoder, data, args.batch_size, args.negatives, args.seed, args.margin, args.objective)
     return trainee, about
 
 

@@ -1,5 +1,5 @@
 """Fine-tunes the monoBERT cross-encoder (paper 004, section 2) with cross-entropy (eq. 1), or with
-`--loss group`, a softmax over each query's positive and negatives (training.losses.group_softmax_loss).
+`--objective group`, a softmax over each query's positive and negatives (training.losses.group_softmax_loss).
 
 Each micro-batch holds `--batch-size` (query, relevant passage) pairs; each brings its
 positive and `--negatives` sampled negatives, so a micro-batch is
@@ -41,7 +41,7 @@ from training.trainer import GroupTrainee, add_negatives_arguments, add_training
 class CrossEncoderTrainee(GroupTrainee):
     """A CrossEncoder whose weights are being fine-tuned on positives and sampled negatives."""
 
-    objective: str = "pointwise"  # or "group" (see --loss)
+    objective: str = "pointwise"  # or "group" (see --objective)
 
     def loss(self, batch_index: int) -> torch.Tensor:
         pairs, labels, sizes = [], [], []
@@ -62,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--init", type=Path, default=None, help="starting BERT folder (default: the packaged MiniLM)")
     add_negatives_arguments(parser, 1, "sampled negatives per positive (default 1)")
-    parser.add_argument("--loss", choices=("pointwise", "group"), default="pointwise",
+    parser.add_argument("--objective", choices=("pointwise", "group"), default="pointwise",
                         help="pointwise: eq. 1's cross-entropy on each pair (default); group: a softmax over each "
                         "positive and its negatives (localized contrastive estimation; use several --negatives)")
     parser.add_argument("--query-max-tokens", type=int, default=64)
@@ -85,8 +85,9 @@ def _build(args: argparse.Namespace, start: Path | None):
         fp16=False,
     )
     data = load_training_data(args)
-    about = {"model": "cross-encoder", "started_from": str(init), "pairs": len(data.pairs), "loss": args.loss}
-    return CrossEncoderTrainee(encoder, data, args.batch_size, args.negatives, args.seed, args.loss), about
+    about = {"model": "cross-encoder", "started_from": str(init), "pairs": len(data.pairs),
+             "objective": args.objective}
+    return CrossEncoderTrainee(encoder, data, args.batch_size, args.negatives, args.seed, args.objective), about
 
 
 def main(argv: list[str] | None = None) -> int:
