@@ -85,11 +85,7 @@ def relevance_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch
     """
     if logits.dim() == 2 and logits.shape[1] == 2:
         return F.cross_entropy(logits.float(), labels.long())
-    if logits.dim() == 2 and logits.shape[1] == 1:
-        logits = logits.squeeze(1)
-    if logits.dim() != 1:
-        raise ValueError(f"expected logits of shape (pairs, 2), (pairs, 1) or (pairs,), got {tuple(logits.shape)}")
-    return F.binary_cross_entropy_with_logits(logits.float(), labels.float())
+    return F.binary_cross_entropy_with_logits(relevance_logit(logits).float(), labels.float())
 
 
 def relevance_logit(logits: torch.Tensor) -> torch.Tensor:
