@@ -22,12 +22,21 @@ from models.checkpoint import load_pretrained, padded_batch, score_in_batches, w
 from models.onnx_backend import Backend, OnnxTransformer, check_backend, exported
 
 
+def relevance_logit(logits: torch.Tensor) -> torch.Tensor:
+    """One score per pair, the log-odds of relevance: label 1 minus label 0 of a two-label head (as
+    softmax reads them), or a one-logit head's logit. Differentiable, which training's losses rely on."""
+    if logits.dim() == 2 and logits.shape[1] == 2:
+        return logits[:, 1] - logits[:, 0]
+    if logits.dim() == 2 and logits.shape[1] == 1:
+        return logits.squeeze(1)
+    if logits.dim() != 1:
+        raise ValueError(f"expected logits of shape (pairs, 2), (pairs, 1) or (pairs,), got {tuple(logits.shape)}")
+    return logits
+
+
 def relevance_probability(logits: torch.Tensor) -> torch.Tensor:
-    """P(relevant) per pair: softmax label 1 of a two-label head, sigmoid of a one-logit head."""
-    logits = logits.float()
-    if logits.shape[-1] == 2:
-        return logits.softmax(dim=-1)[:, 1]
-    return torch.sigmoid(logits[:, 0])
+    """P(relevant) per pair: the sigmoid of `relevance_logit` (for two labels, softmax's label 1)."""
+    return torch.sigmoid(relevance_logit(logits.float()))
 
 
 class CrossEncoder:

@@ -20,6 +20,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from models.cross_encoder import relevance_logit
+
 
 def multilabel_margin_loss(scores: torch.Tensor, positive: torch.Tensor, margin: float = 1.0) -> torch.Tensor:
     """Paper 000 eq. 4, averaged over the rows of a batch.
@@ -86,18 +88,6 @@ def relevance_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch
     if logits.dim() == 2 and logits.shape[1] == 2:
         return F.cross_entropy(logits.float(), labels.long())
     return F.binary_cross_entropy_with_logits(relevance_logit(logits).float(), labels.float())
-
-
-def relevance_logit(logits: torch.Tensor) -> torch.Tensor:
-    """One score per pair, monotone in P(relevant): the log-odds of a two-label head (as softmax reads
-    it), or a one-logit head's logit. `logits` as `relevance_cross_entropy` takes them."""
-    if logits.dim() == 2 and logits.shape[1] == 2:
-        return logits[:, 1] - logits[:, 0]
-    if logits.dim() == 2 and logits.shape[1] == 1:
-        return logits.squeeze(1)
-    if logits.dim() != 1:
-        raise ValueError(f"expected logits of shape (pairs, 2), (pairs, 1) or (pairs,), got {tuple(logits.shape)}")
-    return logits
 
 
 def group_softmax_loss(logits: torch.Tensor, group_sizes: list[int]) -> torch.Tensor:
