@@ -95,10 +95,11 @@ step() {
         [ -d "$WORK/models/generative-untrained" ] || $PY -m training.train_generative --objective mle \
             --init "$smollm" --gguf-file SmolLM2-135M-Instruct.Q4_1.gguf "${TRAIN[@]}" --max-steps 0 \
             --device "$DEVICE" --output "$WORK/models/generative-untrained"
-        # One dev row at a time, the best first stage first, each kept once done: a row is 45 minutes here.
+        # One dev row at a time, the best first stage first (the MLE stage alone last, for paper 003's
+        # MLE-against-RLL comparison), each kept once done: a row is 45 minutes here.
         local depth=${GENERATIVE_DEPTH:-20} row
         for row in generative:hybrid-rrf generative-untrained:hybrid-rrf generative:dense generative:bm25 \
-                generative:hybrid-interleave; do
+                generative:hybrid-interleave generative-mle:hybrid-rrf; do
             local table="$WORK/table-${row%%:*}-$depth-${row##*:}.txt"
             [ -f "$table" ] && continue
             $PY -m index_builder eval --index "$WORK/index" "${DEV[@]}" --modes "${row##*:}" \
