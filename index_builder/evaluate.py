@@ -65,7 +65,11 @@ def rerank_run(reranker: Reranker, queries: Mapping[str, str], retrieved: Mappin
 
 
 def metrics(qrels: Qrels, run: Run) -> dict[str, float]:
-    """The issue's measures, averaged over the queries that have judgements (trec_eval's convention)."""
+    """The issue's measures, averaged over the run's queries that have judgements (trec_eval's
+    convention); a query of the run with no hits counts 0. Judged queries the run does not hold are left
+    out: ir-measures alone would count each as 0, so evaluating a subset of a qrels file's queries would
+    read lower than it is."""
+    qrels = {qid: judged for qid, judged in qrels.items() if qid in run}
     scored = [ir_measures.ScoredDoc(qid, docid, score) for qid, ranked in run.items() for docid, score in ranked]
     values = ir_measures.calc_aggregate(list(MEASURES.values()), qrels, scored)
     return {name: values[measure] for name, measure in MEASURES.items()}

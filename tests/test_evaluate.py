@@ -35,6 +35,15 @@ def test_metrics_equal_hand_computed_values(tmp_path):
     assert values["Recall@100"] == values["Recall@1000"] == pytest.approx(1.0)
 
 
+def test_metrics_average_over_the_evaluated_queries_not_every_judged_one(tmp_path):
+    (tmp_path / "qrels").write_text("q1 0 d1 1\nq2 0 d9 1\nq3 0 d5 1\n")
+    qrels = read_qrels(tmp_path / "qrels")
+    # q3 is judged but not evaluated: left out. q2 is evaluated and found nothing: it counts 0.
+    values = metrics(qrels, {"q1": [("d1", 1.0)], "q2": []})
+    assert values["MRR@10"] == pytest.approx((1 + 0) / 2)
+    assert metrics(qrels, {"q1": [("d1", 1.0)]})["nDCG@10"] == pytest.approx(1.0)
+
+
 def test_consistency_factor_is_the_mean_share_found_in_the_reference_top_1000():
     run = {"q1": [("a", 3), ("b", 2), ("c", 1), ("d", 0)], "q2": [("x", 1), ("y", 0)]}
     reference = {"q1": [("a", 9), ("c", 8), ("z", 7)], "q2": [("q", 1)]}
