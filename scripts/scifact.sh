@@ -5,7 +5,8 @@
 #   bash scripts/scifact.sh STEP [STEP ...]
 #
 # Steps (each skips what its output folder already holds; `all` runs them in this order):
-#   split        the seeded train/dev split of the judged claims      -> $WORK/split
+#   split        the seeded train/dev split of the judged claims (and the dev claims whose abstracts
+#                no training claim has, dev-unseen)                  -> $WORK/split
 #   index        dense (packaged MiniLM) + BM25 index of the corpus   -> $WORK/index
 #   runs         dense and BM25 top-100 of the train claims           -> $WORK/train-runs (hard negatives)
 #   monobert     monoBERT cross-encoder from MiniLM (paper 004)       -> $WORK/models/monobert
@@ -50,7 +51,7 @@ step() {
     mkdir -p "$WORK"
     case $1 in
     split)
-        [ -f "$SPLIT/qrels-dev.txt" ] || $PY -m training.split --queries "$DATA/queries-train.jsonl" \
+        [ -f "$SPLIT/qrels-dev-unseen.txt" ] || $PY -m training.split --queries "$DATA/queries-train.jsonl" \
             --qrels "$DATA/qrels-train.tsv" --out "$SPLIT" --dev-share 0.2 --seed 13 ;;
     index)
         timed index $PY -m index_builder build --corpus "$DATA/corpus.jsonl" --out "$WORK/index" --bm25 \

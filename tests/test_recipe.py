@@ -17,7 +17,7 @@ from fastapi.testclient import TestClient
 from service.app import create_app
 from tests.conftest import DEMO, SMALL_CORPUS_LINES, read_tsv
 from tests.test_service import settings_for
-from training.split import split_ids
+from training.split import split_ids, write_split
 
 QUERIES = 60  # q0001..q0060: their relevant passages are within the first 300 corpus lines
 
@@ -49,6 +49,22 @@ def test_the_split_holds_out_a_seeded_fifth_of_the_judged_queries(recipe):
     assert len(dev) == QUERIES // 5 and len(train) == QUERIES - QUERIES // 5 and not set(dev) & set(train)
     assert dev == split_ids(train + dev, 0.2, seed=13)["dev"]  # the same seed always gives the same split
     assert {line.split()[0] for line in (recipe / "split" / "qrels-dev.txt").read_text().splitlines()} == set(dev)
+
+
+def test_the_unseen_dev_part_holds_the_dev_queries_whose_passages_no_training_query_judged(tmp_path):
+    # Ten claims over six abstracts: a0 is judged for c0-c3, a1 for c4 and c5, a2-a5 for one claim each. Seed 13
+    # puts c0 c1 c4 c5 c6 in dev: c0 and c1 share a0 with training claims; a1's claims are both in dev.
+    abstract = {f"c{i}": f"a{0 if i < 4 else 1 if i < 6 else i - 4}" for i in range(10)}
+    (tmp_path / "queries.tsv").write_text("".join(f"{q}\tclaim {q}\n" for q in abstract))
+    (tmp_path / "qrels.txt").write_text("".join(f"{q} 0 {a} 1\n" for q, a in abstract.items()))
+    counts = write_split(tmp_path / "queries.tsv", tmp_path / "qrels.txt", tmp_path / "split", dev_share=0.5, seed=13)
+    parts = split_ids(list(abstract), 0.5, seed=13)
+    trained = {abstract[q] for q in parts["train"]}
+    expected = [q for q in parts["dev"] if abstract[q] not in trained]
+    assert expected == ["c4", "c5", "c6"]
+    unseen = [line.split("\t")[0] for line in (tmp_path / "split" / "queries-dev-unseen.tsv").read_text().splitlines()]
+    assert unseen == expected and counts["dev-unseen"] == len(expected)
+    assert {line.split()[0] for line in (tmp_path / "split" / "qrels-dev-unseen.txt").read_text().splitlines()} == set(expected)
 
 
 def test_the_recipe_times_each_step_and_keeps_hard_negative_runs(recipe):

@@ -6,6 +6,11 @@ scored on a query it trained on:
 Only queries with a relevant judgement are split. Their ids are sorted, shuffled with numpy's
 generator seeded by `--seed`, and the first `round(dev_share * n)` become dev. Writes
 DIR/queries-{train,dev}.tsv (`qid<TAB>text`) and DIR/qrels-{train,dev}.txt (TREC `qid 0 docid rel`).
+
+Queries are split, not passages: where several queries share a relevant passage (SciFact has several
+claims per abstract), a dev query's passage may have been a training positive. DIR/queries-dev-unseen.tsv
+and qrels-dev-unseen.txt hold the dev queries none of whose relevant passages is relevant to a training
+query, so a model's gain can be read apart from what it learnt of the passages themselves.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ def split_ids(query_ids: list[str], dev_share: float, seed: int) -> dict[str, li
 
 
 def write_split(queries: Path, qrels: Path, out: Path, dev_share: float = 0.2, seed: int = 13) -> dict[str, int]:
-    """Writes the split files into `out`; returns the number of queries in each part."""
+    """Writes the split files into `out`; returns the number of queries in each part (train, dev, dev-unseen)."""
     if not 0 < dev_share < 1:
         raise InputFileError(f"--dev-share must be between 0 and 1, got {dev_share}")
     texts, judged = read_queries(queries), read_qrels(qrels)
@@ -39,6 +44,9 @@ def write_split(queries: Path, qrels: Path, out: Path, dev_share: float = 0.2, s
         raise InputFileError(f"{qrels}: fewer than 2 queries of {queries} have a relevant judgement")
     out.mkdir(parents=True, exist_ok=True)
     parts = split_ids(usable, dev_share, seed)
+    positives = relevant(judged)
+    trained = set().union(*(positives[q] for q in parts["train"]))
+    parts["dev-unseen"] = [q for q in parts["dev"] if not positives[q] & trained]
     for part, ids in parts.items():
         (out / f"queries-{part}.tsv").write_text("".join(f"{q}\t{' '.join(texts[q].split())}\n" for q in ids))
         (out / f"qrels-{part}.txt").write_text(
@@ -59,8 +67,9 @@ def main(argv: list[str] | None = None) -> int:
     except (InputFileError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    print(f"split {sum(counts.values())} judged queries into {counts['train']} train and {counts['dev']} dev "
-          f"(seed {args.seed}) in {args.out}")
+    print(f"split {counts['train'] + counts['dev']} judged queries into {counts['train']} train and {counts['dev']} "
+          f"dev (seed {args.seed}; {counts['dev-unseen']} dev queries share no relevant passage with a train query) "
+          f"in {args.out}")
     return 0
 
 
