@@ -98,15 +98,15 @@ def bench_collection(name: str, index_dir: Path, queries_file: Path, qrels_file:
     def run(index: faiss.Index, query_vectors: np.ndarray) -> dict:
         return dict(zip(ids, ranked(searcher, index, query_vectors, k)))
 
-    reference = run(flat_ip(stored), vectors)
+    exact_index = flat_ip(stored)
+    reference = run(exact_index, vectors)
     variants = {
         "fp16 storage, fp32 queries (faiss, CPU)": run(fp16_store(stored), vectors),
         "fp16 vectors and queries (GPU useFloat16, emulated)": run(flat_ip(rounded(stored)), rounded(vectors)),
     }
     if device == "cuda":
-        cpu_index = flat_ip(stored)
-        variants["GPU fp32 (check)"] = run(dense_index.shard_over_gpus(cpu_index, fp16=False), vectors)
-        variants["GPU useFloat16"] = run(dense_index.shard_over_gpus(cpu_index, fp16=True), vectors)
+        variants["GPU fp32 (check)"] = run(dense_index.shard_over_gpus(exact_index, fp16=False), vectors)
+        variants["GPU useFloat16"] = run(dense_index.shard_over_gpus(exact_index, fp16=True), vectors)
     exact = metrics(qrels, as_run(reference))
     print(f"\n{name}: {searcher.count:,} passages x {stored.shape[1]}, {len(ids)} queries (encoded in "
           f"{encode_s:.1f} s), k={k}; fp32: " + ", ".join(f"{m} {exact[m]:.4f}" for m in MEASURES))

@@ -39,12 +39,12 @@ def write_split(queries: Path, qrels: Path, out: Path, dev_share: float = 0.2, s
     if not 0 < dev_share < 1:
         raise InputFileError(f"--dev-share must be between 0 and 1, got {dev_share}")
     texts, judged = read_queries(queries), read_qrels(qrels)
-    usable = [qid for qid in relevant(judged) if qid in texts]
+    positives = relevant(judged)
+    usable = [qid for qid in positives if qid in texts]
     if len(usable) < 2:
         raise InputFileError(f"{qrels}: fewer than 2 queries of {queries} have a relevant judgement")
     out.mkdir(parents=True, exist_ok=True)
     parts = split_ids(usable, dev_share, seed)
-    positives = relevant(judged)
     trained = set().union(*(positives[q] for q in parts["train"]))
     parts["dev-unseen"] = [q for q in parts["dev"] if not positives[q] & trained]
     for part, ids in parts.items():
