@@ -50,6 +50,7 @@ STATE_FILE = "state.json"
 CHUNKS_DIR = "chunks"  # STATE_FILE and CHUNKS_DIR are a build's scratch, dropped once the index is in place
 SHOWN_BAD_LINES = 5
 SHARD_INSERT_BATCH = 2048
+HASH_BLOCK = 1 << 22
 
 
 class PassageEncoder(Protocol):
@@ -141,6 +142,10 @@ def _work_dir(out: Path) -> Path:
 def _open_state(work: Path, identity: dict, restart: bool) -> _State:
     saved = read_json(work / STATE_FILE)
     if saved is not None and not restart:
+        # Turning --skip-bad on (as a bad line's message advises) may resume: without it, every chunk
+        # already committed was whole (a bad line stops the build), so no line was skipped.
+        if saved["identity"] != identity and {**saved["identity"], "skip_bad": True} == identity:
+            saved["identity"] = identity
         if saved["identity"] != identity:
             changed = sorted(k for k in identity.keys() | saved["identity"].keys()
                              if saved["identity"].get(k) != identity.get(k))
@@ -200,6 +205,7 @@ def build_index(options: BuildOptions, encoder: PassageEncoder) -> BuildReport:
         raise BuildError("--shards N needs N >= 1 and no --shard (it writes every shard itself)")
     if out.exists() and not options.overwrite:
         raise BuildError(f"{out} already exists; pass --overwrite to replace it")
+    index_writer.check_replaceable(out)
     fmt = detect_format(corpus)
     identity = {
         "corpus": str(corpus.resolve()),
@@ -222,7 +228,13 @@ def build_index(options: BuildOptions, encoder: PassageEncoder) -> BuildReport:
     last = state.chunks[-1] if state.chunks else {"end_offset": 0, "end_line": 0, "sha256": None, "records": 0}
     digest = hashlib.sha256()
     with corpus.open("rb") as handle:
-        digest.update(handle.read(last["end_offset"]))
+        left = last["end_offset"]
+        while left:  # the prefix the interrupted build read, a block at a time (the corpus may be large)
+            block = handle.read(min(left, HASH_BLOCK))
+            if not block:
+                break
+            digest.update(block)
+            left -= len(block)
         if state.chunks and digest.hexdigest() != last["sha256"]:
             raise BuildError(f"{corpus} changed since the interrupted build in {work}; rerun with --restart")
         connection = index_writer.open_store(work)
@@ -251,7 +263,8 @@ def build_index(options: BuildOptions, encoder: PassageEncoder) -> BuildReport:
     encoder_record = EncoderRecord(path=encoder.source, backend=encoder.backend, export_sha256=encoder.export_sha256,
                                    **encoder.spec.to_dict())
     corpus_record = CorpusRecord(path=str(corpus.resolve()), format=fmt, passages=state.rows,
-                                 skipped=sum(chunk["skipped"] for chunk in state.chunks))
+                                 skipped=sum(chunk["skipped"] for chunk in state.chunks),
+                                 sha256=digest.hexdigest())  # the reader has hashed the whole file by now
     if options.shards:
         # Written beside the scratch, not inside it: `out` never holds the whole store or the chunks,
         # even for a moment, and a crash before the last line leaves only the scratch to resume from.

@@ -190,15 +190,21 @@ def _row_name(folder: Path) -> str:
 
 
 def _eval(args: argparse.Namespace) -> None:
+    names = [_row_name(folder) for folder in args.rerank or []]
+    duplicated = sorted({name for name in names if names.count(name) > 1})
+    if duplicated:
+        raise ValueError(f"--rerank: two folders would both be the table row {duplicated[0]!r}; rename one")
+    if args.compare and args.modes and "dense" not in args.modes:
+        raise ValueError("--compare measures the dense run's consistency with a run: add dense to --modes")
+    if args.rerank and args.depth > MAX_K:
+        raise ValueError(f"--depth must be at most {MAX_K}, got {args.depth}")
     queries = read_queries(args.queries)
     qrels = read_qrels(args.qrels)
     reference = read_run(args.compare) if args.compare else None
     encoder = encoder_for(read_manifest(args.index), args.device, args.query_max_tokens, args.backend)
     searcher = Searcher(args.index, encoder, device=args.device)
-    if args.rerank and args.depth > MAX_K:
-        raise ValueError(f"--depth must be at most {MAX_K}, got {args.depth}")
-    rerankers = {_row_name(folder): load_reranker(folder, device=args.device, backend=encoder.backend)
-                 for folder in args.rerank or []}
+    rerankers = {name: load_reranker(folder, device=args.device, backend=encoder.backend)
+                 for name, folder in zip(names, args.rerank or [])}
     modes = args.modes or (list(EVAL_MODES) if searcher.bm25 is not None else ["dense"])
     runs, table = {}, {}
 
@@ -225,8 +231,11 @@ def _eval(args: argparse.Namespace) -> None:
     if reference is not None:
         comparisons[args.compare.name] = reference
     for name, other in comparisons.items():
-        values = ", ".join(f"C(dense, {n}) = {consistency_factor(runs['dense'], other, n):.4f}" for n in CONSISTENCY_DEPTHS)
-        print(f"consistency of dense with {name}'s top 1000: {values}")
+        depth = min(max(map(len, other.values()), default=0), max(CONSISTENCY_DEPTHS))  # the reference's own
+        values = ", ".join(f"C(dense, {n}) = {consistency_factor(runs['dense'], other, n):.4f}"
+                           for n in CONSISTENCY_DEPTHS if n <= args.k)
+        if values:
+            print(f"consistency of dense with {name}'s top {depth}: {values}")
     reranked = f", {len(rerankers)} rerankers at depth {args.depth}" if rerankers else ""
     print(f"evaluated {len(queries)} queries x {len(modes)} modes at k={args.k}{reranked}")
 

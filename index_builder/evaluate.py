@@ -58,7 +58,7 @@ def rerank_run(reranker: Reranker, queries: Mapping[str, str], retrieved: Mappin
     reranked score (the two kinds of score are not comparable, and a run is ordered by score)."""
     run = {}
     for qid, hits in tqdm(retrieved.items(), desc=label, unit=" queries", leave=False):
-        head = [(hit.id, hit.score) for hit in rerank(reranker, queries[qid], hits[:depth], depth)]
+        head = [(hit.id, hit.score) for hit in rerank(reranker, queries[qid], hits[:depth], k)]
         floor = min((score for _, score in head), default=0.0)
         run[qid] = head + [(hit.id, floor - i) for i, hit in enumerate(hits[depth:k], start=1)]
     return run

@@ -51,6 +51,7 @@ def merge_shards(directories: Sequence[Path], out: Path, overwrite: bool = False
     started = time.perf_counter()
     if out.exists() and not overwrite:
         raise BuildError(f"{out} already exists; pass --overwrite to replace it")
+    index_writer.check_replaceable(out)
     shards = _check_shards(directories)
     work = out.parent / f".{out.name}.merging"
     if work.exists():  # left by a merge that crashed; a merge does not resume

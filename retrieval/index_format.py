@@ -60,6 +60,9 @@ class CorpusRecord(BaseModel):
     format: Literal["tsv", "jsonl"]
     passages: int
     skipped: int
+    # sha256 of the whole corpus file, so shards of different corpora never merge; None in indexes built
+    # before it was recorded.
+    sha256: str | None = None
 
 
 class Bm25Record(BaseModel):

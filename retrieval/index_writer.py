@@ -33,6 +33,7 @@ from retrieval.index_format import (
     write_json_atomic,
 )
 from retrieval.passage_store import SCHEMA
+from retrieval.sharding import shard_folder
 
 _LIBC = ctypes.CDLL(None, use_errno=True)
 AT_FDCWD, RENAME_EXCHANGE = -100, 2  # <fcntl.h>, <linux/fs.h>
@@ -59,9 +60,27 @@ def write_vectors(work: Path, parts: Iterable[np.ndarray], dimension: int) -> in
     for part in parts:
         index.add(np.ascontiguousarray(part, dtype=np.float32))
     tmp = work / (INDEX_FILE + ".tmp")
-    faiss.write_index(index, str(tmp))
+    try:
+        faiss.write_index(index, str(tmp))
+    except RuntimeError as error:  # FAISS reports a failed write (a full disk) as RuntimeError
+        raise OSError(f"{tmp}: {str(error).strip().splitlines()[-1]}") from None
+    # FAISS only prints a failed final flush (its writer's fclose), so the size is checked, after fsync
+    # makes the file durable: a short file would otherwise be sealed into the manifest as whole.
+    expected = len(faiss.serialize_index(dense_index.new_flat_index(dimension))) + index.ntotal * index.code_size
+    _fsync(tmp)
+    if tmp.stat().st_size != expected:
+        raise OSError(f"{tmp}: {tmp.stat().st_size} bytes written of {expected} (is the disk full?)")
     os.replace(tmp, work / INDEX_FILE)
     return index.ntotal
+
+
+def _fsync(path: Path) -> None:
+    """`path` (a file, or a folder's entries) to disk; a write error the writer missed surfaces as OSError."""
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
 
 
 def write_bm25(work: Path, rows: int) -> list[str]:
@@ -75,6 +94,8 @@ def write_bm25(work: Path, rows: int) -> list[str]:
         build_bm25((text for (text,) in connection.execute("SELECT text FROM passages ORDER BY row")), rows, folder)
     finally:
         connection.close()
+    for path in [*folder.iterdir(), folder]:
+        _fsync(path)
     return sorted(str(path.relative_to(work)) for path in folder.iterdir())
 
 
@@ -109,12 +130,27 @@ def _exchange(first: Path, second: Path) -> bool:
     raise OSError(code, os.strerror(code), str(second))
 
 
+def check_replaceable(out: Path) -> None:
+    """ValueError, before any work, for an `out` that `move_into_place` must not replace: a symbolic link
+    (the swap would move the link, not the index), or an existing file or non-empty folder that is not an
+    index (a mistyped --out with --overwrite would otherwise be deleted, whatever it holds)."""
+    if out.is_symlink():
+        raise ValueError(f"{out} is a symbolic link; give the folder it points to ({out.resolve()})")
+    if not out.exists():
+        return
+    if not out.is_dir() or (any(out.iterdir()) and not (out / MANIFEST_FILE).is_file()
+                            and not shard_folder(out, 0).is_dir()):
+        raise ValueError(f"{out} is not an index (no {MANIFEST_FILE}) and --overwrite replaces only an index; "
+                         "choose another --out")
+
+
 def move_into_place(work: Path, out: Path, scratch: Sequence[str] = ()) -> None:
     """Put the finished `work` folder at `out`, then drop the old index and the writer's `scratch`
     entries (files or folders inside the new index that are not part of it). An index already at
     `out` is swapped out in one step, so a reader of `out` always finds a whole index, old or new;
     where the system cannot swap, two renames leave a moment with nothing at `out`."""
     old = out.parent / f".{out.name}.old"
+    check_replaceable(out)
     if old.exists():
         shutil.rmtree(old)
     if out.exists() and _exchange(work, out):
@@ -123,6 +159,7 @@ def move_into_place(work: Path, out: Path, scratch: Sequence[str] = ()) -> None:
         if out.exists():
             os.replace(out, old)
         os.replace(work, out)
+    _fsync(out.parent)  # the renames themselves, before the old index goes
     for name in scratch:
         path = out / name
         if path.is_dir():

@@ -25,7 +25,7 @@ class InputFileError(ValueError):
 def lines(path: Path) -> Iterator[tuple[int, str]]:
     """(line number, line without its end) of each non-blank line; InputFileError if unreadable."""
     try:
-        handle = path.open(encoding="utf-8")
+        handle = path.open(encoding="utf-8-sig")  # a byte order mark is not part of the first id
     except OSError as error:
         raise InputFileError(f"{path}: cannot read ({error.strerror or error})") from None
     with handle:
@@ -40,6 +40,7 @@ def lines(path: Path) -> Iterator[tuple[int, str]]:
 def read_queries(path: Path) -> dict[str, str]:
     """Query id -> text, in file order: TSV `qid<TAB>query` or BEIR JSONL `{"_id", "text"}`."""
     queries: dict[str, str] = {}
+    first_line: dict[str, int] = {}
     for number, line in lines(path):
         if line.lstrip().startswith("{"):
             try:
@@ -51,7 +52,11 @@ def read_queries(path: Path) -> dict[str, str]:
             qid, _, text = line.partition("\t")
         if qid is None or not str(qid).strip() or not isinstance(text, str) or not text.strip():
             raise InputFileError(f"{path}: line {number}: expected a query id and a non-empty query")
-        queries[str(qid).strip()] = text.strip()
+        qid = str(qid).strip()
+        if qid in first_line:
+            raise InputFileError(f"{path}: line {number}: query id {qid!r} again (first on line {first_line[qid]})")
+        first_line[qid] = number
+        queries[qid] = text.strip()
     if not queries:
         raise InputFileError(f"{path}: no queries")
     return queries
@@ -113,6 +118,7 @@ def read_passages(path: Path) -> dict[str, str]:
     """Passage id -> text of a whole collection (TSV or JSONL/BEIR, as the index builder reads it),
     in memory: for training and small tools, not for building an index."""
     passages: dict[str, str] = {}
+    first_line: dict[str, int] = {}
     try:
         handle = path.open("rb")
     except OSError as error:
@@ -122,6 +128,10 @@ def read_passages(path: Path) -> dict[str, str]:
             if isinstance(record, BadLine):
                 raise InputFileError(f"{path}: line {record.line}: {record.reason}")
             if record is not None:
+                if record.id in first_line:  # the index builder refuses it too
+                    raise InputFileError(f"{path}: line {record.line}: passage id {record.id!r} again "
+                                         f"(first on line {first_line[record.id]})")
+                first_line[record.id] = record.line
                 passages[record.id] = record.text
     if not passages:
         raise InputFileError(f"{path}: no passages")

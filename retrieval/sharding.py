@@ -94,13 +94,14 @@ def shard_agreement(manifest: Manifest) -> dict:
     return {
         **{f"encoder {name}": value for name, value in encoder.items()},
         "corpus format": manifest.corpus.format,
+        "corpus sha256": manifest.corpus.sha256,
         "--bm25": manifest.bm25 is not None,
     }
 
 
 def check_shard_set(manifests: Sequence[tuple[str, Manifest]]) -> list[Shard]:
     """The `Shard` of each (name, manifest), once they are known to be all N shards of one build
-    (one N, one encoder and corpus format, each i once); ValueError names what is wrong."""
+    (one N, one encoder, one corpus file and format, each i once); ValueError names what is wrong."""
     if not manifests:
         raise ValueError("no shards given")
     found = []

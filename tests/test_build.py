@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -17,6 +18,7 @@ import pytest
 
 from index_builder.build import BuildError, BuildOptions, build_index
 from index_builder.cli import main as cli_main
+from retrieval import index_writer
 from retrieval.index_format import INDEX_FILE, MANIFEST_FILE, PASSAGES_FILE, read_manifest
 from tests.conftest import DEMO, ROOT, SMALL_CORPUS_LINES, head
 
@@ -85,6 +87,9 @@ def test_interrupted_build_resumes_to_the_same_index(tmp_path, encoder):
     assert resumed_rows == reference_rows
     np.testing.assert_array_equal(resumed_vectors, reference_vectors)
     assert not (tmp_path / ".resumed.partial").exists()
+    # The resumed build hashed the prefix it had read before and the rest: the whole file.
+    assert read_manifest(out).corpus.sha256 == read_manifest(reference).corpus.sha256 == \
+        hashlib.sha256(corpus.read_bytes()).hexdigest()
 
 
 def test_resume_refuses_a_corpus_changed_before_the_resume_point(tmp_path, encoder):
@@ -107,6 +112,15 @@ def test_fixing_a_bad_line_lets_the_build_resume_where_it_stopped(tmp_path, enco
     corpus.write_text("a\tone\nb\ttwo\nc\tthree\nd\tfour\n")
     report = build_index(BuildOptions(corpus, tmp_path / "out", chunk_size=2), encoder)
     assert (report.passages, report.resumed_chunks, report.encoded) == (4, 1, 2)
+
+
+def test_turning_skip_bad_on_resumes_where_a_bad_line_stopped_the_build(tmp_path, encoder):
+    corpus = tmp_path / "corpus.tsv"
+    corpus.write_text("a\tone\nb\ttwo\nc\tthree\nd\n")
+    with pytest.raises(BuildError, match=r"line 4: .*\(use --skip-bad to skip such lines\)"):
+        build_index(BuildOptions(corpus, tmp_path / "out", chunk_size=2), encoder)
+    report = build_index(BuildOptions(corpus, tmp_path / "out", chunk_size=2, skip_bad=True), encoder)
+    assert (report.passages, report.skipped, report.resumed_chunks, report.encoded) == (3, 1, 1, 1)
 
 
 BAD_CORPORA = {
@@ -175,3 +189,48 @@ def test_cli_usage_errors_exit_2():
     with pytest.raises(SystemExit) as exit_info:
         cli_main(["build", "--corpus", "x.tsv"])
     assert exit_info.value.code == 2
+
+
+def test_overwrite_replaces_an_index_but_never_a_folder_that_is_not_one(tmp_path, capsys):
+    corpus = tmp_path / "corpus.tsv"
+    corpus.write_text("a\tone\n")
+    data = tmp_path / "data"  # a mistyped --out: the folder holding the corpus itself
+    data.mkdir()
+    (data / "corpus.tsv").write_text("a\tone\n")
+    assert cli_main(["build", "--corpus", str(corpus), "--out", str(data), "--overwrite", "--device", "cpu"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"error: {data} is not an index (no manifest.json) and --overwrite replaces only an index; choose another --out")
+    assert sorted(p.name for p in data.iterdir()) == ["corpus.tsv"]
+
+
+def test_an_out_that_is_a_symbolic_link_is_refused_before_any_work(tmp_path, encoder, capsys):
+    corpus = tmp_path / "corpus.tsv"
+    corpus.write_text("a\tone\n")
+    build_index(BuildOptions(corpus, tmp_path / "v1"), encoder)
+    (tmp_path / "current").symlink_to(tmp_path / "v1")
+    args = ["build", "--corpus", str(corpus), "--out", str(tmp_path / "current"), "--overwrite", "--device", "cpu"]
+    assert cli_main(args) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"error: {tmp_path / 'current'} is a symbolic link; give the folder it points to ({tmp_path / 'v1'})")
+    assert (tmp_path / "current").resolve() == tmp_path / "v1" and read_manifest(tmp_path / "v1").count == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.tsv", "current", "v1"]
+
+
+def test_a_vectors_file_that_cannot_be_written_whole_is_an_os_error_not_a_sealed_index(tmp_path, monkeypatch):
+    vectors = np.eye(4, 8, dtype=np.float32)
+    with pytest.raises(OSError, match="missing/index.faiss.tmp"):  # FAISS's own failure, as the CLI's exit 2
+        index_writer.write_vectors(tmp_path / "missing", [vectors], 8)
+    real_write = index_writer.faiss.write_index
+
+    def short_write(index, path, *flags):  # what FAISS leaves when its last flush fails (it only prints that)
+        real_write(index, path, *flags)
+        if isinstance(path, str):  # not the in-memory writers FAISS's own serialize_index passes
+            os.truncate(path, os.path.getsize(path) - 16)
+
+    monkeypatch.setattr(index_writer.faiss, "write_index", short_write)
+    with pytest.raises(OSError, match=r"bytes written of \d+ \(is the disk full\?\)"):
+        index_writer.write_vectors(tmp_path, [vectors], 8)
+    assert not (tmp_path / INDEX_FILE).exists()
+    monkeypatch.undo()
+    assert index_writer.write_vectors(tmp_path, [vectors], 8) == 4
+    assert faiss.read_index(str(tmp_path / INDEX_FILE)).ntotal == 4

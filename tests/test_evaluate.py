@@ -83,8 +83,12 @@ def test_eval_cli_writes_a_run_and_prints_the_measures(small_index, tmp_path, ca
         assert f"\n{mode} " in printed
         assert len(read_run(tmp_path / "runs" / f"{mode}.run")["q0001"]) <= 100
     assert len(read_run(tmp_path / "runs" / "dense.run")["q0001"]) == 100
-    assert "consistency of dense with bm25's top 1000: C(dense, 10) = " in printed
-    assert "consistency of dense with reference's top 1000" in printed
+    # At k = 100 the bm25 run is at most a top 100 (only passages sharing a term), so C(dense, 1000) is
+    # not printed; the reference holds 1 hit.
+    bm25_depth = max(len(hits) for hits in read_run(tmp_path / "runs" / "bm25.run").values())
+    assert f"consistency of dense with bm25's top {bm25_depth}: C(dense, 10) = " in printed
+    assert "C(dense, 1000)" not in printed
+    assert "consistency of dense with reference's top 1: C(dense, 10) = " in printed
 
 
 def test_eval_rerank_ranks_as_the_reranker_called_by_hand(small_index, searcher, demo_queries, tmp_path, capsys):
@@ -110,6 +114,47 @@ def test_eval_rerank_ranks_as_the_reranker_called_by_hand(small_index, searcher,
             tail = [hit.id for hit in hits[20:]]  # below the reranked 20, in retrieval order
             ranked = sorted(run[qid], key=lambda pair: -pair[1])
             assert [docid for docid, _ in ranked] == expected + tail, (mode, qid)
+
+
+def test_eval_reranked_rows_hold_k_passages_when_depth_exceeds_k(small_index, demo_queries, tmp_path):
+    folder = tiny_bert(tmp_path / "one-logit", num_labels=1)
+    (tmp_path / "q.tsv").write_text(f"q0001\t{demo_queries['q0001']}\n")
+    (tmp_path / "qrels").write_text("q0001 0 p00154 1\n")
+    args = ["eval", "--index", str(small_index), "--queries", str(tmp_path / "q.tsv"), "--qrels", str(tmp_path / "qrels"),
+            "--modes", "dense", "--rerank", str(folder), "--depth", "40", "--k", "10", "--runs-dir", str(tmp_path / "runs"),
+            "--device", "cpu"]
+    assert cli_main(args) == 0
+    assert len(read_run(tmp_path / "runs" / "dense+one-logit.run")["q0001"]) == 10  # as the service answers
+
+
+def test_eval_refuses_options_it_cannot_honour_before_loading_anything(tmp_path, capsys):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    common = ["eval", "--index", str(tmp_path / "none"), "--queries", "q", "--qrels", "r"]
+    cases = [
+        (["--modes", "bm25", "--compare", "x.run"], "--compare measures the dense run's consistency with a run: "
+                                                   "add dense to --modes"),
+        (["--rerank", str(tmp_path / "a" / "final"), str(tmp_path / "b" / "final")],
+         "--rerank: two folders would both be the table row 'final'; rename one"),
+    ]
+    for extra, reason in cases:
+        assert cli_main(common + extra) == 2
+        assert capsys.readouterr().err.strip() == f"error: {reason}"
+
+
+def test_query_and_judgement_files_may_start_with_a_byte_order_mark(tmp_path):
+    (tmp_path / "q.tsv").write_text("\ufeff1\twhat is lift\n", encoding="utf-8")
+    (tmp_path / "q.jsonl").write_text('\ufeff{"_id": "1", "text": "what is lift"}\n', encoding="utf-8")
+    (tmp_path / "beir.tsv").write_text("\ufeffquery-id\tcorpus-id\tscore\n1\td1\t1\n", encoding="utf-8")
+    (tmp_path / "trec").write_text("\ufeff1 0 d1 1\n", encoding="utf-8")
+    assert read_queries(tmp_path / "q.tsv") == read_queries(tmp_path / "q.jsonl") == {"1": "what is lift"}
+    assert read_qrels(tmp_path / "beir.tsv") == read_qrels(tmp_path / "trec") == {"1": {"d1": 1}}
+
+
+def test_a_query_id_given_twice_is_refused_naming_both_lines(tmp_path):
+    (tmp_path / "q.tsv").write_text("1\twhat is lift\n2\tdrag\n1\tthrust\n")
+    with pytest.raises(InputFileError, match=r"line 3: query id '1' again \(first on line 1\)"):
+        read_queries(tmp_path / "q.tsv")
 
 
 @needs_cranfield

@@ -168,6 +168,20 @@ def test_merge_refuses_shards_of_another_encoder_naming_both_values(shards, tmp_
     assert message == f"error: {changed}: encoder weights_sha256 '{'0' * 64}' differs from {shards[0]}'s '{expected}'"
 
 
+def test_merge_refuses_shards_of_different_corpus_files(tmp_path, encoder, capsys):
+    # The kept shards of a job array whose corpus was updated before the other jobs ran.
+    old, new = tmp_path / "old.tsv", tmp_path / "new.tsv"
+    old.write_text("a\tone\nb\ttwo\n")
+    new.write_text("a\tone\nb\ttwo, revised\n")
+    first = tmp_path / "shard0of2"
+    build_index(BuildOptions(old, first, shard=Shard(0, 2)), encoder)
+    second = tmp_path / "shard1of2"
+    build_index(BuildOptions(new, second, shard=Shard(1, 2)), encoder)
+    message = merge_error(capsys, "--shards", str(first), str(second), "--out", str(tmp_path / "m"))
+    assert message == (f"error: {second}: corpus sha256 {read_manifest(second).corpus.sha256!r} differs from "
+                       f"{first}'s {read_manifest(first).corpus.sha256!r}")
+
+
 def test_merge_refuses_an_unsharded_index_and_an_existing_out(shards, unsharded, tmp_path, capsys):
     message = merge_error(capsys, "--shards", str(unsharded), "--out", str(tmp_path / "m"))
     assert message == (f"error: {unsharded}: not a shard "
