@@ -18,7 +18,14 @@ import numpy as np
 import torch
 from transformers import AutoModelForSequenceClassification
 
-from models.checkpoint import load_pretrained, padded_batch, score_in_batches, weights_sha256, write_reranker_json
+from models.checkpoint import (
+    load_pretrained,
+    padded_batch,
+    read_reranker_json,
+    score_in_batches,
+    weights_sha256,
+    write_reranker_json,
+)
 from models.onnx_backend import Backend, OnnxTransformer, check_backend, exported
 
 
@@ -49,16 +56,20 @@ class CrossEncoder:
         path: str | Path,
         *,
         device: str = "auto",
-        query_max_tokens: int = 64,
-        max_tokens: int = 512,
+        query_max_tokens: int | None = None,
+        max_tokens: int | None = None,
         batch_size: int = 32,
         fp16: bool | None = None,
         backend: Backend = "torch",
         onnx_cache: Path | None = None,
     ) -> None:
-        """`backend`: as for models.encoder.BiEncoder."""
+        """`backend`: as for models.encoder.BiEncoder. The token limits default to those the folder's
+        reranker.json records (a model is scored on what it was fine-tuned on), else 64 and 512."""
         self.path = Path(path)
         self.name = self.path.name
+        record = read_reranker_json(self.path) or {}
+        query_max_tokens = query_max_tokens or record.get("query_max_tokens", 64)
+        max_tokens = max_tokens or record.get("max_tokens", 512)
         self.tokenizer, self.model, self.device = load_pretrained(
             self.path, AutoModelForSequenceClassification, device=device, fp16=fp16
         )
@@ -111,7 +122,7 @@ class CrossEncoder:
         """A folder `load_reranker` (and this class) loads back: weights, tokenizer and reranker.json."""
         self.model.save_pretrained(folder)
         self.tokenizer.save_pretrained(folder)
-        write_reranker_json(folder, "monobert")
+        write_reranker_json(folder, "monobert", query_max_tokens=self.query_max_tokens, max_tokens=self.max_tokens)
 
     @classmethod
     def load(cls, folder: str | Path, **options) -> "CrossEncoder":

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import hmac
 import json
 from http import HTTPStatus
 
@@ -35,14 +36,27 @@ def is_search(scope: dict) -> bool:
 
 
 class Occupancy:
-    """Search requests in the service now, against the cap (read by /metrics), and the refusal past it."""
+    """Search requests in the service now, against the cap (read by /metrics), and the refusal past it.
+    With an `api_key`, only a request that carries it counts: the app answers the others 401, but only
+    once it has read their bodies, and keyless clients sending slow bodies must not fill the cap."""
 
-    def __init__(self, cap: int, retry_after_s: int, monitor: Monitor) -> None:
+    def __init__(self, cap: int, retry_after_s: int, monitor: Monitor, api_key: bytes | None = None) -> None:
         self.cap, self.retry_after_s, self.monitor = cap, retry_after_s, monitor
+        self.expected = b"bearer " + api_key if api_key is not None else None
         self.in_flight = 0
 
     def full(self) -> bool:
         return self.in_flight >= self.cap
+
+    def counts(self, scope: dict) -> bool:
+        """Whether the request of ASGI `scope` counts against the cap: a search, with the key where one is set."""
+        if not is_search(scope):
+            return False
+        if self.expected is None:
+            return True
+        given = next((value for name, value in scope["headers"] if name == b"authorization"), b"")
+        scheme, _, credentials = given.partition(b" ")
+        return hmac.compare_digest(scheme.lower() + b" " + credentials.strip(), self.expected)
 
     async def serve(self, app, scope, receive, send) -> None:
         """Runs `app` for a request counted in (`in_flight += 1` as it was let in, which a burst of heads
@@ -71,7 +85,7 @@ class Admission:
         self.app, self.occupancy = app, occupancy
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or not is_search(scope) or scope.get(ADMITTED):
+        if scope["type"] != "http" or scope.get(ADMITTED) or not self.occupancy.counts(scope):
             return await self.app(scope, receive, send)
         occupancy = self.occupancy
         if occupancy.full():
@@ -134,7 +148,7 @@ def timeout_protocol(read_timeout_s: float, write_timeout_s: float, occupancy: O
                 self.transport.close()
 
         def _start_asgi_task(self, cycle, app) -> None:  # httptools: a request's head is complete
-            if occupancy is None or not is_search(cycle.scope):
+            if occupancy is None or not occupancy.counts(cycle.scope):
                 super()._start_asgi_task(cycle, app)
             elif self._completing:
                 # A pipelined request, started from inside the previous one's last send: decided on the

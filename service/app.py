@@ -244,7 +244,7 @@ def create_app(settings: ServiceSettings | None = None, engine: SearchEngine | N
 
     @app.post("/v1/embeddings", response_model=EmbeddingsResponse, dependencies=protected,
               responses=responses(), summary="OpenAI's embeddings API, by the served index's encoder")
-    async def embeddings(request: EmbeddingsRequest) -> Response:
+    async def embeddings(request: EmbeddingsRequest, http: Request) -> Response:
         texts = [request.input] if isinstance(request.input, str) else request.input
         if not texts:
             raise OverLimit(("input",), "input must hold at least one text")
@@ -254,7 +254,9 @@ def create_app(settings: ServiceSettings | None = None, engine: SearchEngine | N
                   for position, text in enumerate(texts)]
         used = sum(len(text.ids) for text in tokens)
         limits.check_batch_tokens(settings, used, "input")
-        vectors = await runtime.embed(texts, tokens)
+        vectors = await unless_gone(http, runtime.embed(texts, tokens))
+        if vectors is None:
+            return Response(status_code=499)  # as /search: its client has gone
         if request.encoding_format == "base64":
             data = [base64.b64encode(vector.astype("<f4").tobytes()).decode() for vector in vectors]
         else:

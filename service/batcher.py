@@ -196,7 +196,8 @@ class MicroBatcher:
             return
         finally:
             self._running = False
-        self._on_batch(len(batch))
+        embeds = isinstance(batch[0].job, EmbedJob)
+        self._on_batch(sum(len(item.job.texts) for item in batch) if embeds else len(batch))  # texts in the call
         finished = time.perf_counter()
         for item, result in zip(batch, results):
             if not item.future.done():

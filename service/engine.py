@@ -188,6 +188,10 @@ class SearchEngine:
         """All queries through one encoder forward pass and one search of each index, then the
         rerank the plan asks for; `tokens`: the queries already tokenized (`tokenize`)."""
         searcher = self._searcher
+        try:  # the plan was checked against the index served when it was made; a reload may have come since
+            searcher.check(plan.depth, **plan.retrieval)
+        except ValueError as error:
+            raise NotServable(f"mode: {error}") from None
         started = time.perf_counter()
         vectors = searcher.encode(queries, tokens) if plan.mode != "bm25" else None
         encoded = time.perf_counter()
@@ -226,13 +230,18 @@ class SearchEngine:
             self.search("warm-up query", 1, rerank_depth=2, reranker=name)
 
     def prepare(self, index_dir: Path, *, verify_checksums: bool = True) -> Searcher:
-        """Load `index_dir` beside the serving one (reusing the current encoder where it matches).
+        """Load `index_dir` beside the serving one (reusing the current encoder where its model, backend
+        and token limits match).
         Safe to run while searches go on: it encodes nothing."""
         current = self._searcher
         device = str(current.encoder.device)  # "cpu", "cuda" or "cuda:N": the device it was given
         try:
             manifest = read_manifest(index_dir, verify_checksums=verify_checksums)
-            if current.encoder.backend == (self.backend or manifest.encoder.backend):
+            record, spec = manifest.encoder, current.encoder.spec
+            # The token limits are the new index's own (SEARCH_QUERY_MAX_TOKENS still overriding the query's).
+            same_limits = spec.passage_max_tokens == record.passage_max_tokens and (
+                self.query_max_tokens is not None or spec.query_max_tokens == record.query_max_tokens)
+            if same_limits and current.encoder.backend == (self.backend or record.backend):
                 try:
                     return Searcher(index_dir, current.encoder, device=device, mmap=current.mmap, fp16=current.fp16)
                 except EncoderMismatch:  # the new index was built with another model: load that one

@@ -36,7 +36,7 @@ class Monitor:
             registry=self.registry,
         )
         self.batch_size = Histogram(
-            "search_batch_size", "Queries per encoder forward pass", buckets=BATCH_BUCKETS, registry=self.registry
+            "search_batch_size", "Texts per encoder call: queries, or embeddings inputs", buckets=BATCH_BUCKETS, registry=self.registry
         )
         self.rejected = Counter(
             "search_rejected_requests", "Search requests refused with 429: the service was at its concurrency cap",

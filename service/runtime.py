@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from typing import Sequence
 
@@ -66,7 +67,8 @@ class Runtime:
             on_batch=self.monitor.observe_batch, max_tokens=settings.max_batch_tokens,
             on_drop=self.monitor.dropped.inc, embed_batch=self._embed,
         )
-        self.occupancy = Occupancy(settings.max_concurrent_requests, settings.retry_after_s, self.monitor)
+        key = settings.api_key.get_secret_value().encode() if settings.api_key is not None else None
+        self.occupancy = Occupancy(settings.max_concurrent_requests, settings.retry_after_s, self.monitor, key)
         self.monitor.queued.set_function(lambda: self.batcher.waiting)
         self.monitor.in_flight.set_function(lambda: self.occupancy.in_flight)
         self.reload_lock = asyncio.Lock()
@@ -122,7 +124,9 @@ class Runtime:
         if self.settings.microbatch:
             result = await self.batcher.search(query, plan, tokens=tokens)
         else:
-            result = (await self._on_model_thread(self.ready_engine().run, [query], plan, [tokens]))[0]
+            result = _waited((await self._on_model_thread(self.ready_engine().run, [query], plan, [tokens]))[0],
+                             submitted)
+            self.monitor.observe_batch(1)
         self.monitor.observe_search(result.timings, plan.reranker)
         self.tracing.search(submitted, result, plan)
         return result
@@ -131,7 +135,8 @@ class Runtime:
                            tokens: Sequence[Tokens]) -> list[SearchResult]:
         """A client's batch: one run of its own, never fused with others."""
         submitted = time.perf_counter()
-        results = await self._on_model_thread(self.ready_engine().run, list(queries), plan, list(tokens))
+        results = [_waited(result, submitted) for result in
+                   await self._on_model_thread(self.ready_engine().run, list(queries), plan, list(tokens))]
         self.monitor.observe_batch(len(results))
         for result in results:
             self.monitor.observe_search(result.timings, plan.reranker)
@@ -143,6 +148,7 @@ class Runtime:
         (unless SEARCH_MICROBATCH is off)."""
         engine = self.ready_engine()
         if not self.settings.microbatch:
+            self.monitor.observe_batch(len(texts))
             return await self._traced("encode", {"search.batch_size": len(texts)}, engine.embed, list(texts), list(tokens))
         done = await self.batcher.embed(texts, tokens)
         self.tracing.stages([("queue", done.arrived, done.started), ("encode", done.started, done.finished)],
@@ -198,3 +204,10 @@ class Runtime:
         stages: list[Stage] = [("queue", marks[0], marks[1]), (stage, marks[1], marks[2])]
         self.tracing.stages(stages, attributes)
         return result
+
+
+def _waited(result: SearchResult, submitted: float) -> SearchResult:
+    """`result` with the wait for the model thread since `submitted` as its queue time, and in its total
+    (as the micro-batcher reports them): the latency a client saw, not only the run's."""
+    waited = 1000 * max(0.0, result.timings.started_at - submitted)
+    return replace(result, timings=replace(result.timings, queue=waited, total=result.timings.total + waited))

@@ -65,12 +65,13 @@ def wait_until(condition, seconds: float = 10.0) -> None:
         time.sleep(0.01)
 
 
-def send_search(port: int, query: str) -> socket.socket:
-    """A /search sent whole on its own connection, its answer left unread."""
-    body = json.dumps({"query": query, "k": 3}).encode()
+def send_search(port: int, query: str, path: str = "/search") -> socket.socket:
+    """A /search (or, with `path` /v1/embeddings, an embeddings request) sent whole on its own
+    connection, its answer left unread."""
+    body = json.dumps({"query": query, "k": 3} if path == "/search" else {"input": query}).encode()
     sock = socket.create_connection(("127.0.0.1", port))
-    sock.sendall(b"POST /search HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    sock.sendall(b"POST %s HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (path.encode(), len(body), body))
     return sock
 
 
@@ -148,6 +149,25 @@ def test_past_the_cap_the_http_protocol_refuses_before_any_of_the_app_runs(small
     assert entered.count("/search") == 2  # the first and the last: neither refusal reached the app
 
 
+def test_requests_without_the_key_take_no_place_under_the_cap(small_index, engine, demo_queries):
+    with serving(small_index, engine, max_concurrent_requests=1, api_key="secret") as (app, base, port):
+        # Keyless and wrong-key clients whose bodies never finish: the app would answer them 401 only once
+        # it had read the bodies, so while they hang on they must not hold the service's one place.
+        stalled = []
+        for header in (b"", b"Authorization: Bearer wrong\r\n"):
+            sock = socket.create_connection(("127.0.0.1", port))
+            sock.sendall(b"POST /search HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n" + header +
+                         b"Content-Length: 1000\r\n\r\n{")
+            stalled.append(sock)
+        time.sleep(0.2)  # within READ_TIMEOUT_S: both still hang on
+        assert app.state.runtime.occupancy.in_flight == 0
+        answer = httpx.post(f"{base}/search", json={"query": demo_queries["q0001"]},
+                            headers={"Authorization": "bearer  secret"}, trust_env=False)
+        assert answer.status_code == 200
+        for sock in stalled:
+            sock.close()
+
+
 def statuses_read(stream, count: int) -> list[int]:
     """The statuses of the next `count` answers on `stream` (a socket's file), each read whole."""
     statuses = []
@@ -181,13 +201,14 @@ def test_pipelined_searches_are_admitted_once_the_one_before_has_left(small_inde
         first.close()
 
 
-def test_a_queued_request_whose_client_has_gone_never_reaches_the_model(small_index, engine, demo_queries):
+@pytest.mark.parametrize("path", ["/search", "/v1/embeddings"])
+def test_a_queued_request_whose_client_has_gone_never_reaches_the_model(small_index, engine, demo_queries, path):
     with serving(small_index, engine) as (app, base, port):
         runtime = app.state.runtime
         with model_busy(app):
-            running = send_search(port, demo_queries["q0001"])  # taken by the batcher, waits for the model
+            running = send_search(port, demo_queries["q0001"], path)  # taken by the batcher, waits for the model
             wait_until(lambda: runtime.occupancy.in_flight == 1 and runtime.batcher.waiting == 0)
-            gone = send_search(port, demo_queries["q0002"])  # queued behind it
+            gone = send_search(port, demo_queries["q0002"], path)  # queued behind it
             wait_until(lambda: runtime.batcher.waiting == 1)
             assert metric(base, "search_queue_size") == 1
             gone.close()
@@ -296,3 +317,17 @@ def test_the_spec_declares_every_refusal_a_search_may_get(small_index, engine, k
         declared = set(spec["paths"][path]["post"]["responses"])
         assert {"200", "400", "408", "422", "429", "503"} <= declared
         assert ("401" in declared) == (key is not None)
+
+
+@pytest.mark.parametrize("path", ["/search", "/search/batch"])
+def test_latency_counts_the_wait_for_the_model_thread_on_paths_that_do_not_micro_batch(small_index, engine,
+                                                                                      demo_queries, path):
+    with serving(small_index, engine, microbatch=False) as (app, base, port):
+        gate = threading.Event()
+        app.state.runtime.executor.submit(gate.wait)  # other work holds the model thread for 0.3 s
+        threading.Timer(0.3, gate.set).start()
+        query = demo_queries["q0001"]
+        body = {"query": query} if path == "/search" else {"queries": [query]}
+        latency = httpx.post(base + path, json=body, trust_env=False, timeout=60).json()["latency_ms"]
+        assert latency["queue"] >= 250
+        assert latency["total"] >= latency["queue"] + latency["encode"] + latency["retrieve"]

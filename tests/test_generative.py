@@ -141,8 +141,16 @@ def test_unlikelihood_stays_finite_and_accurate_at_the_extremes():
     assert torch.isfinite(values).all()
 
 
+def test_unlikelihood_gradient_is_finite_where_a_token_is_certain():
+    # torch.where differentiates both branches: a log(0) in the one not taken would still make NaN.
+    logp = torch.tensor([0.0, -1e-9, -0.3, -5.0], requires_grad=True)  # float32: -1e-9 is p = 1 - 1e-9
+    log1m_exp(logp).sum().backward()
+    assert torch.isfinite(logp.grad).all()
+
+
 @pytest.mark.parametrize("arguments, reason", [
     (["--objective", "lul", "--negatives", "0"], "--negatives >= 1"),
+    (["--objective", "mle", "--negatives", "3"], "drop --negatives"),
     (["--objective", "mle", "--scratch", "causal", "--gguf-file", "x.gguf"], "--gguf-file"),
 ])
 def test_bad_input_exits_2_with_one_line(tmp_path, capsys, folders, demo_split, arguments, reason):

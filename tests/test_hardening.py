@@ -31,6 +31,7 @@ from retrieval.searcher import Searcher
 from service.app import create_app
 from service.batcher import MicroBatcher
 from service.engine import SearchEngine
+from service.errors import NotServable
 from service.settings import ServiceSettings
 from tests.test_cross_encoder import tiny_bert
 from tests.test_service import call, one, settings_for
@@ -225,6 +226,32 @@ def test_reloading_an_index_of_another_model_keeps_the_query_token_override(smal
     engine.install(engine.prepare(tmp_path / "other"))
     assert engine.searcher.encoder.path == model and str(engine.searcher.encoder.device) == "cpu"
     assert engine.searcher.encoder.spec.query_max_tokens == 7  # SEARCH_QUERY_MAX_TOKENS survives the reload
+
+
+@pytest.fixture(scope="module")
+def short_query_index(tmp_path_factory, encoder) -> Path:
+    """An index of the packaged model built with RepBERT's 20-token query limit, and no BM25."""
+    folder = tmp_path_factory.mktemp("short-queries")
+    (folder / "corpus.tsv").write_text("t1\twing stall at high angle\nt2\tjoin two paths\n")
+    limited = BiEncoder(encoder.path, device="cpu", query_max_tokens=20)
+    build_index(BuildOptions(folder / "corpus.tsv", folder / "index"), limited)
+    assert read_manifest(folder / "index").encoder.query_max_tokens == 20
+    return folder / "index"
+
+
+def test_reloading_an_index_of_the_same_model_takes_its_token_limits(small_index, short_query_index):
+    engine = SearchEngine.open(small_index, device="cpu")
+    assert engine.searcher.encoder.spec.query_max_tokens == 256
+    engine.install(engine.prepare(short_query_index))
+    assert engine.searcher.encoder.spec.query_max_tokens == 20
+
+
+def test_a_search_planned_before_a_reload_that_dropped_bm25_is_not_servable(small_index, short_query_index):
+    engine = SearchEngine.open(small_index, device="cpu")
+    plan = engine.plan(5, mode="bm25")  # a request queued while the reload below goes on
+    engine.install(engine.prepare(short_query_index))
+    with pytest.raises(NotServable, match="^mode: .*BM25"):
+        engine.run(["wing stall"], plan)
 
 
 def test_a_chunked_body_over_the_limit_is_the_documented_422(small_index, engine):

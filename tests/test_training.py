@@ -24,13 +24,14 @@ from safetensors.torch import load_file
 from index_builder.build import BuildOptions, build_index
 from models.cross_encoder import CrossEncoder
 from models.encoder import BiEncoder, default_model_path
+from models.reranker import load_reranker
 from retrieval.readers import read_run
 from service.app import create_app
 from service.settings import ServiceSettings
 from tests.conftest import DEMO, head
 from tests.test_cross_encoder import tiny_bert
 from training.data import Collection, TrainingDataError, load_judged, load_triples
-from training.train_biencoder import in_batch_positives
+from training.train_biencoder import BiEncoderTrainee, in_batch_positives
 from training.train_biencoder import main as train_biencoder
 from training.train_cross_encoder import main as train_cross_encoder
 
@@ -158,6 +159,16 @@ def test_biencoder_checkpoint_keeps_the_start_models_normalisation(tmp_path, dem
     assert trained.spec.passage_segment_id == BiEncoder(default_model_path(), device="cpu").spec.passage_segment_id
 
 
+def test_biencoder_training_scores_pairs_as_the_encoder_serves_them_prefixes_included():
+    encoder = BiEncoder(default_model_path(), device="cpu", query_prefix="query: ", passage_prefix="passage: ")
+    trainee = BiEncoderTrainee(encoder, data=None, batch_size=2, negatives=0, seed=13)
+    queries, passages = ["what is lift"], ["Lift is a force on a wing.", "A path joins two points."]
+    with torch.no_grad():
+        scores = trainee.scores(queries, passages).numpy()
+    expected = encoder.encode_queries(queries) @ encoder.encode_passages(passages).T
+    np.testing.assert_allclose(scores, expected, atol=1e-5)
+
+
 @pytest.mark.parametrize("loss", ["pointwise", "group"])
 def test_cross_encoder_cli_learns_from_minilm_and_its_checkpoint_loads(tmp_path, demo_split, demo, loss):
     """Starts from the packaged MiniLM with a new random head; --max-steps 0 saves that starting point.
@@ -231,10 +242,12 @@ def test_cross_encoder_trains_from_a_triples_file(tmp_path, capsys):
     )
     start = tiny_bert(tmp_path / "random-bert", num_labels=None, hidden=32, layers=1)
     argv = ["--init", str(start), "--triples", str(triples), "--output", str(tmp_path / "run"), "--max-steps", "2",
-            "--batch-size", "2"]
+            "--batch-size", "2", "--query-max-tokens", "16", "--max-tokens", "48"]
     assert train_cross_encoder(argv) == 0
-    model = CrossEncoder(tmp_path / "run" / "checkpoint-0000002", device="cpu")
+    model = load_reranker(tmp_path / "run" / "checkpoint-0000002", device="cpu")
     assert model.score("what is a path", ["os.path: Common pathname manipulations."]).shape == (1,)
+    # Scored within the token limits it was trained with, not the defaults (64, 512).
+    assert (model.query_max_tokens, model.max_tokens) == (16, 48)
 
 
 @pytest.mark.parametrize(

@@ -113,11 +113,15 @@ def mle_loss(logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 def log1m_exp(logp: torch.Tensor) -> torch.Tensor:
     """log(1 - exp(logp)) for logp <= 0, accurate near both ends (Maechler 2012); -inf where p = 1 is
-    replaced by log of the smallest float32, so one certain token cannot make the loss infinite."""
+    replaced by log of the smallest float32, so one certain token cannot make the loss, or its
+    gradient, infinite or NaN. torch.where differentiates both branches, so each gets an input that
+    is finite in it (the other's is masked), and 1 - p is floored before its log."""
+    tiny = torch.finfo(torch.float32).tiny
     logp = logp.clamp(max=0.0)
     near_one = logp > -math.log(2.0)
-    value = torch.where(near_one, torch.log(-torch.expm1(logp)), torch.log1p(-torch.exp(logp)))
-    return value.clamp(min=math.log(torch.finfo(torch.float32).tiny))
+    close = torch.log((-torch.expm1(torch.where(near_one, logp, -1.0))).clamp(min=tiny))
+    far = torch.log1p(-torch.exp(torch.where(near_one, -1.0, logp)))
+    return torch.where(near_one, close, far)
 
 
 def lul_loss(logprobs: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -49,11 +49,14 @@ class BiEncoderTrainee:
     def scores(self, queries: list[str], passages: list[str]) -> torch.Tensor:
         """Rel(q, p) for every query and passage, eq. 3, with gradients."""
         spec = self.encoder.spec
-        q = self._embed(queries, spec.query_max_tokens, spec.query_segment_id)
-        p = self._embed(passages, spec.passage_max_tokens, spec.passage_segment_id)
+        q = self._embed(queries, "query", spec.query_max_tokens, spec.query_segment_id)
+        p = self._embed(passages, "passage", spec.passage_max_tokens, spec.passage_segment_id)
         return q @ p.T
 
-    def _embed(self, texts: list[str], max_tokens: int, segment_id: int) -> torch.Tensor:
+    def _embed(self, texts: list[str], input_type: str, max_tokens: int, segment_id: int) -> torch.Tensor:
+        # With the model's own instruction prefix, as indexing and serving add it (e5's "query: ", ...).
+        prefix = self.encoder.prefix(input_type)
+        texts = [prefix + text for text in texts]
         token_ids = self.encoder.tokenizer(texts, truncation=True, max_length=max_tokens)["input_ids"]
         ids, mask = padded_batch(token_ids, self.encoder.tokenizer.pad_token_id or 0, self.encoder.device)
         return self.encoder.embed_tensor(ids, mask, segment_id)

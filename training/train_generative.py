@@ -97,10 +97,13 @@ def _build(args: argparse.Namespace, start: Path | None):
     negatives = DEFAULT_NEGATIVES[args.objective] if args.negatives is None else args.negatives
     if args.objective != "mle" and negatives < 1:
         raise TrainingDataError(f"--objective {args.objective} needs --negatives >= 1")
+    if args.objective == "mle" and negatives:  # it would maximise their likelihood as if they were relevant
+        raise TrainingDataError("--objective mle learns from relevant pairs only (eq. 2): drop --negatives")
     if args.gguf_file and not args.init:
         raise TrainingDataError("--gguf-file names a file inside --init")
     data = load_training_data(args)
     limits = dict(query_max_tokens=args.query_max_tokens, passage_max_tokens=args.passage_max_tokens)
+    torch.manual_seed(args.seed)  # the new <boq>/<eoq> embeddings of a fresh start are sampled
     if start is not None:
         reranker = GenerativeReranker(start, device=args.device, fp16=False, **limits)
         origin = None  # the trainer keeps the run's origin from the checkpoint
