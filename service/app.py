@@ -72,6 +72,9 @@ class _RequestCounter:
 def plan(settings: ServiceSettings, engine: SearchEngine, request: SearchRequest | BatchSearchRequest) -> SearchPlan:
     """The request checked once, into the plan the engine runs (OverLimit: 422, NotServable: 400)."""
     limits.check_k(settings, request.k)
+    if request.rerank and request.depth is None and request.k > settings.max_rerank_depth:
+        raise OverLimit(("k",), f"k={request.k} is over the max_rerank_depth limit of {settings.max_rerank_depth} "
+                                "(SEARCH_MAX_RERANK_DEPTH): a reranked request rescores at least k passages", request.k)
     depth = (request.depth or max(settings.rerank_depth, request.k)) if request.rerank else None
     return engine.plan(request.k, rerank_depth=depth, reranker=request.reranker if request.rerank else None,
                        max_rerank_depth=settings.max_rerank_depth, allow_partial=request.allow_partial,

@@ -204,8 +204,7 @@ class MicroBatcher:
                 item.future.set_result(self._finish(item, result, started, finished))
 
     def _search_call(self, batch: list[_Pending]) -> Callable[[], list[SearchResult]]:
-        # The top-k of an exact top-K (K >= k) is the exact top-k; a rerank depth is the same for all.
-        plan = replace(batch[0].job.plan, k=max(item.job.plan.k for item in batch))
+        plan = batch[0].job.plan  # the batch's plans are equal (SearchPlan.fusing_key)
         tokens = [item.job.tokens for item in batch]
         return functools.partial(self._run_batch, [item.job.query for item in batch], plan,
                                  None if None in tokens else tokens)

@@ -4,7 +4,7 @@ timings. Plain Python: the HTTP layer, tests and benchmarks all drive this same 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
@@ -52,7 +52,7 @@ class SearchResult:
 @dataclass(frozen=True)
 class SearchPlan:
     """A request checked once (`SearchEngine.plan`): the engine runs it without checking again, and
-    the micro-batcher fuses requests whose plans differ in k at most (`fusing_key`)."""
+    the micro-batcher fuses requests of equal plans only (`fusing_key`)."""
 
     k: int
     mode: str = "dense"
@@ -73,7 +73,10 @@ class SearchPlan:
 
     @property
     def fusing_key(self) -> "SearchPlan":
-        return replace(self, k=0)
+        # k included: FAISS and BM25 choose among passages tied at the k-th place (duplicate passages,
+        # equal BM25 statistics) by k, so fused at a neighbour's larger k an answer could change with
+        # whoever it was fused with. Equal plans give each request the answer it gets alone.
+        return self
 
 
 class ReloadError(Exception):

@@ -173,3 +173,27 @@ def test_embeddings_requests_queued_together_share_one_forward_pass_and_keep_the
         assert answer.vectors.shape == (len(texts), encoder.dimension)
         assert abs(answer.vectors - encoder.encode_queries(texts)).max() < 1e-5
 
+
+
+def test_requests_fuse_only_with_requests_of_the_same_k(engine, demo_queries):
+    # Fused at a neighbour's larger k, an answer could change with whoever it was fused with: FAISS and
+    # BM25 choose among passages tied at the k-th place by k.
+    gate = threading.Event()
+    sizes: list[int] = []
+
+    async def scenario():
+        with ThreadPoolExecutor(max_workers=1) as executor:
+            batcher = MicroBatcher(held_until(gate, engine), executor, FOREVER_S, max_batch=8, on_batch=sizes.append)
+            first = asyncio.create_task(batcher.search(demo_queries["q0001"], SearchPlan(3)))
+            await asyncio.sleep(0.2)
+            behind = [asyncio.create_task(batcher.search(demo_queries[q], SearchPlan(k)))
+                      for q, k in (("q0002", 3), ("q0003", 10), ("q0004", 3))]
+            await asyncio.sleep(0.2)
+            gate.set()
+            results = await asyncio.wait_for(asyncio.gather(first, *behind), timeout=60)
+            await batcher.close()
+        return results
+
+    results = asyncio.run(scenario())
+    assert sorted(sizes) == [1, 1, 2]  # the first alone; then k=3's two together, k=10's apart
+    assert [len(result.hits) for result in results] == [3, 3, 10, 3]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from pydantic import ValidationError
 from transformers import BertConfig, BertForSequenceClassification, BertTokenizerFast
 
 from models.cross_encoder import CrossEncoder
@@ -56,6 +57,15 @@ def test_rerank_depth_limits_give_422(rerank_app):
     assert over.status_code == 422 and "max_rerank_depth limit of 50 (SEARCH_MAX_RERANK_DEPTH)" in over.text
     under = one(rerank_app, "POST", "/search", {"query": "paths", "k": 10, "rerank": True, "depth": 5})
     assert under.status_code == 422 and under.json()["detail"][0]["loc"] == ["body", "depth"]
+    # With no depth sent, a k past the limit is the field named, not a depth the client never sent.
+    wide = one(rerank_app, "POST", "/search", {"query": "paths", "k": 60, "rerank": True})
+    assert wide.status_code == 422 and wide.json()["detail"][0]["loc"] == ["body", "k"]
+    assert "k=60 is over the max_rerank_depth limit of 50" in wide.text
+
+
+def test_a_default_rerank_depth_past_the_limit_refuses_to_start(small_index):
+    with pytest.raises(ValidationError, match="SEARCH_RERANK_DEPTH=100 is over SEARCH_MAX_RERANK_DEPTH=50"):
+        ServiceSettings(index_dir=small_index, device="cpu", rerank_depth=100, max_rerank_depth=50)
 
 
 def test_rerank_applies_after_hybrid_fusion_and_in_batches(rerank_app, engine, demo_queries):

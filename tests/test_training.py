@@ -232,6 +232,8 @@ def test_an_interrupted_run_resumes_exactly_where_it_stopped(tmp_path, demo_spli
 
     assert cli([*argv, "--max-steps", "8", "--resume", "--batch-size", "3"]) == 2
     assert "batch_size=2" in capsys.readouterr().err
+    assert cli([*argv, "--max-steps", "8", "--resume", "--lr", "5e-4"]) == 2  # would come back from the checkpoint
+    assert "lr=0.001" in capsys.readouterr().err
 
 
 def test_cross_encoder_trains_from_a_triples_file(tmp_path, capsys):

@@ -30,8 +30,10 @@ from training.data import Collection, TrainingDataError, load_collection, pool_r
 CHECKPOINT_PREFIX = "checkpoint-"
 STATE_FILE = "trainer_state.json"
 OPTIMIZER_FILE = "training_state.pt"
-# Settings that fix the batch order; a resume with other values would not continue the same run.
-RESUME_MUST_MATCH = ("batch_size", "accumulate", "seed")
+# Settings that fix the batch order or the optimiser's (the learning rate comes back with the saved
+# scheduler, so another --lr would be silently ignored); a resume with other values would not continue
+# the same run. --max-steps may grow: the run is extended, its warm-up and decay recomputed to the new end.
+RESUME_MUST_MATCH = ("batch_size", "accumulate", "seed", "lr", "weight_decay")
 
 
 class Trainee(Protocol):
