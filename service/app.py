@@ -75,7 +75,8 @@ def plan(settings: ServiceSettings, engine: SearchEngine, request: SearchRequest
     if request.rerank and request.depth is None and request.k > settings.max_rerank_depth:
         raise OverLimit(("k",), f"k={request.k} is over the max_rerank_depth limit of {settings.max_rerank_depth} "
                                 "(SEARCH_MAX_RERANK_DEPTH): a reranked request rescores at least k passages", request.k)
-    depth = (request.depth or max(settings.rerank_depth, request.k)) if request.rerank else None
+    default = max(min(settings.rerank_depth, settings.max_rerank_depth), request.k)  # k <= the limit here
+    depth = (request.depth or default) if request.rerank else None
     return engine.plan(request.k, rerank_depth=depth, reranker=request.reranker if request.rerank else None,
                        max_rerank_depth=settings.max_rerank_depth, allow_partial=request.allow_partial,
                        **request.retrieval())

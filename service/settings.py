@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from models.onnx_backend import Backend
@@ -37,7 +37,7 @@ class ServiceSettings(BaseSettings):
         description="reranker folders as a JSON list, at most one per kind (monobert, coattention, generative); "
         "the first is the default; empty: no reranking",
     )
-    rerank_depth: int = Field(100, ge=1, le=1000, description="passages rescored when a request gives no depth")
+    rerank_depth: int = Field(100, ge=1, le=1000, description="passages rescored when a request gives no depth (at most max_rerank_depth)")
     max_rerank_depth: int = Field(1000, ge=1, le=1000, description="largest depth a request may ask for")
 
     max_query_chars: int = Field(
@@ -110,14 +110,6 @@ class ServiceSettings(BaseSettings):
         if key is not None and not key.get_secret_value().strip():
             raise ValueError("is set but empty: set a key, or unset SEARCH_API_KEY to serve without one")
         return key
-
-    @model_validator(mode="after")
-    def _default_depth_within_the_limit(self) -> "ServiceSettings":
-        # Else every rerank request without a depth would be refused for a depth its client never sent.
-        if self.rerank_depth > self.max_rerank_depth:
-            raise ValueError(f"SEARCH_RERANK_DEPTH={self.rerank_depth} is over SEARCH_MAX_RERANK_DEPTH="
-                             f"{self.max_rerank_depth}: the default depth must be one a request may ask for")
-        return self
 
     @field_validator("otlp_endpoint")
     @classmethod

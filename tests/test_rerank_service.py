@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-from pydantic import ValidationError
 from transformers import BertConfig, BertForSequenceClassification, BertTokenizerFast
 
 from models.cross_encoder import CrossEncoder
@@ -63,9 +62,13 @@ def test_rerank_depth_limits_give_422(rerank_app):
     assert "k=60 is over the max_rerank_depth limit of 50" in wide.text
 
 
-def test_a_default_rerank_depth_past_the_limit_refuses_to_start(small_index):
-    with pytest.raises(ValidationError, match="SEARCH_RERANK_DEPTH=100 is over SEARCH_MAX_RERANK_DEPTH=50"):
-        ServiceSettings(index_dir=small_index, device="cpu", rerank_depth=100, max_rerank_depth=50)
+def test_a_default_rerank_depth_past_the_limit_is_cut_to_it(small_index, searcher, small_cross_encoder):
+    # Else every rerank request without a depth would be refused for a depth its client never sent.
+    settings = ServiceSettings(index_dir=small_index, device="cpu", rerankers=[small_cross_encoder.path],
+                               rerank_depth=100, max_rerank_depth=8)
+    app = create_app(settings, SearchEngine(searcher, {"monobert": small_cross_encoder}))
+    response = one(app, "POST", "/search", {"query": "paths", "k": 3, "rerank": True})
+    assert response.status_code == 200 and len(response.json()["results"]) == 3
 
 
 def test_rerank_applies_after_hybrid_fusion_and_in_batches(rerank_app, engine, demo_queries):
