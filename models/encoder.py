@@ -222,7 +222,7 @@ class BiEncoder:
 
     def encode_queries(self, queries: Sequence[str]) -> np.ndarray:
         """(len(queries), dimension) float32 embeddings (of each query after the query prefix)."""
-        return self._encode(self._prefixed(queries, "query"), self.spec.query_max_tokens, self.spec.query_segment_id)
+        return self._encode(self.prefixed(queries, "query"), self.spec.query_max_tokens, self.spec.query_segment_id)
 
     def query_tokens(self, query: str) -> int:
         """How many tokens `query` has, its prefix and special tokens included, before any truncation."""
@@ -234,7 +234,8 @@ class BiEncoder:
     def prefix(self, input_type: InputType) -> str:
         return self.spec.query_prefix if input_type == "query" else self.spec.passage_prefix
 
-    def _prefixed(self, texts: Sequence[str], input_type: InputType) -> Sequence[str]:
+    def prefixed(self, texts: Sequence[str], input_type: InputType) -> Sequence[str]:
+        """`texts` with the instruction prefix of `input_type`, as encoding (and training) feed them."""
         prefix = self.prefix(input_type)
         return [prefix + text for text in texts] if prefix else texts
 
@@ -277,7 +278,7 @@ class BiEncoder:
     def encode_passages(self, passages: Sequence[str], progress: tqdm | None = None) -> np.ndarray:
         """(len(passages), dimension) float32 embeddings (of each passage after the passage prefix);
         `progress` advances by each batch's size."""
-        return self._encode(self._prefixed(passages, "passage"), self.spec.passage_max_tokens,
+        return self._encode(self.prefixed(passages, "passage"), self.spec.passage_max_tokens,
                             self.spec.passage_segment_id, progress)
 
     def _encode(self, texts: Sequence[str], max_tokens: int, segment_id: int, progress=None) -> np.ndarray:

@@ -50,8 +50,8 @@ def main(argv: list[str] | None = None) -> int:
         settings = ServiceSettings()
     except ValidationError as error:  # one line per bad setting, named as its variable
         for problem in error.errors():
-            name = "SEARCH_" + "_".join(str(part) for part in problem["loc"]).upper() + ": " if problem["loc"] else ""
-            print(f"error: {name}{problem['msg'].removeprefix('Value error, ')}", file=sys.stderr)
+            name = "SEARCH_" + "_".join(str(part) for part in problem["loc"]).upper()
+            print(f"error: {name}: {problem['msg'].removeprefix('Value error, ')}", file=sys.stderr)
         return 2
     if args.ray is not None:
         return sharded.serve_sharded(args, settings)

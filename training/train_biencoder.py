@@ -54,9 +54,7 @@ class BiEncoderTrainee:
         return q @ p.T
 
     def _embed(self, texts: list[str], input_type: str, max_tokens: int, segment_id: int) -> torch.Tensor:
-        # With the model's own instruction prefix, as indexing and serving add it (e5's "query: ", ...).
-        prefix = self.encoder.prefix(input_type)
-        texts = [prefix + text for text in texts]
+        texts = self.encoder.prefixed(texts, input_type)  # e5's "query: ", ...: as indexing and serving add it
         token_ids = self.encoder.tokenizer(texts, truncation=True, max_length=max_tokens)["input_ids"]
         ids, mask = padded_batch(token_ids, self.encoder.tokenizer.pad_token_id or 0, self.encoder.device)
         return self.encoder.embed_tensor(ids, mask, segment_id)
