@@ -19,15 +19,17 @@ def unencodable(text: str) -> str | None:
 
 
 def check_query(settings: ServiceSettings, query: str, field: tuple = ("query",)) -> None:
+    """A text to encode: a query of /search, or an input of /v1/embeddings (the message names which)."""
+    noun = "query" if field[0] in ("query", "queries") else "text"
     if not query.strip():
-        raise OverLimit(field, "query must not be empty or only whitespace", query)
+        raise OverLimit(field, f"{noun} must not be empty or only whitespace", query)
     reason = unencodable(query)
     if reason:
-        raise OverLimit(field, f"query {reason}")
+        raise OverLimit(field, f"{noun} {reason}")
     if len(query) > settings.max_query_chars:
         raise OverLimit(
             field,
-            f"query is {len(query)} characters, over the max_query_chars limit of {settings.max_query_chars} "
+            f"{noun} is {len(query)} characters, over the max_query_chars limit of {settings.max_query_chars} "
             "(SEARCH_MAX_QUERY_CHARS)",
         )
 

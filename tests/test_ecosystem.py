@@ -45,6 +45,7 @@ def test_embeddings_keep_the_search_limits(small_index, engine):
     assert "SEARCH_MAX_BATCH_QUERIES" in too_many.json()["detail"][0]["msg"]
     blank = one(app, "POST", "/v1/embeddings", {"input": ["fine", "  "]})
     assert blank.status_code == 422 and blank.json()["detail"][0]["loc"] == ["body", "input", 1]
+    assert blank.json()["detail"][0]["msg"].startswith("text must not be empty")  # an input, not a query
     long = one(app, "POST", "/v1/embeddings", {"input": "word " * 300, "truncate": False})
     assert long.status_code == 422 and "over the query token limit of 256" in long.json()["detail"][0]["msg"]
 

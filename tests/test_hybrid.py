@@ -3,10 +3,12 @@ and reciprocal rank fusion."""
 
 from __future__ import annotations
 
+import warnings
+
 import bm25s
 import pytest
 
-from retrieval.bm25_index import Bm25Index, new_tokenizer
+from retrieval.bm25_index import Bm25Index, build_bm25, new_tokenizer
 from retrieval.fusion import interleave, reciprocal_rank_fusion
 from retrieval.index_format import read_manifest
 from retrieval.passage_store import PassageStore
@@ -63,6 +65,13 @@ def test_bm25_only_returns_passages_sharing_a_term(searcher):
     assert hits == []
     hits = searcher.search("socket", k=10, mode="bm25")
     assert hits and all("socket" in hit.text.lower() for hit in hits)
+
+
+def test_an_empty_shards_bm25_builds_quietly_and_finds_nothing(tmp_path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # `--shards N` past the passage count: numpy warned of an empty mean
+        build_bm25([], 0, tmp_path)
+    assert Bm25Index(tmp_path).search(["any word"], 10) == [[]]
 
 
 @pytest.mark.parametrize("fusion,lead", [("interleave", "dense"), ("interleave", "bm25"), ("rrf", "dense")])
