@@ -74,10 +74,39 @@ def load_index(path: str | Path, device: str = "auto", *, mmap: bool = False, fp
     return shard_over_gpus(index, fp16) if resolved.index is None else to_gpu(index, resolved.index, fp16)
 
 
+GPU_MAX_K = 2048  # the most results FAISS's GPU flat search gives a query
+
+
 def search(index: faiss.Index, vectors: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """(scores, rows), each (len(vectors), k), best first; rows are -1 past the index's size."""
+    """(scores, rows), each (len(vectors), k): the first k rows by score, and among equal scores by row,
+    lowest first; rows are -1 past the index's size.
+
+    Equal scores come from duplicate passages. FAISS orders them by its heap, and which of several tied
+    at the k-th place it keeps depends on k and on the order it met them, so a shard's top k (whose rows
+    are another subset) could keep others than the whole index's. Fixing the rule makes sharded search
+    equal one index even there: a search reads one result past k to see a tie crossing the k-th place,
+    and more (rarely) until the tie ends."""
     vectors = np.ascontiguousarray(vectors, dtype=np.float32)
-    return index.search(vectors, k)
+    total = index.ntotal
+    if k <= 0 or len(vectors) == 0:
+        return index.search(vectors, k)
+    if k >= total:  # every row is in: nothing to choose, only to order
+        scores, rows = index.search(vectors, k)
+        return _ordered(scores, rows, k)
+    cap = total if isinstance(index, faiss.IndexFlat) else min(total, GPU_MAX_K)
+    fetch = min(k + 1, cap)
+    scores, rows = index.search(vectors, fetch)
+    while fetch < cap and np.any((scores[:, k] == scores[:, k - 1]) & (scores[:, -1] == scores[:, k - 1])):
+        fetch = min(fetch * 2, cap)  # a tie runs past what was read: read on until it ends
+        scores, rows = index.search(vectors, fetch)
+    return _ordered(scores, rows, k)
+
+
+def _ordered(scores: np.ndarray, rows: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The first k of each query's (score, row) pairs by score descending, then row ascending (-1 rows,
+    scored -inf-like, last)."""
+    order = np.lexsort((np.where(rows < 0, np.iinfo(np.int64).max, rows), -scores), axis=-1)[:, :k]
+    return np.take_along_axis(scores, order, axis=-1), np.take_along_axis(rows, order, axis=-1)
 
 
 def _available_bytes() -> int:

@@ -3,7 +3,7 @@
 Shard i of N holds the corpus records i, i + N, i + 2N, ... (`Shard`), each row with the corpus
 line it came from. A whole index stores its rows in corpus line order (a build streams the file,
 and `merge` restores that order), so the corpus line is the whole index's row order: merging the
-shards' own top-k lists by score, ties by line, gives the whole index's top-k (`merge_top_k`).
+shards' own top-k lists by score, ties by line (as dense_index.search ranks), gives the whole index's top-k (`merge_top_k`).
 `ShardIndex` is the search side of one shard directory, with the loading checks of a `Searcher`
 but no encoder: it takes query vectors.
 """
@@ -80,12 +80,9 @@ class ShardHit(NamedTuple):
 
 def merge_top_k(lists: Sequence[Sequence[ShardHit]], k: int) -> list[ShardHit]:
     """The top `k` of the shards' own top-k lists (each best first), as one flat index over all their
-    passages ranks them: by score, and among equal scores the later corpus line first, as FAISS's
-    flat search orders ties (the higher row first). Which of several passages tied at the k-th score
-    are kept is FAISS's heap's choice, not a rule; here the earliest lines are kept. Ties of exactly
-    equal float scores come from duplicate passages only."""
-    kept = heapq.nsmallest(k, (hit for hits in lists for hit in hits), key=lambda hit: (-hit.score, hit.line))
-    return sorted(kept, key=lambda hit: (-hit.score, -hit.line))
+    passages ranks them (dense_index.search): by score, and among equal scores (duplicate passages) the
+    earlier corpus line first, which also decides which of those tied at the k-th score are kept."""
+    return heapq.nsmallest(k, (hit for hits in lists for hit in hits), key=lambda hit: (-hit.score, hit.line))
 
 
 def shard_agreement(manifest: Manifest) -> dict:

@@ -9,6 +9,7 @@ import faiss
 import numpy as np
 import pytest
 
+from retrieval import dense_index
 from retrieval.searcher import Searcher
 from retrieval.sharding import ShardHit, ShardIndex, merge_top_k
 from service.engine import SearchEngine
@@ -29,22 +30,40 @@ def shard_lists(vectors: np.ndarray, queries: np.ndarray, k: int) -> list[list[l
     per_shard = []
     for i in range(N):
         rows = np.arange(i, len(vectors), N)
-        scores, found = flat(vectors[rows]).search(queries, min(k, len(rows)))
+        scores, found = dense_index.search(flat(vectors[rows]), queries, min(k, len(rows)))
         per_shard.append([[ShardHit(float(s), int(rows[r]), f"p{rows[r]}", "") for s, r in zip(ss, rr)]
                           for ss, rr in zip(scores, found)])
     return [[shard[q] for shard in per_shard] for q in range(len(queries))]
 
 
-@pytest.mark.parametrize("k", [1, 2, 10, 99, 100, 150, 600])
-def test_merging_the_shards_top_k_gives_the_flat_index_top_k_rows_and_scores(k):
+def tied_vectors() -> tuple[np.ndarray, np.ndarray]:
+    """600 vectors, rows 1, 100, 200 and 500 one passage four times (in all three shards), and queries:
+    that passage (the four tie at the top), and one for which they tie at the 2nd to 5th place."""
     rng = np.random.default_rng(7)
     vectors = rng.standard_normal((600, 16)).astype(np.float32)
-    vectors[[100, 200, 500]] = vectors[1]  # exact ties, kept whole in every top k that reaches them
-    queries = np.concatenate([vectors[[1]], rng.standard_normal((24, 16)).astype(np.float32)])
-    scores, rows = flat(vectors).search(queries, k)
+    vectors[[100, 200, 500]] = vectors[1]
+    leader = vectors[1] * 1.01
+    vectors[599] = leader  # scores above the four, met after them (FAISS then keeps the later ones)
+    queries = np.concatenate([vectors[[1]], rng.standard_normal((24, 16)).astype(np.float32), leader[None]])
+    return vectors, queries
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4, 10, 99, 100, 150, 600])
+def test_the_flat_search_keeps_the_earliest_rows_of_those_tied_at_the_kth_place(k):
+    vectors, queries = tied_vectors()
+    everything = dense_index.search(flat(vectors), queries, len(vectors))
+    scores, rows = dense_index.search(flat(vectors), queries, k)
+    assert np.array_equal(rows, everything[1][:, :k]) and np.array_equal(scores, everything[0][:, :k])
+    assert rows[-1, :5].tolist() == [599, 1, 100, 200, 500][:k]  # FAISS alone: [599, 100] at k = 2
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4, 10, 99, 100, 150, 600])
+def test_merging_the_shards_top_k_gives_the_flat_index_top_k_rows_and_scores(k):
+    vectors, queries = tied_vectors()
+    scores, rows = dense_index.search(flat(vectors), queries, k)
     for query, lists in enumerate(shard_lists(vectors, queries, k)):
         merged = merge_top_k(lists, k)
-        assert [hit.line for hit in merged] == rows[query].tolist()  # ties too: the later row first
+        assert [hit.line for hit in merged] == rows[query].tolist()  # ties too, at the k-th place as well
         assert [hit.score for hit in merged] == scores[query].tolist()  # the same floats, bit for bit
 
 
