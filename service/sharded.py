@@ -150,9 +150,12 @@ def build_application(shard_dirs: Sequence[str | Path], settings: ServiceSetting
         shards.append(ShardDeployment.options(name=name, num_replicas=shard_replicas, ray_actor_options=options,
                                               logging_config=logging_config)
                       .bind(str(directory), "auto", settings.verify_checksums, settings.index_mmap, settings.gpu_fp16))
-    # As many requests in the ingress as the service admits: past that, its own 429 answers.
+    # Serve holds a replica's requests past max_ongoing_requests in its own queue, unbounded, where the app
+    # would never see them to answer 429: so twice the app's cap, which leaves the app to refuse searches
+    # past SEARCH_MAX_CONCURRENT_REQUESTS at once, as the plain service does, and keeps room for /health,
+    # /ready and the refusals themselves (Serve counts them all; the app counts only searches).
     ingress = SearchIngress.options(name="search", num_replicas=ingress_replicas,
-                                    max_ongoing_requests=settings.max_concurrent_requests,
+                                    max_ongoing_requests=2 * settings.max_concurrent_requests,
                                     ray_actor_options=_with_threads(ingress_options), logging_config=logging_config)
     return ingress.bind(settings, names, *shards)
 

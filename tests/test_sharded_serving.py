@@ -23,6 +23,7 @@ from service.settings import ServiceSettings  # noqa: E402
 from service.sharded import APP_NAME, build_application  # noqa: E402
 
 SHARD_TIMEOUT_S = 3.0
+CAP = 4  # SEARCH_MAX_CONCURRENT_REQUESTS: above the kill test's three clients at once
 
 
 def free_port() -> int:
@@ -42,7 +43,7 @@ def base_url(ray_session, small_shards):
     try:
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        settings = ServiceSettings(device="cpu", shard_timeout_s=SHARD_TIMEOUT_S)
+        settings = ServiceSettings(device="cpu", shard_timeout_s=SHARD_TIMEOUT_S, max_concurrent_requests=CAP)
         # No CPUs reserved: four replicas share this machine's two cores.
         threads = {"runtime_env": {"env_vars": {"OMP_NUM_THREADS": "2"}}}
         application = build_application(small_shards, settings, shard_options={"num_cpus": 0},
@@ -89,6 +90,34 @@ def test_bm25_and_hybrid_are_refused_with_400_saying_why(client):
         response = client.post("/search", json={"query": "join two paths", "mode": mode})
         assert response.status_code == 400
         assert "corpus-wide" in response.json()["detail"]
+
+
+def test_past_the_concurrency_cap_the_ingress_answers_429_and_every_other_answer_is_right(base_url, whole,
+                                                                                        demo_queries):
+    queries = list(demo_queries.values())[:8]
+    answers = {query: [r.id for r in whole.search(query, 10).hits] for query in queries}
+    start = threading.Barrier(6 * CAP)
+    outcomes: list[tuple[str, httpx.Response]] = []
+
+    def client():
+        with httpx.Client(base_url=base_url, timeout=60) as http:
+            http.get("/health")  # connected before the burst
+            start.wait()
+            for query in queries:
+                outcomes.append((query, http.post("/search", json={"query": query, "k": 10})))
+
+    workers = [threading.Thread(target=client) for _ in range(6 * CAP)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    refused = [response for _, response in outcomes if response.status_code == 429]
+    assert refused, "Serve queued every request past the cap instead of letting the app refuse it"
+    assert "SEARCH_MAX_CONCURRENT_REQUESTS" in refused[0].json()["detail"] and refused[0].headers["retry-after"]
+    for query, response in outcomes:
+        assert response.status_code in (200, 429), response.text
+        if response.status_code == 200:
+            assert [r["id"] for r in response.json()["results"]] == answers[query]
 
 
 def replica_actor(deployment: str):
