@@ -104,7 +104,7 @@ class ShardedSearcher:
 
     def gather(self, vectors: np.ndarray, k: int, allow_partial: bool) -> tuple[list[list[Hit]], dict]:
         """Every shard's top k for each vector, merged: ShardsUnavailable names the first shard that
-        did not answer within timeout_s, unless `allow_partial` (then it is listed as missing)."""
+        failed or did not answer within timeout_s, unless `allow_partial` (then it is listed as missing)."""
         vectors = np.ascontiguousarray(vectors, dtype=np.float32)
         deadline = time.monotonic() + self.timeout_s
         pending, failures = [], {}
@@ -130,8 +130,9 @@ class ShardedSearcher:
             client = self.clients[self.shards.index(shard)]
             reason = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
             advice = "; send allow_partial: true for the other shards' results" if not allow_partial else ""
-            raise ShardsUnavailable(f"shard {shard} ({client.name}) did not answer within {self.timeout_s:g} s "
-                                    f"({reason.rstrip(': ')}){advice}")
+            what = (f"did not answer within {self.timeout_s:g} s" if isinstance(error, TimeoutError)
+                    else "failed")  # a dead replica, or an error in the shard: not a matter of waiting longer
+            raise ShardsUnavailable(f"shard {shard} ({client.name}) {what} ({reason.rstrip(': ')}){advice}")
         hits = []
         for position in range(len(vectors)):
             merged = merge_top_k([found[position] for found in answered.values()], k)

@@ -119,7 +119,7 @@ def test_a_shard_that_does_not_answer_fails_the_search_naming_it_unless_partial_
     clients[1] = Down(clients[1])
     sharded = ShardedEngine.over(clients, device="cpu")
     query = "join two paths"
-    with pytest.raises(ShardsUnavailable, match=r"shard 1/3 \(shard-1\) did not answer.*allow_partial"):
+    with pytest.raises(ShardsUnavailable, match=r"shard 1/3 \(shard-1\) failed \(ConnectionError: replica gone\).*allow_partial"):
         sharded.search(query, 10)
     partial = sharded.search(query, 10, allow_partial=True)
     assert partial.shards == {"answered": ["0/3", "2/3"], "missing": ["1/3"]}
@@ -154,6 +154,13 @@ class FetchedLater(Down):
             if timeout_s is not None and timeout_s <= 0:
                 raise TimeoutError("not fetched yet")
             return self.value
+
+
+def test_a_silent_shard_fails_the_search_after_the_timeout_saying_so(small_shards):
+    clients = [LocalShard(ShardIndex(folder, device="cpu"), f"shard-{i}") for i, folder in enumerate(small_shards)]
+    clients[1] = Silent(clients[1])
+    with pytest.raises(ShardsUnavailable, match=r"shard 1/3 \(shard-1\) did not answer within 0.2 s \(TimeoutError"):
+        ShardedEngine.over(clients, device="cpu", timeout_s=0.2).search("join two paths", 10)
 
 
 def test_a_silent_shard_does_not_make_a_later_shard_that_answered_count_as_missing(small_shards):
