@@ -18,7 +18,7 @@ from typing import NamedTuple, Sequence
 import numpy as np
 
 from retrieval import dense_index
-from retrieval.index_format import INDEX_FILE, MANIFEST_FILE, PASSAGES_FILE, Manifest, read_manifest
+from retrieval.index_format import INDEX_FILE, MANIFEST_FILE, PASSAGES_FILE, Manifest, manifest_digest, read_manifest
 from retrieval.passage_store import PassageStore
 from retrieval.searcher import check_rows
 
@@ -85,6 +85,16 @@ def merge_top_k(lists: Sequence[Sequence[ShardHit]], k: int) -> list[ShardHit]:
     return heapq.nsmallest(k, (hit for hits in lists for hit in hits), key=lambda hit: (-hit.score, hit.line))
 
 
+def build_identity(manifest: Manifest) -> str:
+    """What tells one build of a shard from another: its manifest's own sha256 (computed for a manifest
+    written before it had one)."""
+    return manifest.manifest_sha256 or manifest_digest(manifest.model_dump(mode="json"))
+
+
+class OtherBuild(ValueError):
+    """A shard replica holds another build than the one the ingress checked at start."""
+
+
 def shard_agreement(manifest: Manifest) -> dict:
     """What every shard of one build must share. The encoder's path may differ from job to job; its weights may not."""
     encoder = manifest.encoder.model_dump(exclude={"path"})
@@ -137,8 +147,14 @@ class ShardIndex:
         self.passages = PassageStore(self.index_dir / PASSAGES_FILE)
         check_rows(self.index_dir, self.manifest, self.index, self.passages)
 
-    def search(self, vectors: np.ndarray, k: int) -> list[list[ShardHit]]:
-        """This shard's top `k` per query vector, best first (fewer where the shard holds fewer)."""
+    def search(self, vectors: np.ndarray, k: int, build: str | None = None) -> list[list[ShardHit]]:
+        """This shard's top `k` per query vector, best first (fewer where the shard holds fewer).
+        `build`: the `build_identity` the caller checked; OtherBuild if this folder now holds another
+        (a replica started later, on another node or after the folder was replaced, loads what is there then)."""
+        if build is not None and build != build_identity(self.manifest):
+            raise OtherBuild(f"{self.index_dir} holds another build of shard {self.manifest.shard} than the one "
+                             f"checked at start (manifest sha256 {build_identity(self.manifest)[:12]}, expected "
+                             f"{build[:12]}): deploy the new shards as a new application")
         k = min(k, self.manifest.count)
         if k == 0:
             return [[] for _ in range(len(vectors))]

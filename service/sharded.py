@@ -42,12 +42,12 @@ class ShardDeployment:
     def describe(self) -> dict:
         return describe_shard(self.index)
 
-    async def search(self, vectors: np.ndarray, k: int):
+    async def search(self, vectors: np.ndarray, k: int, build: str | None = None):
         # On the replica's event loop, not Serve's thread pool for sync methods: one thread hop less a
         # call (three shards' retrieve 7.6 against 9.9 ms on the 2-core machine), and one search at a
         # time per replica, which FAISS parallelises itself. Serve's own work on this loop (health
         # checks, queue-length probes) waits for a search in progress.
-        return self.index.search(vectors, k)
+        return self.index.search(vectors, k, build)
 
 
 class RayShard:
@@ -59,8 +59,8 @@ class RayShard:
     def describe(self) -> dict:
         return self.handle.describe.remote().result(timeout_s=DESCRIBE_TIMEOUT_S)
 
-    def search(self, vectors: np.ndarray, k: int):
-        return self.handle.search.remote(vectors, k)  # a DeploymentResponse: result(timeout_s=...), cancel()
+    def search(self, vectors: np.ndarray, k: int, build: str | None = None):
+        return self.handle.search.remote(vectors, k, build)  # a DeploymentResponse: result(timeout_s=...), cancel()
 
 
 @serve.deployment

@@ -16,7 +16,7 @@ from models.encoder import Tokens
 from models.onnx_backend import Backend
 from retrieval.index_format import INDEX_FILE, PASSAGES_FILE, Manifest
 from retrieval.searcher import Hit, check_encoder, dense_score_kind, encoder_for, validate_k
-from retrieval.sharding import ShardHit, ShardIndex, check_shard_set, merge_top_k
+from retrieval.sharding import ShardHit, ShardIndex, build_identity, check_shard_set, merge_top_k
 from service.engine import ReloadError, SearchEngine, SearchPlan, load_rerankers
 from service.errors import ShardsUnavailable
 
@@ -32,13 +32,14 @@ class Pending(Protocol):
 
 class ShardClient(Protocol):
     """One shard as the engine reaches it: `name` for messages, `describe()` its index directory and
-    manifest, `search(vectors, k)` its top k per vector, answered through `result(timeout_s)`."""
+    manifest, `search(vectors, k, build)` its top k per vector, answered through `result(timeout_s)`
+    (a failure where the replica's `build_identity` is not `build`)."""
 
     name: str
 
     def describe(self) -> dict: ...
 
-    def search(self, vectors: np.ndarray, k: int) -> Pending: ...
+    def search(self, vectors: np.ndarray, k: int, build: str | None = None) -> Pending: ...
 
 
 class _Done:
@@ -58,8 +59,8 @@ class LocalShard:
     def describe(self) -> dict:
         return describe_shard(self.index)
 
-    def search(self, vectors: np.ndarray, k: int) -> Pending:
-        return _Done(self.index.search(vectors, k))
+    def search(self, vectors: np.ndarray, k: int, build: str | None = None) -> Pending:
+        return _Done(self.index.search(vectors, k, build))
 
 
 def describe_shard(index: ShardIndex) -> dict:
@@ -84,6 +85,8 @@ class ShardedSearcher:
         self.index_dirs = [described[p]["index_dir"] for p in order]
         self.manifests = [manifests[p] for p in order]
         self.manifest = self.manifests[0]  # the encoder record every shard shares
+        # Each search names the build checked here: a replica started later answers only if it holds the same.
+        self.builds = [build_identity(m) for m in self.manifests]
         self.count = sum(m.count for m in manifests)
         check_encoder(self.manifest, encoder)
         self.index_dir = Path(self.index_dirs[0]).parent
@@ -108,9 +111,9 @@ class ShardedSearcher:
         vectors = np.ascontiguousarray(vectors, dtype=np.float32)
         deadline = time.monotonic() + self.timeout_s
         pending, failures = [], {}
-        for shard, client in zip(self.shards, self.clients):  # all sent before any is awaited
+        for shard, client, build in zip(self.shards, self.clients, self.builds):  # all sent before any is awaited
             try:
-                pending.append(client.search(vectors, k))
+                pending.append(client.search(vectors, k, build))
             except Exception as error:  # noqa: BLE001 - any failure of a shard is that shard's
                 pending.append(None)
                 failures[shard] = error

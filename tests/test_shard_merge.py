@@ -110,7 +110,7 @@ class Down:
     def describe(self) -> dict:
         return self.shard.describe()
 
-    def search(self, vectors, k):
+    def search(self, vectors, k, build=None):
         raise ConnectionError("replica gone")
 
 
@@ -128,10 +128,22 @@ def test_a_shard_that_does_not_answer_fails_the_search_naming_it_unless_partial_
     assert [(h.id, h.score) for h in partial.hits] == [(h.id, h.score) for h in expected]
 
 
+def test_a_replica_that_holds_another_build_than_the_one_checked_at_start_fails_the_search(small_shards):
+    clients = [LocalShard(ShardIndex(folder, device="cpu"), f"shard-{i}") for i, folder in enumerate(small_shards)]
+    sharded = ShardedEngine.over(clients, device="cpu")
+    assert sharded.search("join two paths", 10).shards["missing"] == []
+    replaced = ShardIndex(small_shards[1], device="cpu")  # as a replica restarted after the folder was rebuilt
+    replaced.manifest = replaced.manifest.model_copy(update={"built_at": "2030-01-01T00:00:00+00:00", "manifest_sha256": None})
+    clients[1].index = replaced
+    with pytest.raises(ShardsUnavailable, match=r"shard 1/3 \(shard-1\) failed \(OtherBuild: .* another build"):
+        sharded.search("join two paths", 10)
+    assert sharded.search("join two paths", 10, allow_partial=True).shards["missing"] == ["1/3"]
+
+
 class Silent(Down):
     """Takes the search and never answers: its result waits out whatever time it is given."""
 
-    def search(self, vectors, k):
+    def search(self, vectors, k, build=None):
         return self
 
     def result(self, timeout_s=None):
@@ -143,8 +155,8 @@ class FetchedLater(Down):
     """Answers at once, but, like a Serve response over gRPC, its answer is fetched only within a timeout
     above zero."""
 
-    def search(self, vectors, k):
-        return self.Answer(self.shard.search(vectors, k).result())
+    def search(self, vectors, k, build=None):
+        return self.Answer(self.shard.search(vectors, k, build).result())
 
     class Answer:
         def __init__(self, value) -> None:
