@@ -3,7 +3,8 @@
 Shard i of N holds the corpus records i, i + N, i + 2N, ... (`Shard`), each row with the corpus
 line it came from. A whole index stores its rows in corpus line order (a build streams the file,
 and `merge` restores that order), so the corpus line is the whole index's row order: merging the
-shards' own top-k lists by score, ties by line (as dense_index.search ranks), gives the whole index's top-k (`merge_top_k`).
+shards' own top-k lists by score, ties by line (as dense_index.search ranks), gives the whole index's
+top-k (`merge_top_k`).
 `ShardIndex` is the search side of one shard directory, with the loading checks of a `Searcher`
 but no encoder: it takes query vectors.
 """

@@ -119,7 +119,8 @@ def test_a_shard_that_does_not_answer_fails_the_search_naming_it_unless_partial_
     clients[1] = Down(clients[1])
     sharded = ShardedEngine.over(clients, device="cpu")
     query = "join two paths"
-    with pytest.raises(ShardsUnavailable, match=r"shard 1/3 \(shard-1\) failed \(ConnectionError: replica gone\).*allow_partial"):
+    with pytest.raises(ShardsUnavailable,
+                       match=r"shard 1/3 \(shard-1\) failed \(ConnectionError: replica gone\).*allow_partial"):
         sharded.search(query, 10)
     partial = sharded.search(query, 10, allow_partial=True)
     assert partial.shards == {"answered": ["0/3", "2/3"], "missing": ["1/3"]}
@@ -133,7 +134,8 @@ def test_a_replica_that_holds_another_build_than_the_one_checked_at_start_fails_
     sharded = ShardedEngine.over(clients, device="cpu")
     assert sharded.search("join two paths", 10).shards["missing"] == []
     replaced = ShardIndex(small_shards[1], device="cpu")  # as a replica restarted after the folder was rebuilt
-    replaced.manifest = replaced.manifest.model_copy(update={"built_at": "2030-01-01T00:00:00+00:00", "manifest_sha256": None})
+    replaced.manifest = replaced.manifest.model_copy(
+        update={"built_at": "2030-01-01T00:00:00+00:00", "manifest_sha256": None})
     clients[1].index = replaced
     with pytest.raises(ShardsUnavailable, match=r"shard 1/3 \(shard-1\) failed \(OtherBuild: .* another build"):
         sharded.search("join two paths", 10)

@@ -175,7 +175,8 @@ def test_a_killed_shard_replica_gives_503s_naming_it_or_right_answers_never_wron
                 [r["score"] for r in answers[query]], abs=1e-5)
         else:
             assert response.status_code == 503, response.text
-            assert response.json()["detail"].startswith(("shard 1/3 (shard-1) did not answer", "shard 1/3 (shard-1) failed"))
+            assert response.json()["detail"].startswith(
+                ("shard 1/3 (shard-1) did not answer", "shard 1/3 (shard-1) failed"))
 
     shard = ShardIndex(small_shards[1], device="cpu")
     shard_one = {pid for pid, _ in shard.passages.get(range(shard.manifest.count))}
