@@ -28,6 +28,10 @@ from index_builder.build import BuildError
 from models.encoder import BiEncoder, EncoderSpec
 
 RESTARTS = 3  # per actor, and retries per batch: a worker that keeps dying stops the build (it resumes)
+# Ray keeps an actor it cannot place (its resources held by other work, or a restart with no room) pending
+# forever, without a word: past these the build stops saying so instead of waiting with no message.
+START_TIMEOUT_S = 600.0  # for every worker to be placed and load its model
+BATCH_TIMEOUT_S = 1800.0  # for some batch to finish, while batches are out
 INSTALL_HINT = "pip install 'dense-search[ray]'"
 
 
@@ -90,16 +94,18 @@ class RayEncoder:
     """`build_index`'s encoder (a `PassageEncoder`) on `workers` Ray actors, each one `BiEncoder` made
     from `encoder_options` (BiEncoder's keyword arguments, less `device`) with `gpus_per_worker` GPUs,
     or on the CPU where that is 0. Defaults: 1 GPU each where the cluster has GPUs and `device` is not
-    "cpu" ("cuda" insists on GPUs), else CPU actors; as many actors as the cluster holds. Call `close()`
-    (or use `with`) to end the actors. `crash_once` is a test hook (see EncoderWorker)."""
+    "cpu" ("cuda" insists on GPUs), else CPU actors; as many actors as the cluster has free now. Call
+    `close()` (or use `with`) to end the actors. `crash_once` is a test hook (see EncoderWorker)."""
 
     def __init__(self, encoder_options: dict, *, workers: int | None = None, gpus_per_worker: float | None = None,
-                 device: str = "auto", max_restarts: int = RESTARTS, crash_once: tuple[str, int] | None = None) -> None:
+                 device: str = "auto", max_restarts: int = RESTARTS, crash_once: tuple[str, int] | None = None,
+                 start_timeout_s: float = START_TIMEOUT_S, batch_timeout_s: float = BATCH_TIMEOUT_S) -> None:
         ray = import_ray()
         from ray.util import ActorPool
 
         self.batch_size = encoder_options.get("batch_size") or 64  # None: BiEncoder's own choice, per actor
-        resources = ray.cluster_resources()
+        self.start_timeout_s, self.batch_timeout_s = start_timeout_s, batch_timeout_s
+        resources, free = ray.cluster_resources(), ray.available_resources()
         gpus, cpus = resources.get("GPU", 0), resources.get("CPU", 0)
         if gpus_per_worker is None:
             gpus_per_worker = 0.0 if device == "cpu" or not gpus else 1.0
@@ -109,8 +115,13 @@ class RayEncoder:
             raise BuildError(f"--device cuda: the Ray cluster has {gpus:g} GPUs and --gpus-per-worker is 0")
         if gpus_per_worker > gpus:
             raise BuildError(f"--gpus-per-worker {gpus_per_worker:g}: the Ray cluster has {gpus:g} GPUs")
-        if workers is None:
-            workers = max(1, int(gpus // gpus_per_worker if gpus_per_worker else cpus))
+        if workers is None:  # what is free: a Serve application or another job may hold the rest
+            free_gpus, free_cpus = free.get("GPU", 0), free.get("CPU", 0)
+            workers = min(int(free_gpus // gpus_per_worker), int(free_cpus)) if gpus_per_worker else int(free_cpus)
+            if workers < 1:
+                raise BuildError(f"the Ray cluster has no room for an encoder worker (1 CPU, {gpus_per_worker:g} GPUs) "
+                                 f"now: {free_cpus:g} of {cpus:g} CPUs and {free_gpus:g} of {gpus:g} GPUs are free; "
+                                 "pass --workers N to wait for them")
         # An actor asks for 1 CPU (tokenizing; its torch threads) and its GPUs; refuse a pool that
         # could never be placed, since its actors would wait forever.
         if workers > cpus or workers * gpus_per_worker > gpus:
@@ -158,7 +169,10 @@ class RayEncoder:
 
     def _get_next(self) -> tuple[int, np.ndarray]:
         try:
-            return self._pool.get_next_unordered()
+            return self._pool.get_next_unordered(timeout=self.batch_timeout_s)
+        except TimeoutError:
+            raise BuildError(f"no batch finished in {self.batch_timeout_s:g} s (a restarted worker Ray cannot "
+                             "place?); rerun to resume") from None
         except Exception as error:  # a worker past its restarts, or a batch that failed in the model
             raise BuildError(f"Ray encoder worker failed: {_first_line(error)}; rerun to resume") from None
 
@@ -166,7 +180,11 @@ class RayEncoder:
         import ray
 
         try:
-            return ray.get(refs)
+            return ray.get(refs, timeout=self.start_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise BuildError(f"{len(refs)} Ray encoder workers did not all start within {self.start_timeout_s:g} s: "
+                             f"the cluster has no room for them now (free: {_free(ray)}), or their model loads "
+                             "slowly; pass fewer --workers") from None
         except Exception as error:  # e.g. the model cannot load on a node
             raise BuildError(f"Ray encoder worker failed to start: {_first_line(error)}") from None
 
@@ -182,6 +200,11 @@ class RayEncoder:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _free(ray) -> str:
+    free = ray.available_resources()
+    return f"{free.get('CPU', 0):g} CPUs, {free.get('GPU', 0):g} GPUs"
 
 
 def _first_line(error: BaseException) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -108,6 +109,26 @@ def test_a_rerun_after_an_interrupted_ray_build_resumes_after_its_last_chunk(
         report = build_index(BuildOptions(corpus, out, chunk_size=CHUNK), encoder)
     assert (report.resumed_chunks, report.encoded, report.passages) == (done, PASSAGES - CHUNK * done, PASSAGES)
     assert_same_index(out, local_index)
+
+
+@needs_ray
+def test_a_ray_build_with_no_room_for_its_workers_says_so_instead_of_waiting_forever(ray_session):
+    from index_builder.ray_build import RayEncoder
+
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    held = placement_group([{"CPU": 2}])  # every CPU, as a Serve application or another job would hold them
+    ray.get(held.ready(), timeout=60)
+    try:
+        deadline = time.monotonic() + 30
+        while ray.available_resources().get("CPU", 0) and time.monotonic() < deadline:
+            time.sleep(0.2)  # the cluster's view of free resources follows placements within a moment
+        with pytest.raises(BuildError, match=r"no room for an encoder worker .*: 0 of 2 CPUs .* --workers N"):
+            RayEncoder(ACTOR_OPTIONS)  # the default pool: what is free, here nothing
+        with pytest.raises(BuildError, match=r"1 Ray encoder workers did not all start within 2 s: .*\(free: 0 CPUs"):
+            RayEncoder(ACTOR_OPTIONS, workers=1, start_timeout_s=2)
+    finally:
+        remove_placement_group(held)
 
 
 @pytest.mark.parametrize("flags, message", [
