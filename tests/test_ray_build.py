@@ -113,9 +113,9 @@ def test_a_rerun_after_an_interrupted_ray_build_resumes_after_its_last_chunk(
 
 @needs_ray
 def test_a_ray_build_with_no_room_for_its_workers_says_so_instead_of_waiting_forever(ray_session):
-    from index_builder.ray_build import RayEncoder
-
     from ray.util.placement_group import placement_group, remove_placement_group
+
+    from index_builder.ray_build import RayEncoder
 
     held = placement_group([{"CPU": 2}])  # every CPU, as a Serve application or another job would hold them
     ray.get(held.ready(), timeout=60)
