@@ -143,6 +143,9 @@ def _check_build_flags(args: argparse.Namespace) -> None:
     if args.device not in ("auto", "cpu", "cuda"):
         raise BuildError(f"--device {args.device}: with --ray the actors get their GPUs from Ray; "
                          "use auto, cpu (CPU actors) or cuda")
+    if args.backend != "torch" and (args.gpus_per_worker or args.device == "cuda"):
+        raise BuildError(f"--backend {args.backend} runs on the CPU only: drop --gpus-per-worker and --device cuda "
+                         "(its Ray actors are CPU actors)")
 
 
 def _build(args: argparse.Namespace) -> None:

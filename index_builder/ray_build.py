@@ -107,8 +107,9 @@ class RayEncoder:
         self.start_timeout_s, self.batch_timeout_s = start_timeout_s, batch_timeout_s
         resources, free = ray.cluster_resources(), ray.available_resources()
         gpus, cpus = resources.get("GPU", 0), resources.get("CPU", 0)
-        if gpus_per_worker is None:
-            gpus_per_worker = 0.0 if device == "cpu" or not gpus else 1.0
+        if gpus_per_worker is None:  # an ONNX backend runs on the CPU only
+            cpu_only = device == "cpu" or encoder_options.get("backend", "torch") != "torch"
+            gpus_per_worker = 0.0 if cpu_only or not gpus else 1.0
         if device == "cpu" and gpus_per_worker:
             raise BuildError("--device cpu and --gpus-per-worker > 0 disagree")
         if device == "cuda" and not gpus_per_worker:

@@ -136,6 +136,9 @@ def test_a_ray_build_with_no_room_for_its_workers_says_so_instead_of_waiting_for
     (["--ray", "--shard", "0/2"], "error: --ray encodes the whole corpus on the cluster: drop --shard (or --ray)"),
     (["--workers", "2"], "error: --workers and --gpus-per-worker need --ray"),
     (["--ray", "--gpus-per-worker", "-1"], "error: --gpus-per-worker must be 0 or more, got -1"),
+    (["--ray", "--backend", "onnx", "--gpus-per-worker", "1"], "error: --backend onnx runs on the CPU only: drop "
+                                                              "--gpus-per-worker and --device cuda (its Ray actors "
+                                                              "are CPU actors)"),
     (["--ray", "auto", "--device", "cuda:1"], "error: --device cuda:1: with --ray the actors get their GPUs from Ray; "
                                               "use auto, cpu (CPU actors) or cuda"),
 ])
