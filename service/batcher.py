@@ -14,11 +14,12 @@ from typing import Callable, Sequence
 import numpy as np
 
 from models.encoder import Tokens
-from service.engine import SearchPlan, SearchResult
+from service.engine import Run, SearchPlan, SearchResult
 from service.errors import ShardsUnavailable
 
 # One result per query, e.g. SearchEngine.run; the tokens are None unless every query came with its own.
-RunBatch = Callable[[list[str], SearchPlan, list[Tokens] | None], list[SearchResult]]
+# Or a Run (SearchEngine.start) whose retrieval other processes do: waited for off the model thread.
+RunBatch = Callable[[list[str], SearchPlan, list[Tokens] | None], list[SearchResult] | Run]
 # One vector per text, e.g. SearchEngine.embed: the texts and their tokens, all of one input type.
 EmbedBatch = Callable[[list[str], list[Tokens]], np.ndarray]
 
@@ -89,14 +90,21 @@ class MicroBatcher:
     `on_drop`. Searches run by `run_batch`, embeddings (requests of several texts each) by
     `embed_batch`, all the texts of the waiting requests in one call, which the encoder sorts by
     length into its own batches: the texts of many requests pad far less than each request's alone
-    (Infinity's queue does the same); a batch of both kinds runs each kind apart."""
+    (Infinity's queue does the same); a batch of both kinds runs each kind apart.
+
+    Where `run_batch` gives a Run (sharded serving), the model thread is free once the queries are
+    encoded and sent: the batch's wait for the shards runs on `wait_executor` while the next batch
+    encodes, so a slow or silent shard delays the requests that wait for it, not the queue behind them."""
 
     def __init__(
         self, run_batch: RunBatch, executor: Executor, window_s: float, max_batch: int,
         on_batch: Callable[[int], None] = lambda size: None, max_tokens: int | None = None,
         on_drop: Callable[[], None] = lambda: None, embed_batch: EmbedBatch | None = None,
+        wait_executor: Executor | None = None,
     ) -> None:
         self._run_batch, self._embed_batch, self._executor = run_batch, embed_batch, executor
+        self._wait_executor = wait_executor  # None: asyncio's default thread pool
+        self._finishing: set[asyncio.Task] = set()  # batches waiting for their shards
         self._window_s, self._max_batch, self._on_batch = window_s, max_batch, on_batch
         self._max_tokens, self._on_drop = max_tokens, on_drop
         self._queue: asyncio.Queue[_Pending] | None = None
@@ -132,10 +140,11 @@ class MicroBatcher:
         return await future
 
     async def close(self) -> None:
-        if self._worker is not None:
-            self._worker.cancel()
-            await asyncio.gather(self._worker, return_exceptions=True)
-            self._worker = None
+        tasks = [*self._finishing, *([self._worker] if self._worker is not None else [])]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._worker = None
 
     async def _next(self) -> _Pending:
         """The next request whose caller still waits for it."""
@@ -178,24 +187,47 @@ class MicroBatcher:
     async def _run(self, batch: list[_Pending]) -> None:
         started = time.perf_counter()
         call = self._search_call(batch) if isinstance(batch[0].job, SearchJob) else self._embed_call(batch)
+        loop = asyncio.get_running_loop()
         self._running = True
         try:
-            results = await asyncio.get_running_loop().run_in_executor(self._executor, call)
+            results = await loop.run_in_executor(self._executor, call)
         except Exception as error:  # noqa: BLE001
             self._running = False
-            # One request must not fail its neighbours: run each alone, so only it fails. A shard that
-            # did not answer fails them all alike, and each alone would wait for it again.
-            if len(batch) > 1 and not isinstance(error, ShardsUnavailable):
-                for item in batch:
-                    if not item.future.done():
-                        await self._run([item])
-                return
-            for item in batch:
-                if not item.future.done():
-                    item.future.set_exception(error)
+            await self._failed(batch, error)
             return
         finally:
             self._running = False
+        if isinstance(results, Run):  # the shards search it: waited for beside the next batches
+            task = loop.create_task(self._complete(batch, results, started))
+            self._finishing.add(task)
+            task.add_done_callback(self._finishing.discard)
+            return
+        self._done(batch, results, started)
+
+    async def _complete(self, batch: list[_Pending], run: Run, started: float) -> None:
+        """A sent batch's retrieval waited for (off the model thread), then reranked on it where asked."""
+        loop = asyncio.get_running_loop()
+        try:
+            await loop.run_in_executor(self._wait_executor, run.wait)
+            results = await loop.run_in_executor(self._executor, run.finish) if run.reranks else run.finish()
+        except Exception as error:  # noqa: BLE001
+            await self._failed(batch, error)
+            return
+        self._done(batch, results, started)
+
+    async def _failed(self, batch: list[_Pending], error: Exception) -> None:
+        # One request must not fail its neighbours: run each alone, so only it fails. A shard that
+        # did not answer fails them all alike, and each alone would wait for it again.
+        if len(batch) > 1 and not isinstance(error, ShardsUnavailable):
+            for item in batch:
+                if not item.future.done():
+                    await self._run([item])
+            return
+        for item in batch:
+            if not item.future.done():
+                item.future.set_exception(error)
+
+    def _done(self, batch: list[_Pending], results: list, started: float) -> None:
         embeds = isinstance(batch[0].job, EmbedJob)
         self._on_batch(sum(len(item.job.texts) for item in batch) if embeds else len(batch))  # texts in the call
         finished = time.perf_counter()

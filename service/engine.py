@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -92,6 +92,51 @@ def load_rerankers(folders: Sequence[Path], device: str, backend: Backend) -> di
             raise ValueError(f"two {kind} rerankers configured ({loaded[kind].name} and {folder}); keep one")
         loaded[kind] = load_reranker(folder, device=device, backend=backend)
     return loaded
+
+
+# A sent retrieval's answer: the hits per query and the shards that answered (None: one index).
+Fetch = Callable[[], tuple[list[list[Hit]], dict | None]]
+
+
+class Run:
+    """A search between its stages (SearchEngine.start): encoded, retrieval sent. `wait` takes the hits
+    (for shards, blocking until they answer, on any thread: `waits`); `finish` reranks where the plan
+    asks (the model's work: `reranks`) and times every stage."""
+
+    def __init__(self, engine: "SearchEngine", queries: list[str], plan: SearchPlan, score_kind: str,
+                 started: float, encoded: float, fetch: Fetch) -> None:
+        self.engine, self.queries, self.plan, self.score_kind = engine, queries, plan, score_kind
+        self.started, self.encoded, self._fetch = started, encoded, fetch
+        self.waits, self.reranks = engine.waits, plan.rerank_depth is not None
+        self.hits: list[list[Hit]] = []
+        self.shards: dict | None = None
+        self.retrieved = encoded
+
+    def wait(self) -> None:
+        self.hits, self.shards = self._fetch()
+        self.retrieved = time.perf_counter()
+
+    def finish(self) -> list[SearchResult]:
+        hits, score_kind, plan = self.hits, self.score_kind, self.plan
+        if self.reranks:
+            model = self.engine.rerankers[plan.reranker]
+            hits = [rerank(model, query, found, plan.k) for query, found in zip(self.queries, hits)]
+            score_kind = model.score_kind
+        reranked = time.perf_counter()
+        timings = StageTimings(
+            encode=1000 * (self.encoded - self.started),
+            retrieve=1000 * (self.retrieved - self.encoded),
+            rerank=1000 * (reranked - self.retrieved) if self.reranks else 0.0,
+            total=1000 * (reranked - self.started),
+            started_at=self.started,
+        )
+        return [SearchResult(query, found, score_kind, timings, len(self.queries), self.shards)
+                for query, found in zip(self.queries, hits)]
+
+    def complete(self) -> list[SearchResult]:
+        """`wait` then `finish`, here."""
+        self.wait()
+        return self.finish()
 
 
 class SearchEngine:
@@ -190,6 +235,11 @@ class SearchEngine:
             tokens: Sequence[Tokens] | None = None) -> list[SearchResult]:
         """All queries through one encoder forward pass and one search of each index, then the
         rerank the plan asks for; `tokens`: the queries already tokenized (`tokenize`)."""
+        return self.start(queries, plan, tokens).complete()
+
+    def start(self, queries: Sequence[str], plan: SearchPlan, tokens: Sequence[Tokens] | None = None) -> Run:
+        """`run` up to what other processes do for it: the queries encoded and their retrieval sent (for
+        one index, done). The served engine calls it on the model thread and waits for the rest elsewhere."""
         searcher = self._searcher
         try:  # the plan was checked against the index served when it was made; a reload may have come since
             searcher.check(plan.depth, **plan.retrieval)
@@ -198,23 +248,17 @@ class SearchEngine:
         started = time.perf_counter()
         vectors = searcher.encode(queries, tokens) if plan.mode != "bm25" else None
         encoded = time.perf_counter()
-        hits, shards = self._retrieve(queries, vectors, plan)
-        retrieved = time.perf_counter()
-        score_kind = searcher.score_kind(**plan.retrieval)
-        rerank_depth = plan.rerank_depth
-        if rerank_depth is not None:
-            model = self.rerankers[plan.reranker]
-            hits = [rerank(model, query, found, plan.k) for query, found in zip(queries, hits)]
-            score_kind = model.score_kind
-        reranked = time.perf_counter()
-        timings = StageTimings(
-            encode=1000 * (encoded - started),
-            retrieve=1000 * (retrieved - encoded),
-            rerank=1000 * (reranked - retrieved) if rerank_depth is not None else 0.0,
-            total=1000 * (reranked - started),
-            started_at=started,
-        )
-        return [SearchResult(query, found, score_kind, timings, len(queries), shards) for query, found in zip(queries, hits)]
+        return Run(self, list(queries), plan, searcher.score_kind(**plan.retrieval), started, encoded,
+                   self._send(queries, vectors, plan))
+
+    def _send(self, queries: Sequence[str], vectors: np.ndarray | None, plan: SearchPlan) -> Fetch:
+        """Retrieval begun, and the call that returns its hits and shards. One index is searched here, so
+        the call only hands its hits over (`waits` is false)."""
+        found = self._retrieve(queries, vectors, plan)
+        return lambda: found
+
+    # Whether `Run.wait` waits for other processes (shards): then it is worth running off the model thread.
+    waits = False
 
     def _retrieve(self, queries: Sequence[str], vectors: np.ndarray | None,
                   plan: SearchPlan) -> tuple[list[list[Hit]], dict | None]:

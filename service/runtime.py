@@ -21,7 +21,7 @@ import numpy as np
 from models.encoder import Tokens
 from service.admission import Occupancy
 from service.batcher import MicroBatcher
-from service.engine import SearchEngine, SearchPlan, SearchResult
+from service.engine import Run, SearchEngine, SearchPlan, SearchResult
 from service.errors import NotReady
 from service.monitoring import Monitor
 from service.settings import ServiceSettings
@@ -61,11 +61,15 @@ class Runtime:
         # load, and the thread pool ONNX Runtime starts with a new encoder's session, yield to serving.
         self.loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reload",
                                          initializer=_lower_priority, initargs=(settings.model_thread_nice,))
+        # Where a sharded search waits for its shards' answers, so the model thread encodes on meanwhile
+        # (threads start only when used: a service over one index never starts one).
+        self.waiter = ThreadPoolExecutor(max_workers=min(32, settings.max_concurrent_requests),
+                                         thread_name_prefix="shard-wait")
         self.monitor = Monitor(settings.stats_window)
         self.batcher = MicroBatcher(
             self._run, self.executor, settings.microbatch_window_ms / 1000, settings.microbatch_max,
             on_batch=self.monitor.observe_batch, max_tokens=settings.max_batch_tokens,
-            on_drop=self.monitor.dropped.inc, embed_batch=self._embed,
+            on_drop=self.monitor.dropped.inc, embed_batch=self._embed, wait_executor=self.waiter,
         )
         key = settings.api_key.get_secret_value().encode() if settings.api_key is not None else None
         self.occupancy = Occupancy(settings.max_concurrent_requests, settings.retry_after_s, self.monitor, key)
@@ -78,8 +82,20 @@ class Runtime:
             self.executor.submit(engine.warm_up).result()
             self._settle()
 
-    def _run(self, queries: list[str], plan: SearchPlan, tokens: list[Tokens] | None) -> list[SearchResult]:
-        return self.engine.run(queries, plan, tokens)
+    def _run(self, queries: list[str], plan: SearchPlan, tokens: list[Tokens] | None) -> list[SearchResult] | Run:
+        """On the model thread: the run to its end, or, where shards retrieve, sent (to wait for elsewhere)."""
+        run = self.engine.start(queries, plan, tokens)
+        return run if run.waits else run.complete()
+
+    async def _run_apart(self, queries: list[str], plan: SearchPlan, tokens: list[Tokens]) -> list[SearchResult]:
+        """A run of its own (a client's batch, or any search with SEARCH_MICROBATCH off), its shards
+        waited for off the model thread as the micro-batcher does."""
+        self.ready_engine()
+        run = await self._on_model_thread(self._run, queries, plan, tokens)
+        if not isinstance(run, Run):
+            return run
+        await asyncio.get_running_loop().run_in_executor(self.waiter, run.wait)
+        return await self._on_model_thread(run.finish) if run.reranks else run.finish()
 
     def _embed(self, texts: list[str], tokens: list[Tokens]) -> np.ndarray:
         return self.engine.embed(texts, tokens)
@@ -99,6 +115,7 @@ class Runtime:
         await self.batcher.close()
         self.executor.shutdown(wait=False, cancel_futures=True)
         self.loader.shutdown(wait=False, cancel_futures=True)
+        self.waiter.shutdown(wait=False, cancel_futures=True)
         await asyncio.to_thread(self.tracing.shutdown)  # exports the last spans: network I/O
 
     def _load(self) -> None:
@@ -124,8 +141,7 @@ class Runtime:
         if self.settings.microbatch:
             result = await self.batcher.search(query, plan, tokens=tokens)
         else:
-            result = _waited((await self._on_model_thread(self.ready_engine().run, [query], plan, [tokens]))[0],
-                             submitted)
+            result = _waited((await self._run_apart([query], plan, [tokens]))[0], submitted)
             self.monitor.observe_batch(1)
         self.monitor.observe_search(result.timings, plan.reranker)
         self.tracing.search(submitted, result, plan)
@@ -135,8 +151,7 @@ class Runtime:
                            tokens: Sequence[Tokens]) -> list[SearchResult]:
         """A client's batch: one run of its own, never fused with others."""
         submitted = time.perf_counter()
-        results = [_waited(result, submitted) for result in
-                   await self._on_model_thread(self.ready_engine().run, list(queries), plan, list(tokens))]
+        results = [_waited(result, submitted) for result in await self._run_apart(list(queries), plan, list(tokens))]
         self.monitor.observe_batch(len(results))
         for result in results:
             self.monitor.observe_search(result.timings, plan.reranker)

@@ -6,9 +6,10 @@ Nothing here imports Ray."""
 
 from __future__ import annotations
 
+import functools
 import time
 from pathlib import Path
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 import numpy as np
 
@@ -17,7 +18,7 @@ from models.onnx_backend import Backend
 from retrieval.index_format import INDEX_FILE, PASSAGES_FILE, Manifest
 from retrieval.searcher import Hit, check_encoder, dense_score_kind, encoder_for, validate_k
 from retrieval.sharding import ShardHit, ShardIndex, build_identity, check_shard_set, merge_top_k
-from service.engine import ReloadError, SearchEngine, SearchPlan, load_rerankers
+from service.engine import Fetch, ReloadError, SearchEngine, SearchPlan, load_rerankers
 from service.errors import ShardsUnavailable
 
 # Past the deadline, an answer that came while an earlier shard was awaited is still taken: over gRPC
@@ -108,6 +109,11 @@ class ShardedSearcher:
     def gather(self, vectors: np.ndarray, k: int, allow_partial: bool) -> tuple[list[list[Hit]], dict]:
         """Every shard's top k for each vector, merged: ShardsUnavailable names the first shard that
         failed or did not answer within timeout_s, unless `allow_partial` (then it is listed as missing)."""
+        return self.scatter(vectors, k)(allow_partial)
+
+    def scatter(self, vectors: np.ndarray, k: int) -> Callable[[bool], tuple[list[list[Hit]], dict]]:
+        """`gather` in two: the vectors sent to every shard now, and the call that waits for their
+        answers (within timeout_s of now) and merges them, which may run on another thread."""
         vectors = np.ascontiguousarray(vectors, dtype=np.float32)
         deadline = time.monotonic() + self.timeout_s
         pending, failures = [], {}
@@ -117,6 +123,10 @@ class ShardedSearcher:
             except Exception as error:  # noqa: BLE001 - any failure of a shard is that shard's
                 pending.append(None)
                 failures[shard] = error
+        return functools.partial(self._collect, pending, failures, deadline, len(vectors), k)
+
+    def _collect(self, pending: list, failures: dict, deadline: float, queries: int, k: int,
+                 allow_partial: bool) -> tuple[list[list[Hit]], dict]:
         answered: dict[str, list[list[ShardHit]]] = {}
         for shard, client, call in zip(self.shards, self.clients, pending):
             if call is None:
@@ -137,7 +147,7 @@ class ShardedSearcher:
                     else "failed")  # a dead replica, or an error in the shard: not a matter of waiting longer
             raise ShardsUnavailable(f"shard {shard} ({client.name}) {what} ({reason.rstrip(': ')}){advice}")
         hits = []
-        for position in range(len(vectors)):
+        for position in range(queries):
             merged = merge_top_k([found[position] for found in answered.values()], k)
             hits.append([Hit(id=h.id, text=h.text, score=h.score, rank=rank) for rank, h in enumerate(merged, 1)])
         return hits, {"answered": [s for s in self.shards if s in answered],
@@ -158,6 +168,13 @@ class ShardedEngine(SearchEngine):
         encoder = encoder_for(first, device, query_max_tokens, backend)
         searcher = ShardedSearcher(clients, encoder, timeout_s)
         return cls(searcher, load_rerankers(rerankers, device, encoder.backend), query_max_tokens, backend)
+
+    # A search waits for the shards' answers (Run.wait): the served engine waits off the model thread,
+    # which encodes the next batch meanwhile, so a silent shard holds only the requests that need it.
+    waits = True
+
+    def _send(self, queries: Sequence[str], vectors: np.ndarray | None, plan: SearchPlan) -> Fetch:
+        return functools.partial(self._searcher.scatter(vectors, plan.depth), plan.allow_partial)
 
     def _retrieve(self, queries: Sequence[str], vectors: np.ndarray | None,
                   plan: SearchPlan) -> tuple[list[list[Hit]], dict | None]:

@@ -3,18 +3,22 @@ and a ShardedEngine over `build --shard i/3` shards answers as the engine over t
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import faiss
+import httpx
 import numpy as np
 import pytest
 
 from retrieval import dense_index
 from retrieval.searcher import Searcher
 from retrieval.sharding import ShardHit, ShardIndex, merge_top_k
+from service.app import create_app
 from service.engine import SearchEngine
 from service.errors import NotServable, ShardsUnavailable
 from service.sharded_engine import LocalShard, ShardedEngine
+from tests.test_service import settings_for
 
 N = 3
 
@@ -183,3 +187,48 @@ def test_a_silent_shard_does_not_make_a_later_shard_that_answered_count_as_missi
     sharded = ShardedEngine.over(clients, device="cpu", timeout_s=0.2)
     partial = sharded.search("join two paths", 10, allow_partial=True)
     assert partial.shards == {"answered": ["0/3", "2/3"], "missing": ["1/3"]}
+
+
+class Slow(Down):
+    """Answers right, but only `delay_s` after it is asked (a shard replica busy elsewhere)."""
+
+    delay_s = 1.5
+
+    def search(self, vectors, k, build=None):
+        asked, answer = time.monotonic(), self.shard.search(vectors, k, build).result()
+        return self.Late(answer, asked + self.delay_s)
+
+    class Late:
+        def __init__(self, value, ready_at: float) -> None:
+            self.value, self.ready_at = value, ready_at
+
+        def result(self, timeout_s=None):
+            time.sleep(max(0.0, self.ready_at - time.monotonic()))
+            return self.value
+
+
+@pytest.mark.parametrize("microbatch", [True, False])
+def test_a_slow_shard_delays_only_the_requests_that_wait_for_it_not_the_queue_behind_them(
+        small_shards, small_index, whole, microbatch):
+    """The served engine waits for the shards off the model thread: a request that comes while an
+    earlier one waits for a slow shard is encoded and sent at once, and both wait out the one delay
+    together (before, the model thread waited, and the second queued behind the first's wait)."""
+    clients = [LocalShard(ShardIndex(folder, device="cpu"), f"shard-{i}") for i, folder in enumerate(small_shards)]
+    clients[1] = Slow(clients[1])
+    app = create_app(settings_for(small_index, microbatch=microbatch), ShardedEngine.over(clients, device="cpu"))
+    queries = ["join two paths", "read a file line by line"]
+
+    async def staggered():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+            async def search(query, after_s):
+                await asyncio.sleep(after_s)
+                return await client.post("/search", json={"query": query, "k": 10})
+            return await asyncio.gather(search(queries[0], 0.0), search(queries[1], Slow.delay_s / 3))
+
+    first, second = asyncio.run(staggered())
+    assert first.status_code == second.status_code == 200
+    for response, query in zip((first, second), queries):
+        expected = whole.search(query, 10).hits
+        assert [(h["id"], h["score"]) for h in response.json()["results"]] == [(h.id, h.score) for h in expected]
+    # Its wait for the model thread: at once, not the rest of the first request's wait for the shard.
+    assert second.json()["latency_ms"]["queue"] < 1000 * Slow.delay_s / 3  # ms
