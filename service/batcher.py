@@ -111,7 +111,7 @@ class MicroBatcher:
         self._held: _Pending | None = None  # took from the queue, but over the last batch's budget
         self._worker: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._running = False  # a batch is on the model now
+        self._running = 0  # batches on the model now (a retry alone may run beside the worker's)
         self._overlapping = False  # did the last batch show concurrent traffic?
 
     @property
@@ -133,10 +133,10 @@ class MicroBatcher:
         loop = asyncio.get_running_loop()
         if self._loop is not loop:  # first use, or a new event loop (test clients start one per session)
             self._loop, self._queue, self._held = loop, asyncio.Queue(), None
-            self._running = self._overlapping = False
+            self._running, self._overlapping = 0, False
             self._worker = loop.create_task(self._serve())
         future = loop.create_future()
-        await self._queue.put(_Pending(job, future, time.perf_counter(), self._running))
+        await self._queue.put(_Pending(job, future, time.perf_counter(), self._running > 0))
         return await future
 
     async def close(self) -> None:
@@ -188,15 +188,16 @@ class MicroBatcher:
         started = time.perf_counter()
         call = self._search_call(batch) if isinstance(batch[0].job, SearchJob) else self._embed_call(batch)
         loop = asyncio.get_running_loop()
-        self._running = True
+        self._running += 1
         try:
             results = await loop.run_in_executor(self._executor, call)
         except Exception as error:  # noqa: BLE001
-            self._running = False
-            await self._failed(batch, error)
-            return
+            results = error
         finally:
-            self._running = False
+            self._running -= 1
+        if isinstance(results, Exception):
+            await self._failed(batch, results)
+            return
         if isinstance(results, Run):  # the shards search it: waited for beside the next batches
             task = loop.create_task(self._complete(batch, results, started))
             self._finishing.add(task)
@@ -210,10 +211,9 @@ class MicroBatcher:
         try:
             await loop.run_in_executor(self._wait_executor, run.wait)
             results = await loop.run_in_executor(self._executor, run.finish) if run.reranks else run.finish()
+            self._done(batch, results, started)
         except Exception as error:  # noqa: BLE001
             await self._failed(batch, error)
-            return
-        self._done(batch, results, started)
 
     async def _failed(self, batch: list[_Pending], error: Exception) -> None:
         # One request must not fail its neighbours: run each alone, so only it fails. A shard that
@@ -259,5 +259,7 @@ class MicroBatcher:
         if isinstance(item.job, EmbedJob):
             vectors, size = result
             return Embedded(vectors, item.arrived, started, finished, size)
-        timings = replace(result.timings, queue=1000 * (started - item.arrived), total=1000 * (finished - item.arrived))
+        # Queued until its run began on the model thread (which other batches' reranks may hold too).
+        queued = max(started, result.timings.started_at) - item.arrived
+        timings = replace(result.timings, queue=1000 * queued, total=1000 * (finished - item.arrived))
         return replace(result, hits=result.hits[: item.job.plan.k], timings=timings)

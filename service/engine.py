@@ -118,6 +118,7 @@ class Run:
 
     def finish(self) -> list[SearchResult]:
         hits, score_kind, plan = self.hits, self.score_kind, self.plan
+        reranking = time.perf_counter()  # after `wait`, once the model thread is free for it
         if self.reranks:
             model = self.engine.rerankers[plan.reranker]
             hits = [rerank(model, query, found, plan.k) for query, found in zip(self.queries, hits)]
@@ -126,7 +127,7 @@ class Run:
         timings = StageTimings(
             encode=1000 * (self.encoded - self.started),
             retrieve=1000 * (self.retrieved - self.encoded),
-            rerank=1000 * (reranked - self.retrieved) if self.reranks else 0.0,
+            rerank=1000 * (reranked - reranking) if self.reranks else 0.0,
             total=1000 * (reranked - self.started),
             started_at=self.started,
         )

@@ -18,7 +18,8 @@ from service.app import create_app
 from service.engine import SearchEngine
 from service.errors import NotServable, ShardsUnavailable
 from service.sharded_engine import LocalShard, ShardedEngine
-from tests.test_service import settings_for
+from tests.test_cross_encoder import tiny_bert
+from tests.test_service import call, one, settings_for
 
 N = 3
 
@@ -232,3 +233,44 @@ def test_a_slow_shard_delays_only_the_requests_that_wait_for_it_not_the_queue_be
         assert [(h["id"], h["score"]) for h in response.json()["results"]] == [(h.id, h.score) for h in expected]
     # Its wait for the model thread: at once, not the rest of the first request's wait for the shard.
     assert second.json()["latency_ms"]["queue"] < 1000 * Slow.delay_s / 3  # ms
+
+
+def test_a_served_sharded_search_reranks_on_the_model_thread_after_the_shards_answer(
+        small_shards, small_index, merged_shards, encoder, tmp_path):
+    """Reranking comes back to the model thread once the (slow) shards answered: the same ranking and
+    scores as the merged index reranked by the same model, and its time reported as rerank."""
+    monobert = tiny_bert(tmp_path / "monobert")
+    clients = [LocalShard(ShardIndex(folder, device="cpu"), f"shard-{i}") for i, folder in enumerate(small_shards)]
+    clients[1] = Slow(clients[1])
+    sharded = ShardedEngine.over(clients, device="cpu", rerankers=[monobert])
+    whole = SearchEngine(Searcher(merged_shards, encoder, device="cpu"), sharded.rerankers)
+    app = create_app(settings_for(small_index, rerankers=[monobert]), sharded)
+    response = one(app, "POST", "/search", {"query": "join two paths", "k": 5, "rerank": True, "depth": 10})
+    assert response.status_code == 200, response.text
+    expected = whole.search("join two paths", 5, rerank_depth=10, reranker="monobert")
+    assert [(h["id"], h["score"]) for h in response.json()["results"]] == [(h.id, h.score) for h in expected.hits]
+    assert response.json()["latency_ms"]["retrieve"] >= 1000 * Slow.delay_s * 0.9  # the shard's delay, not rerank's
+    assert response.json()["latency_ms"]["rerank"] < 1000 * Slow.delay_s / 2
+
+
+class Dying(Down):
+    """Answers until `dead` is set (its replica killed), then fails as Down does, until it is unset
+    (Serve started another)."""
+
+    dead = False
+
+    def search(self, vectors, k, build=None):
+        return super().search(vectors, k, build) if self.dead else self.shard.search(vectors, k, build)
+
+
+def test_a_served_batch_whose_shard_is_down_fails_with_503_naming_it_and_the_next_batch_is_served(
+        small_shards, small_index):
+    clients = [LocalShard(ShardIndex(folder, device="cpu"), f"shard-{i}") for i, folder in enumerate(small_shards)]
+    clients[1] = Dying(clients[1])
+    app = create_app(settings_for(small_index), ShardedEngine.over(clients, device="cpu"))
+    clients[1].dead = True
+    down = call(app, *[("POST", "/search", {"query": q, "k": 3}) for q in ("join two paths", "open a socket")])
+    assert [r.status_code for r in down] == [503, 503]
+    assert all("shard 1/3 (shard-1) failed (ConnectionError: replica gone)" in r.json()["detail"] for r in down)
+    clients[1].dead = False
+    assert one(app, "POST", "/search", {"query": "join two paths", "k": 3}).status_code == 200
