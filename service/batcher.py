@@ -15,7 +15,7 @@ import numpy as np
 
 from models.encoder import Tokens
 from service.engine import Run, SearchPlan, SearchResult
-from service.errors import ShardsUnavailable
+from service.errors import NotReady, ShardsUnavailable
 
 # One result per query, e.g. SearchEngine.run; the tokens are None unless every query came with its own.
 # Or a Run (SearchEngine.start) whose retrieval other processes do: waited for off the model thread.
@@ -112,6 +112,7 @@ class MicroBatcher:
         self._worker: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._running = 0  # batches on the model now (a retry alone may run beside the worker's)
+        self._unanswered: set[asyncio.Future] = set()  # queued or running: close answers them 503
         self._overlapping = False  # did the last batch show concurrent traffic?
 
     @property
@@ -132,19 +133,27 @@ class MicroBatcher:
     async def _submit(self, job: SearchJob | EmbedJob):
         loop = asyncio.get_running_loop()
         if self._loop is not loop:  # first use, or a new event loop (test clients start one per session)
-            self._loop, self._queue, self._held = loop, asyncio.Queue(), None
+            self._loop, self._queue, self._held, self._unanswered = loop, asyncio.Queue(), None, set()
             self._running, self._overlapping = 0, False
             self._worker = loop.create_task(self._serve())
         future = loop.create_future()
+        self._unanswered.add(future)
+        future.add_done_callback(self._unanswered.discard)
         await self._queue.put(_Pending(job, future, time.perf_counter(), self._running > 0))
         return await future
 
     async def close(self) -> None:
+        """Stops the worker and the shard waits; a request still queued or running (uvicorn lets
+        in-flight requests end first, but a host may close the app under them) is answered 503
+        rather than left waiting on a future nobody will set."""
         tasks = [*self._finishing, *([self._worker] if self._worker is not None else [])]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         self._worker = None
+        for future in list(self._unanswered) if self._loop is asyncio.get_running_loop() else ():
+            if not future.done():
+                future.set_exception(NotReady("the service is shutting down"))
 
     async def _next(self) -> _Pending:
         """The next request whose caller still waits for it."""

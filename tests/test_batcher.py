@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from service.batcher import MicroBatcher
 from service.engine import SearchPlan
+from service.errors import NotReady
 
 FOREVER_S = 600.0  # a window no test could sit out: any wait on it ends in the timeout below
 WINDOW_S = 1.0  # long enough that a request sent 0.2 s into it surely joins, on any machine
@@ -197,3 +198,23 @@ def test_requests_fuse_only_with_requests_of_the_same_k(engine, demo_queries):
     results = asyncio.run(scenario())
     assert sorted(sizes) == [1, 1, 2]  # the first alone; then k=3's two together, k=10's apart
     assert [len(result.hits) for result in results] == [3, 3, 10, 3]
+
+
+def test_closing_answers_the_running_and_the_queued_requests_with_503_rather_than_never(engine, demo_queries):
+    gate = threading.Event()
+
+    async def scenario():
+        with ThreadPoolExecutor(max_workers=1) as executor:
+            batcher = MicroBatcher(held_until(gate, engine), executor, FOREVER_S, max_batch=8)
+            running = asyncio.create_task(batcher.search(demo_queries["q0001"], SearchPlan(3)))
+            await asyncio.sleep(0.2)
+            queued = asyncio.create_task(batcher.search(demo_queries["q0002"], SearchPlan(3)))
+            await asyncio.sleep(0.2)
+            await batcher.close()
+            answers = await asyncio.wait_for(asyncio.gather(running, queued, return_exceptions=True), timeout=5)
+            gate.set()  # lets the model thread's batch end, so the executor can shut down
+        return answers
+
+    answers = asyncio.run(scenario())
+    assert all(isinstance(answer, NotReady) for answer in answers), answers
+    assert [str(answer) for answer in answers] == ["the service is shutting down"] * 2
