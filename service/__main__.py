@@ -21,8 +21,9 @@ M_ARENA_MAX = -8  # glibc's mallopt parameter
 def limit_malloc_arenas(arenas: int = 2) -> None:
     """glibc gives each thread that allocates its own malloc arena, up to 8 per core, and freed memory
     stays in them: under steady load (event loop, model thread, FAISS and OpenMP threads) RSS crept up
-    by 270 MiB in two minutes and had not levelled off; with two arenas it stays flat
-    (bench/overload.py's soak). The same as MALLOC_ARENA_MAX=2; nothing happens off glibc."""
+    by 270 MiB in two minutes and had not levelled off; with two arenas it grows far less
+    (bench/overload.py's soak; what remains is the heap fragmenting, memory in use staying flat: README,
+    Benchmarks). The same as MALLOC_ARENA_MAX=2; nothing happens off glibc."""
     try:
         ctypes.CDLL("libc.so.6").mallopt(M_ARENA_MAX, arenas)
     except (OSError, AttributeError):
