@@ -2,7 +2,7 @@
 
     python bench/overload.py [--index indexes/demo] [--cap 64] [--clients 1000] [--seconds 20]
                              [--soak-clients 64] [--soak-seconds 120] [--device cpu] [--no-backoff | --jitter]
-                             [--repeat 1]
+                             [--repeat 1] [--heap-stats]
 
 Starts `python -m service` with SEARCH_MAX_CONCURRENT_REQUESTS=--cap, then:
 1. at the cap: `--cap` clients for `--seconds`, the service's own p99 when full;
@@ -13,7 +13,9 @@ Starts `python -m service` with SEARCH_MAX_CONCURRENT_REQUESTS=--cap, then:
    p50/p99, the accepted requests' p99 against the p99 at the cap, /health's p99, answers other than
    200 and 429, and the server's RSS before and after;
    `--repeat N`: the overload N times on the same server, each run's p99s printed with their median;
-3. soak: `--soak-clients` clients for `--soak-seconds`, RSS sampled every 10 s.
+3. soak: `--soak-clients` clients for `--soak-seconds`, RSS sampled every 10 s; with `--heap-stats`
+   (glibc), also the heap's memory in use and free memory it keeps, read inside the server
+   (bench/heap_stats/sitecustomize.py): a leak grows the first, fragmentation the second.
 Goals (issue 14): 429 p99 < 50 ms, accepted p99 < 3x the p99 at the cap, /health p99 < 100 ms,
 0 errors other than 429; soak: 0 errors, RSS flat. The clients run in this process on the same
 machine as the server, so on a small host they take a share of its CPU (printed).
@@ -24,8 +26,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import sys
+import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -151,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=1,
                         help="run the overload phase this many times on the same server (each with its first wave) "
                              "and print every run's p99s: on a shared host one run's p99 is noisy")
+    parser.add_argument("--heap-stats", action="store_true",
+                        help="during the soak, also print the server's heap in use and free (glibc's mallinfo2)")
     backoff = parser.add_mutually_exclusive_group()
     backoff.add_argument("--no-backoff", action="store_true",
                          help="overload clients retry at once after a 429 instead of waiting its Retry-After")
@@ -164,6 +170,12 @@ def main(argv: list[str] | None = None) -> int:
         build_index(BuildOptions(corpus=ROOT / "data/demo/corpus.tsv", out=args.index, bm25=True),
                     BiEncoder(device=args.device))
 
+    heap_log = None
+    if args.heap_stats:  # the server imports the hook at start-up from its PYTHONPATH
+        heap_log = Path(tempfile.mkdtemp()) / "heap.log"
+        os.environ["HEAP_STATS_LOG"] = str(heap_log)
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "bench/heap_stats"),
+                                                                 os.environ.get("PYTHONPATH")]))
     with Server(args.index, args.device, max_concurrent_requests=str(args.cap)) as server:
         pid = server.process.pid
         asyncio.run(drive(server.base, args.cap, 2))  # warm-up
@@ -178,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
             client_cpu = own_cpu_seconds() - cpu
             repeats.append((over.p(429, 99), over.p(429, 99, later=True), health.p(200, 99)))
         rss_after = rss_mib(pid)
+        soak_started = time.time()
         soaked, rss = asyncio.run(soak(server.base, pid, args.soak_clients, args.soak_seconds)) \
             if args.soak_seconds > 0 else (Answers(), [])
 
@@ -205,6 +218,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"soak ({args.soak_clients} clients, {soaked.seconds:.0f} s): {soaked.count(200)} answered, "
               f"p99 {soaked.p(200, 99):.1f} ms, {soaked.errors() + soaked.count(429)} errors; RSS MiB every 10 s: "
               + " ".join(f"{value:.0f}" for value in rss))
+    if heap_log is not None:
+        samples = [line.split() for line in heap_log.read_text().splitlines()] if heap_log.exists() else []
+        samples = [(int(used) / 2**20, int(free) / 2**20) for at, used, free in samples if float(at) >= soak_started]
+        print("soak heap (glibc), MiB every 10 s: in use " + " ".join(f"{used:.0f}" for used, _ in samples)
+              + "; free but kept " + " ".join(f"{free:.0f}" for _, free in samples) if samples
+              else "soak heap: no samples (the server's C library has no mallinfo2, or no soak)")
     return 0
 
 
