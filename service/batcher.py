@@ -24,6 +24,14 @@ RunBatch = Callable[[list[str], SearchPlan, list[Tokens] | None], list[SearchRes
 EmbedBatch = Callable[[list[str], list[Tokens]], np.ndarray]
 
 
+async def completed(run: Run, executor: Executor, wait_executor: Executor | None) -> list[SearchResult]:
+    """A sent run's retrieval waited for on `wait_executor` (off the model thread, `executor`), then
+    reranked on the model thread where its plan asks."""
+    loop = asyncio.get_running_loop()
+    await loop.run_in_executor(wait_executor, run.wait)
+    return await loop.run_in_executor(executor, run.finish) if run.reranks else run.finish()
+
+
 @dataclass(frozen=True)
 class SearchJob:
     query: str
@@ -216,11 +224,8 @@ class MicroBatcher:
 
     async def _complete(self, batch: list[_Pending], run: Run, started: float) -> None:
         """A sent batch's retrieval waited for (off the model thread), then reranked on it where asked."""
-        loop = asyncio.get_running_loop()
         try:
-            await loop.run_in_executor(self._wait_executor, run.wait)
-            results = await loop.run_in_executor(self._executor, run.finish) if run.reranks else run.finish()
-            self._done(batch, results, started)
+            self._done(batch, await completed(run, self._executor, self._wait_executor), started)
         except Exception as error:  # noqa: BLE001
             await self._failed(batch, error)
 

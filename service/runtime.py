@@ -20,7 +20,7 @@ import numpy as np
 
 from models.encoder import Tokens
 from service.admission import Occupancy
-from service.batcher import MicroBatcher
+from service.batcher import MicroBatcher, completed
 from service.engine import Run, SearchEngine, SearchPlan, SearchResult
 from service.errors import NotReady
 from service.monitoring import Monitor
@@ -92,10 +92,7 @@ class Runtime:
         waited for off the model thread as the micro-batcher does."""
         self.ready_engine()
         run = await self._on_model_thread(self._run, queries, plan, tokens)
-        if not isinstance(run, Run):
-            return run
-        await asyncio.get_running_loop().run_in_executor(self.waiter, run.wait)
-        return await self._on_model_thread(run.finish) if run.reranks else run.finish()
+        return await completed(run, self.executor, self.waiter) if isinstance(run, Run) else run
 
     def _embed(self, texts: list[str], tokens: list[Tokens]) -> np.ndarray:
         return self.engine.embed(texts, tokens)

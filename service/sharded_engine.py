@@ -106,14 +106,11 @@ class ShardedSearcher:
     def encode(self, queries: Sequence[str], tokens: Sequence[Tokens] | None = None) -> np.ndarray:
         return self.encoder.encode_texts(queries, tokens)
 
-    def gather(self, vectors: np.ndarray, k: int, allow_partial: bool) -> tuple[list[list[Hit]], dict]:
-        """Every shard's top k for each vector, merged: ShardsUnavailable names the first shard that
-        failed or did not answer within timeout_s, unless `allow_partial` (then it is listed as missing)."""
-        return self.scatter(vectors, k)(allow_partial)
-
     def scatter(self, vectors: np.ndarray, k: int) -> Callable[[bool], tuple[list[list[Hit]], dict]]:
-        """`gather` in two: the vectors sent to every shard now, and the call that waits for their
-        answers (within timeout_s of now) and merges them, which may run on another thread."""
+        """The vectors sent to every shard now, and the call that waits for their answers (within
+        timeout_s of now, on any thread) and merges every shard's top k for each vector. Given
+        `allow_partial` false, it raises ShardsUnavailable naming the first shard that failed or did
+        not answer in time; true, it lists that shard as missing."""
         vectors = np.ascontiguousarray(vectors, dtype=np.float32)
         deadline = time.monotonic() + self.timeout_s
         pending, failures = [], {}
@@ -175,10 +172,6 @@ class ShardedEngine(SearchEngine):
 
     def _send(self, queries: Sequence[str], vectors: np.ndarray | None, plan: SearchPlan) -> Fetch:
         return functools.partial(self._searcher.scatter(vectors, plan.depth), plan.allow_partial)
-
-    def _retrieve(self, queries: Sequence[str], vectors: np.ndarray | None,
-                  plan: SearchPlan) -> tuple[list[list[Hit]], dict | None]:
-        return self._searcher.gather(vectors, plan.depth, plan.allow_partial)
 
     def prepare(self, index_dir: Path, *, verify_checksums: bool = True):
         raise ReloadError("a sharded service does not reload in place: build the new shards and deploy them "
