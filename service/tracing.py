@@ -54,6 +54,10 @@ class Tracing:
     def __init__(self, provider: Any = None, *, owned: bool = False) -> None:
         self.provider, self._owned = provider, owned
         self._tracer = provider.get_tracer("dense-search") if provider is not None else None
+        # perf_counter -> the epoch nanoseconds spans carry: the clocks' offset, read once, so the
+        # requests of one fused batch get the very same times for its stages (read per request, the
+        # two clock reads straddle whatever preempts the thread between them: up to milliseconds).
+        self._offset = time.time_ns() - time.perf_counter_ns()
 
     @classmethod
     def from_settings(cls, settings: ServiceSettings, provider: Any = None) -> "Tracing":
@@ -88,12 +92,9 @@ class Tracing:
         from opentelemetry import trace
 
         trace.get_current_span().set_attributes(attributes)
-        # perf_counter -> the epoch nanoseconds spans carry, by the clocks' offset now: exact to
-        # microseconds unless the wall clock is stepped during the request.
-        offset = time.time_ns() - time.perf_counter_ns()
         for name, start, end in stages:
-            span = self._tracer.start_span(name, start_time=int(start * 1e9) + offset, attributes=attributes)
-            span.end(end_time=int(end * 1e9) + offset)
+            span = self._tracer.start_span(name, start_time=int(start * 1e9) + self._offset, attributes=attributes)
+            span.end(end_time=int(end * 1e9) + self._offset)
 
     def search(self, submitted: float, result: SearchResult, plan: SearchPlan) -> None:
         """The stages of a search run (one query's, or a client batch's): queue, from `submitted`

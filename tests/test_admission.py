@@ -330,4 +330,5 @@ def test_latency_counts_the_wait_for_the_model_thread_on_paths_that_do_not_micro
         body = {"query": query} if path == "/search" else {"queries": [query]}
         latency = httpx.post(base + path, json=body, trust_env=False, timeout=60).json()["latency_ms"]
         assert latency["queue"] >= 250
-        assert latency["total"] >= latency["queue"] + latency["encode"] + latency["retrieve"]
+        # Each figure is rounded to the microsecond on its own: the sum may pass the total by a few.
+        assert latency["total"] >= latency["queue"] + latency["encode"] + latency["retrieve"] - 0.002

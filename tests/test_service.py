@@ -82,7 +82,7 @@ def test_search_returns_k_passages_sorted_by_score_with_latency(app, demo_querie
     latency = body["latency_ms"]
     assert set(latency) == {"queue", "encode", "retrieve", "rerank", "total"}
     assert latency["encode"] > 0 and latency["retrieve"] > 0 and latency["rerank"] == 0
-    assert latency["total"] >= latency["encode"] + latency["retrieve"]
+    assert latency["total"] >= latency["encode"] + latency["retrieve"] - 0.002  # each rounded to the microsecond
 
 
 def test_search_equals_the_library_searcher(app, searcher, demo_queries):

@@ -92,15 +92,12 @@ def test_concurrent_searches_get_a_trace_each_with_their_micro_batch_size(app, s
     for server, stages in traced:
         assert [s.name for s in stages] == ["queue", "encode", "retrieve"]
         assert {s.context.trace_id for s in stages} == {server.context.trace_id}
-    # The requests of one forward pass share its encode span's times (to the microseconds of the clocks'
-    # offset); the model runs one batch at a time, milliseconds each.
-    encodes = sorted((stages[1] for _, stages in traced), key=lambda span: span.start_time)
-    batches = [[encodes[0]]]
-    for span in encodes[1:]:
-        if span.start_time - batches[-1][0].start_time < 100_000:  # ns
-            batches[-1].append(span)
-        else:
-            batches.append([span])
+    # The requests of one forward pass share its encode span's times exactly; the model runs one batch
+    # at a time, so no two batches start at the same nanosecond.
+    batches: dict[int, list] = {}
+    for _, stages in traced:
+        batches.setdefault(stages[1].start_time, []).append(stages[1])
+    batches = list(batches.values())
     for batch in batches:
         assert [span.attributes["search.batch_size"] for span in batch] == [len(batch)] * len(batch)
     assert max(len(batch) for batch in batches) > 1  # some requests really shared a forward pass
