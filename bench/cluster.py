@@ -75,11 +75,11 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     threads = str(os.cpu_count() or 1)
     with Server(merged, "cpu") as plain:
-        ray.init(include_dashboard=False, runtime_env={"env_vars": job_env()})
+        settings = ServiceSettings(device="cpu")
+        ray.init(include_dashboard=False, runtime_env={"env_vars": job_env(settings)})
         try:
             port = free_port()
             serve.start(http_options={"host": "127.0.0.1", "port": port})
-            settings = ServiceSettings(device="cpu")
             for replicas in args.replicas:
                 application = build_application(
                     [str(s) for s in shards], settings, shard_replicas=replicas, shard_options={"num_cpus": 0},

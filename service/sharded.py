@@ -106,16 +106,26 @@ SERVE_ENV = {
 }
 
 
-def serve_env() -> dict[str, str]:
-    """SERVE_ENV, each variable as this process's environment sets it where it does."""
-    return {name: os.environ.get(name, default) for name, default in SERVE_ENV.items()}
+def client_timeout_env(settings: ServiceSettings) -> dict[str, str]:
+    """HAProxy's `timeout client`, in whole seconds: how long a client may send nothing (of a request's
+    head or body) or read nothing (of its answer) before HAProxy closes the connection (408 while the
+    request is unfinished). The plain service bounds these with SEARCH_READ_TIMEOUT_S and
+    SEARCH_WRITE_TIMEOUT_S; HAProxy has one limit for both ways, so it takes the longer (Ray's default:
+    an hour, which let half-sent requests hold connections)."""
+    return {"RAY_SERVE_HAPROXY_TIMEOUT_CLIENT_S": str(math.ceil(max(settings.read_timeout_s, settings.write_timeout_s)))}
 
 
-def job_env() -> dict[str, str]:
-    """The env_vars of a Ray job that starts Serve: `serve_env()`, and a PYTHONPATH with this checkout
-    ahead of the caller's, so that Ray's workers on this host import the code that started them."""
+def serve_env(settings: ServiceSettings) -> dict[str, str]:
+    """SERVE_ENV and `client_timeout_env(settings)`, each variable as this process's environment sets it
+    where it does."""
+    return {name: os.environ.get(name, default) for name, default in {**SERVE_ENV, **client_timeout_env(settings)}.items()}
+
+
+def job_env(settings: ServiceSettings) -> dict[str, str]:
+    """The env_vars of a Ray job that starts Serve: `serve_env(settings)`, and a PYTHONPATH with this
+    checkout ahead of the caller's, so that Ray's workers on this host import the code that started them."""
     root = str(Path(__file__).resolve().parents[1])
-    return {"PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])), **serve_env()}
+    return {"PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])), **serve_env(settings)}
 
 
 def _with_threads(options: dict | None) -> dict:
@@ -205,7 +215,7 @@ def serve_sharded(args: argparse.Namespace, settings: ServiceSettings) -> int:
     if not args.shards:
         print("error: --ray needs --shards DIR [DIR ...]", flush=True)
         return 2
-    ray.init(address=args.ray or None, runtime_env={"env_vars": job_env()})
+    ray.init(address=args.ray or None, runtime_env={"env_vars": job_env(settings)})
     serve.start(http_options={"host": settings.host, "port": settings.port})
     shard_dirs = [str(d.resolve()) for d in expand_shard_dirs(args.shards)]
     application = build_application(

@@ -101,14 +101,21 @@ def demo_qrels() -> dict[str, str]:
     return read_qrels_map(DEMO / "qrels.txt")
 
 
+# SEARCH_READ_TIMEOUT_S and SEARCH_WRITE_TIMEOUT_S of the session's Ray Serve: what HAProxy in front of it
+# allows a client that sends or reads nothing (short, so that tests/test_sharded_serving.py can see it).
+RAY_CLIENT_TIMEOUT_S = 3
+
+
 @pytest.fixture(scope="session")
 def ray_session():
     """One local Ray for the whole test session (the Ray build and sharded serving share it): 2 CPUs,
     and workers that import this checkout's code, whatever the environment has installed."""
     ray = pytest.importorskip("ray", reason="ray is not installed (pip install 'dense-search[ray]')")
     pytest.importorskip("ray.serve", reason="ray[serve] is not installed (pip install 'dense-search[ray]')")
+    from service.settings import ServiceSettings
     from service.sharded import job_env  # Serve's settings as `python -m service --ray` starts it (HAProxy, gRPC)
 
-    ray.init(num_cpus=2, include_dashboard=False, logging_level=logging.WARNING, runtime_env={"env_vars": job_env()})
+    env = job_env(ServiceSettings(read_timeout_s=RAY_CLIENT_TIMEOUT_S, write_timeout_s=RAY_CLIENT_TIMEOUT_S))
+    ray.init(num_cpus=2, include_dashboard=False, logging_level=logging.WARNING, runtime_env={"env_vars": env})
     yield ray
     ray.shutdown()

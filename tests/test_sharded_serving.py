@@ -21,6 +21,7 @@ from retrieval.sharding import ShardIndex  # noqa: E402
 from service.engine import SearchEngine  # noqa: E402
 from service.settings import ServiceSettings  # noqa: E402
 from service.sharded import APP_NAME, build_application  # noqa: E402
+from tests.conftest import RAY_CLIENT_TIMEOUT_S  # noqa: E402
 
 SHARD_TIMEOUT_S = 3.0
 CAP = 4  # SEARCH_MAX_CONCURRENT_REQUESTS: above the kill test's three clients at once
@@ -120,11 +121,26 @@ def test_past_the_concurrency_cap_the_ingress_answers_429_and_every_other_answer
             assert [r["id"] for r in response.json()["results"]] == answers[query]
 
 
-def replica_actor(deployment: str):
+def test_haproxy_closes_a_connection_whose_request_stops_half_sent_after_the_read_timeout(client, base_url):
+    assert client.get("/health").status_code == 200  # the application is up, so the wait is HAProxy's alone
+    host, port = base_url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(b"POST /search HTTP/1.1\r\nHost: search\r\nContent-Type: appl")  # and then nothing
+        sock.settimeout(RAY_CLIENT_TIMEOUT_S + 30)
+        started = time.monotonic()
+        answer = b""
+        while chunk := sock.recv(4096):
+            answer += chunk
+        waited = time.monotonic() - started
+    assert answer.startswith(b"HTTP/1.1 408"), answer[:200]  # not Ray's default wait of an hour
+    assert RAY_CLIENT_TIMEOUT_S - 0.5 <= waited < RAY_CLIENT_TIMEOUT_S + 10
+
+
+def replica_name(deployment: str) -> str:
     names = [actor["name"] for actor in ray.util.list_named_actors(all_namespaces=True)
              if actor["namespace"] == "serve" and f"#{deployment}#" in actor["name"]]
     assert len(names) == 1, names
-    return ray.get_actor(names[0], namespace="serve")
+    return names[0]
 
 
 def test_a_killed_shard_replica_gives_503s_naming_it_or_right_answers_never_wrong_ones(client, base_url, whole,
@@ -144,7 +160,9 @@ def test_a_killed_shard_replica_gives_503s_naming_it_or_right_answers_never_wron
     for worker in workers:
         worker.start()
     time.sleep(1.0)
-    ray.kill(replica_actor("shard-1"), no_restart=True)
+    killed = replica_name("shard-1")
+    ray.kill(ray.get_actor(killed, namespace="serve"), no_restart=True)
+    answered_before_the_kill = len(outcomes)
     # While the shard is down, an allow_partial request gets the other shards' answer, saying so. Serve
     # may hold a request for a dead replica until its replacement is up, within SEARCH_SHARD_TIMEOUT_S,
     # and then answer it whole: that is right too, so this asks for a while and checks what it gets
@@ -166,6 +184,10 @@ def test_a_killed_shard_replica_gives_503s_naming_it_or_right_answers_never_wron
 
     statuses = [response.status_code for _, response in outcomes]
     assert statuses[-1] == 200  # it came back
+    # The kill was real and the traffic spanned it: another replica serves shard-1 now, and requests were
+    # answered before the kill and after it.
+    assert replica_name("shard-1") != killed
+    assert 0 < answered_before_the_kill < len(outcomes)
     for query, response in outcomes:
         if response.status_code == 200:
             assert [(r["id"], r["rank"]) for r in response.json()["results"]] == [
