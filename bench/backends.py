@@ -29,8 +29,8 @@ sys.path.insert(0, str(ROOT))
 
 from bench.load import QUERIES, Server, alternate, search_request  # noqa: E402
 from index_builder.build import BuildOptions, build_index  # noqa: E402
+from models.backends import BACKENDS  # noqa: E402
 from models.encoder import BiEncoder  # noqa: E402
-from models.onnx_backend import BACKENDS  # noqa: E402
 
 BLOCK = 10  # queries per backend before the next one takes its turn
 

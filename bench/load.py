@@ -90,9 +90,11 @@ class Process:
 class Server(Process):
     """`python -m service` on a loopback port, stopped on exit."""
 
-    def __init__(self, index: Path, device: str, **env: str) -> None:
+    def __init__(self, index: Path, device: str, environ: dict[str, str] | None = None, **env: str) -> None:
+        """`env`: SEARCH_* settings by their lower-case names; `environ`: other variables, as named."""
         port = free_port()
-        variables = {**os.environ, "SEARCH_INDEX_DIR": str(index), "SEARCH_PORT": str(port), "SEARCH_DEVICE": device}
+        variables = {**os.environ, **(environ or {}), "SEARCH_INDEX_DIR": str(index), "SEARCH_PORT": str(port),
+                     "SEARCH_DEVICE": device}
         variables.update({f"SEARCH_{k.upper()}": v for k, v in env.items()})
         super().__init__([sys.executable, "-m", "service"], variables, port)
 

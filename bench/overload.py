@@ -155,6 +155,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=1,
                         help="run the overload phase this many times on the same server (each with its first wave) "
                              "and print every run's p99s: on a shared host one run's p99 is noisy")
+    parser.add_argument("--server-env", action="append", default=[], metavar="NAME=VALUE",
+                        help="a variable for the server's environment only (e.g. LD_PRELOAD=... to try another "
+                             "allocator, MALLOC_CONF=...); repeatable")
     parser.add_argument("--heap-stats", action="store_true",
                         help="during the soak, also print the server's heap in use and free (glibc's mallinfo2)")
     backoff = parser.add_mutually_exclusive_group()
@@ -170,13 +173,16 @@ def main(argv: list[str] | None = None) -> int:
         build_index(BuildOptions(corpus=ROOT / "data/demo/corpus.tsv", out=args.index, bm25=True),
                     BiEncoder(device=args.device))
 
+    if any("=" not in item for item in args.server_env):
+        parser.exit(2, f"error: --server-env takes NAME=VALUE, got {[i for i in args.server_env if '=' not in i][0]!r}\n")
+    server_env = dict(item.split("=", 1) for item in args.server_env)
     heap_log = None
     if args.heap_stats:  # the server imports the hook at start-up from its PYTHONPATH
         heap_log = Path(tempfile.mkdtemp()) / "heap.log"
         os.environ["HEAP_STATS_LOG"] = str(heap_log)
         os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "bench/heap_stats"),
                                                                  os.environ.get("PYTHONPATH")]))
-    with Server(args.index, args.device, max_concurrent_requests=str(args.cap)) as server:
+    with Server(args.index, args.device, server_env, max_concurrent_requests=str(args.cap)) as server:
         pid = server.process.pid
         asyncio.run(drive(server.base, args.cap, 2))  # warm-up
         rss_before = rss_mib(pid)

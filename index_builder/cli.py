@@ -22,8 +22,8 @@ from index_builder.evaluate import (
 from index_builder.merge import merge_shards
 from index_builder.shard import Shard
 from index_builder.smart import convert_cranfield
+from models.backends import BACKENDS
 from models.encoder import BiEncoder
-from models.onnx_backend import BACKENDS
 from models.reranker import load_reranker
 from retrieval.index_format import IndexFormatError, read_manifest
 from retrieval.readers import InputFileError, Run, read_qrels, read_queries, read_run, write_run

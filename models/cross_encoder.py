@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from transformers import AutoModelForSequenceClassification
 
+from models.backends import Backend
 from models.checkpoint import (
     load_pretrained,
     padded_batch,
@@ -26,7 +27,7 @@ from models.checkpoint import (
     weights_sha256,
     write_reranker_json,
 )
-from models.onnx_backend import Backend, OnnxTransformer, check_backend, exported
+from models.onnx_backend import OnnxTransformer, check_backend, exported
 
 
 def relevance_logit(logits: torch.Tensor) -> torch.Tensor:

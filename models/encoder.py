@@ -12,6 +12,7 @@ from tokenizers import Tokenizer
 from tqdm import tqdm
 from transformers import AutoModel
 
+from models.backends import Backend
 from models.checkpoint import (
     file_sha256,
     length_sorted_batches,
@@ -20,7 +21,7 @@ from models.checkpoint import (
     read_json,
     weights_sha256,
 )
-from models.onnx_backend import Backend, OnnxTransformer, check_backend, exported
+from models.onnx_backend import OnnxTransformer, check_backend, exported
 
 Pooling = Literal["mean", "cls"]
 Similarity = Literal["ip", "cosine"]

@@ -11,13 +11,12 @@ import os
 import tempfile
 import warnings
 from pathlib import Path
-from typing import Literal, get_args
 
 import numpy as np
 import torch
 
-Backend = Literal["torch", "onnx", "onnx-int8"]
-BACKENDS: tuple[str, ...] = get_args(Backend)
+from models.backends import BACKENDS, Backend
+
 INPUTS = ("input_ids", "attention_mask", "token_type_ids")
 EXPORT_VERSION = 1  # part of the cache folder's name: raise it when the export or the quantisation changes
 

@@ -18,11 +18,11 @@ from typing import Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
+from models.backends import Backend
 from models.checkpoint import RERANKER_FILE, read_reranker_json
 from models.coattention import CoAttentionReranker
 from models.cross_encoder import CrossEncoder
 from models.generative import GenerativeReranker
-from models.onnx_backend import Backend
 
 
 @runtime_checkable

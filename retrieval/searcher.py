@@ -9,9 +9,9 @@ from typing import Literal, Sequence, get_args
 
 import numpy as np
 
+from models.backends import Backend
 from models.checkpoint import resolve_device
 from models.encoder import BiEncoder, Tokens
-from models.onnx_backend import Backend
 from retrieval import dense_index
 from retrieval.bm25_index import BM25_DIR, Bm25Index
 from retrieval.fusion import interleave, reciprocal_rank_fusion

@@ -19,4 +19,14 @@ if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; the
         echo "chromium and chromium-driver are missing (install them as root): the browser test will be skipped"
     fi
 fi
+# jemalloc, the malloc `python -m service` runs on where it is installed (SEARCH_ALLOCATOR in the README).
+if ! ldconfig -p 2>/dev/null | grep -q 'libjemalloc\.so'; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        (DEBIAN_FRONTEND=noninteractive timeout 300 apt-get install -y -qq libjemalloc2 >/dev/null 2>&1 \
+            || (timeout 300 apt-get update -qq >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive timeout 300 apt-get install -y -qq libjemalloc2 >/dev/null 2>&1)) \
+            || echo "libjemalloc2 could not be installed: the service will run on the C library's malloc"
+    else
+        echo "libjemalloc2 is missing (install it as root): the service will run on the C library's malloc"
+    fi
+fi
 echo "installed into .venv ($(.venv/bin/python -c 'import torch, faiss; print("torch", torch.__version__, "faiss", faiss.__version__)'))"

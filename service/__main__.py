@@ -5,15 +5,13 @@ from __future__ import annotations
 import argparse
 import ctypes
 import logging
+import os
 import sys
 
-import uvicorn
 from pydantic import ValidationError
 
-from service.admission import timeout_protocol
-from service.app import create_app
+from service import allocator
 from service.settings import ServiceSettings
-from service.tracing import TracingUnavailable
 
 M_ARENA_MAX = -8  # glibc's mallopt parameter
 
@@ -22,8 +20,9 @@ def limit_malloc_arenas(arenas: int = 2) -> None:
     """glibc gives each thread that allocates its own malloc arena, up to 8 per core, and freed memory
     stays in them: under steady load (event loop, model thread, FAISS and OpenMP threads) RSS crept up
     by 270 MiB in two minutes and had not levelled off; with two arenas it grows far less
-    (bench/overload.py's soak; what remains is the heap fragmenting, memory in use staying flat: README,
-    Benchmarks). The same as MALLOC_ARENA_MAX=2; nothing happens off glibc."""
+    (bench/overload.py's soak; what remains is the heap fragmenting, memory in use staying flat, which
+    jemalloc avoids: service/allocator.py). The same as MALLOC_ARENA_MAX=2; under jemalloc it sets what
+    nobody uses, and off glibc nothing happens."""
     try:
         ctypes.CDLL("libc.so.6").mallopt(M_ARENA_MAX, arenas)
     except (OSError, AttributeError):
@@ -56,6 +55,21 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.ray is not None:
         return sharded.serve_sharded(args, settings)
+    # Before the service's imports (torch, FAISS, uvicorn): executed again with jemalloc, they would load twice.
+    try:
+        # Called in-process (argv given), never executed again: sys.orig_argv is another program's.
+        malloc = allocator.use(settings.allocator if argv is None else "system")
+    except allocator.AllocatorUnavailable as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    import uvicorn
+
+    from service.admission import timeout_protocol
+    from service.app import create_app
+    from service.tracing import TracingUnavailable
+
+    logging.getLogger("service").info("malloc: %s", "jemalloc, MALLOC_CONF=" + os.environ.get("MALLOC_CONF", "")
+                                      if malloc == "jemalloc" else "the C library's")
     try:
         app = create_app(settings)
     except TracingUnavailable as error:

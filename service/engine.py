@@ -10,8 +10,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from models.backends import Backend
 from models.encoder import InputType, Tokens
-from models.onnx_backend import Backend
 from models.reranker import Reranker, load_reranker, reranker_kind
 from retrieval.index_format import INDEX_FILE, PASSAGES_FILE, read_manifest
 from retrieval.rerank import rerank

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 from urllib.parse import urlsplit
 
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from models.onnx_backend import Backend
+from models.backends import Backend
 
 
 class ServiceSettings(BaseSettings):
@@ -100,6 +101,11 @@ class ServiceSettings(BaseSettings):
         "/v1/traces): a span per request, with queue, encode, retrieve and rerank under it; unset: no tracing",
     )
     service_name: str = Field("dense-search", min_length=1, description="service.name of the exported spans")
+    allocator: Literal["auto", "jemalloc", "system"] = Field(
+        "auto", description="malloc of `python -m service`: jemalloc (the process starts again with it preloaded: "
+        "glibc's heap fragments under steady load and RSS grows), system (the C library's), or auto: jemalloc "
+        "where it is installed (libjemalloc2), else the system's",
+    )
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
 

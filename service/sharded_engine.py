@@ -13,8 +13,8 @@ from typing import Callable, Protocol, Sequence
 
 import numpy as np
 
+from models.backends import Backend
 from models.encoder import Tokens
-from models.onnx_backend import Backend
 from retrieval.index_format import INDEX_FILE, PASSAGES_FILE, Manifest
 from retrieval.searcher import Hit, check_encoder, dense_score_kind, encoder_for, validate_k
 from retrieval.sharding import ShardHit, ShardIndex, build_identity, check_shard_set, merge_top_k

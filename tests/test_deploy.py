@@ -166,6 +166,7 @@ def test_images_run_as_a_user_with_model_and_index_volumes_and_check_ready():
         for copy in instruction(path, "COPY"):
             for source in copy.split()[:-1]:
                 assert (ROOT / source).exists() and source not in ignored, (kind, source)
+        assert any("apt-get install" in run and "libjemalloc2" in run for run in instruction(path, "RUN")), kind
     assert instruction(DOCKERFILES["cpu"], "FROM") == ["python:3.11-slim"]
     assert any("download.pytorch.org/whl/cpu" in run for run in instruction(DOCKERFILES["cpu"], "RUN"))
     assert any(arg.startswith("CUDA_IMAGE=nvidia/cuda:") for arg in instruction(DOCKERFILES["gpu"], "ARG"))

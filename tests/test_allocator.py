@@ -1,0 +1,72 @@
+"""`python -m service` runs on jemalloc where the system has it (SEARCH_ALLOCATOR auto), started again
+with it preloaded under the same pid, and on the C library's malloc when told so."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from service.allocator import JEMALLOC_CONF, REEXECUTED, find_jemalloc
+from tests.conftest import ROOT
+from tests.test_service import free_port
+
+needs_jemalloc = pytest.mark.skipif(find_jemalloc() is None, reason="no libjemalloc installed (apt-get install libjemalloc2)")
+
+
+def started(index: Path, **settings: str) -> tuple[subprocess.Popen, str, str]:
+    """`python -m service` once /health answers: the process, its memory map, and its environment."""
+    port = free_port()
+    env = {name: value for name, value in os.environ.items() if name not in ("LD_PRELOAD", "MALLOC_CONF", REEXECUTED)}
+    env.update({"SEARCH_INDEX_DIR": str(index), "SEARCH_PORT": str(port), "SEARCH_DEVICE": "cpu", **settings})
+    server = subprocess.Popen([sys.executable, "-m", "service"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 60
+    while True:
+        assert server.poll() is None and time.monotonic() < deadline, "the service did not answer /health"
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                break
+        except httpx.TransportError:
+            time.sleep(0.2)
+    process = Path(f"/proc/{server.pid}")
+    return server, (process / "maps").read_text(), (process / "environ").read_bytes().decode()
+
+
+def stopped(server: subprocess.Popen) -> str:
+    server.terminate()
+    return server.communicate(timeout=30)[0]
+
+
+@needs_jemalloc
+def test_by_default_the_service_runs_on_jemalloc_with_its_settings_in_the_same_process(small_index):
+    server, maps, environ = started(small_index)
+    log = stopped(server)
+    assert "libjemalloc" in maps  # of the pid that was started: executed again, not a child
+    assert f"MALLOC_CONF={JEMALLOC_CONF}\0" in environ
+    assert f"malloc: jemalloc, MALLOC_CONF={JEMALLOC_CONF}" in log
+
+
+@needs_jemalloc
+def test_malloc_conf_in_the_environment_replaces_the_services(small_index):
+    server, maps, environ = started(small_index, MALLOC_CONF="background_thread:false")
+    stopped(server)
+    assert "libjemalloc" in maps and "MALLOC_CONF=background_thread:false\0" in environ
+
+
+def test_allocator_system_keeps_the_c_librarys_malloc(small_index):
+    server, maps, environ = started(small_index, SEARCH_ALLOCATOR="system")
+    log = stopped(server)
+    assert "libjemalloc" not in maps and "MALLOC_CONF=" not in environ
+    assert "malloc: the C library's" in log
+
+
+def test_an_unknown_allocator_is_refused_with_exit_2_naming_the_setting(small_index):
+    done = subprocess.run([sys.executable, "-m", "service"], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "SEARCH_INDEX_DIR": str(small_index), "SEARCH_ALLOCATOR": "tcmalloc"})
+    assert done.returncode == 2 and done.stderr.startswith("error: SEARCH_ALLOCATOR:"), done.stderr
