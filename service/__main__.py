@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import logging
-import os
 import sys
 
 from pydantic import ValidationError
@@ -58,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     # Before the service's imports (torch, FAISS, uvicorn): executed again with jemalloc, they would load twice.
     try:
         # Called in-process (argv given), never executed again: sys.orig_argv is another program's.
-        malloc = allocator.use(settings.allocator if argv is None else "system")
+        malloc = allocator.use(settings.allocator if argv is None else "system")  # in words, for the log
     except allocator.AllocatorUnavailable as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -68,8 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     from service.app import create_app
     from service.tracing import TracingUnavailable
 
-    logging.getLogger("service").info("malloc: %s", "jemalloc, MALLOC_CONF=" + os.environ.get("MALLOC_CONF", "")
-                                      if malloc == "jemalloc" else "the C library's")
+    logging.getLogger("service").info("malloc: %s", malloc)
     try:
         app = create_app(settings)
     except TracingUnavailable as error:

@@ -1,10 +1,10 @@
 """jemalloc in place of the C library's malloc for `python -m service`, where the system has it.
 
 Why: under steady load glibc's heap fragments. In bench/overload.py's soak, memory in use stays flat
-while the heap keeps more and more free chunks, so RSS grows (650 to 765 MiB in two minutes); with
-jemalloc it stays flat, at the same throughput (README, "Benchmarks"). An allocator must be in place
-before anything allocates, so the process executes itself again with jemalloc preloaded: same pid,
-same command line, one interpreter start more."""
+while the heap keeps more and more free chunks, so RSS grows (636 to 737 and 721 to 820 MiB in two
+minutes, two runs); with jemalloc it stays flat, at the same throughput (README, "Benchmarks"). An
+allocator must be in place before anything allocates, so the process executes itself again with
+jemalloc preloaded: same pid, same command line, one interpreter start more."""
 
 from __future__ import annotations
 
@@ -40,13 +40,18 @@ def find_jemalloc() -> str | None:
 
 
 def use(allocator: str) -> str:
-    """The allocator this process runs on: "jemalloc" or "system". For "jemalloc" and "auto" where jemalloc
-    is installed and not loaded yet, this does not return: the process is executed again with it preloaded.
-    Raises AllocatorUnavailable where "jemalloc" is asked for and is not installed."""
+    """What this process allocates with, in words for the log. For "jemalloc", and for "auto" where jemalloc is
+    installed, not loaded yet and LD_PRELOAD names nothing (an operator's own preload is left as it is), this
+    does not return: the process is executed again with jemalloc preloaded. Raises AllocatorUnavailable where
+    "jemalloc" is asked for and is not installed."""
     if jemalloc_loaded():
-        return "jemalloc"
-    if allocator == "system" or os.environ.get(REEXECUTED):  # preloaded, yet not loaded: go on without
-        return "system"
+        return "jemalloc, MALLOC_CONF=" + os.environ.get("MALLOC_CONF", "")
+    preloaded = os.environ.get("LD_PRELOAD")
+    if allocator == "system" or (allocator == "auto" and preloaded):
+        return f"as LD_PRELOAD={preloaded} gives it" if preloaded else "the C library's"
+    if os.environ.get(REEXECUTED):  # preloaded, yet not loaded: go on without
+        log.warning("jemalloc was preloaded but did not load: serving on the C library's malloc")
+        return "the C library's"
     library = find_jemalloc()
     if library is None:
         if allocator == "jemalloc":
@@ -54,9 +59,8 @@ def use(allocator: str) -> str:
                                        "(apt-get install libjemalloc2)")
         log.warning("no libjemalloc installed: serving on the C library's malloc, whose heap fragments under "
                     "load, so RSS grows (apt-get install libjemalloc2; SEARCH_ALLOCATOR=system silences this)")
-        return "system"
-    environ = {**os.environ, REEXECUTED: "1",
-               "LD_PRELOAD": os.pathsep.join(filter(None, [library, os.environ.get("LD_PRELOAD")])),
+        return "the C library's"
+    environ = {**os.environ, REEXECUTED: "1", "LD_PRELOAD": os.pathsep.join(filter(None, [library, preloaded])),
                "MALLOC_CONF": os.environ.get("MALLOC_CONF", JEMALLOC_CONF)}
     sys.stdout.flush()
     sys.stderr.flush()

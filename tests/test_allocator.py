@@ -59,6 +59,14 @@ def test_malloc_conf_in_the_environment_replaces_the_services(small_index):
     assert "libjemalloc" in maps and "MALLOC_CONF=background_thread:false\0" in environ
 
 
+@needs_jemalloc
+def test_an_operators_own_preload_is_left_as_it_is(small_index):
+    server, maps, environ = started(small_index, LD_PRELOAD="libm.so.6")
+    log = stopped(server)
+    assert "libjemalloc" not in maps and "LD_PRELOAD=libm.so.6\0" in environ
+    assert "malloc: as LD_PRELOAD=libm.so.6 gives it" in log
+
+
 def test_allocator_system_keeps_the_c_librarys_malloc(small_index):
     server, maps, environ = started(small_index, SEARCH_ALLOCATOR="system")
     log = stopped(server)
