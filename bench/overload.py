@@ -159,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="a variable for the server's environment only (e.g. LD_PRELOAD=... to try another "
                              "allocator, MALLOC_CONF=...); repeatable")
     parser.add_argument("--heap-stats", action="store_true",
-                        help="during the soak, also print the server's heap in use and free (glibc's mallinfo2)")
+                        help="during the soak, also print the server's heap in use and free (glibc's mallinfo2; the "
+                             "server then runs on glibc's malloc: SEARCH_ALLOCATOR=system)")
     backoff = parser.add_mutually_exclusive_group()
     backoff.add_argument("--no-backoff", action="store_true",
                          help="overload clients retry at once after a 429 instead of waiting its Retry-After")
@@ -173,11 +174,13 @@ def main(argv: list[str] | None = None) -> int:
         build_index(BuildOptions(corpus=ROOT / "data/demo/corpus.tsv", out=args.index, bm25=True),
                     BiEncoder(device=args.device))
 
-    if any("=" not in item for item in args.server_env):
-        parser.exit(2, f"error: --server-env takes NAME=VALUE, got {[i for i in args.server_env if '=' not in i][0]!r}\n")
+    malformed = [item for item in args.server_env if "=" not in item]
+    if malformed:
+        parser.exit(2, f"error: --server-env takes NAME=VALUE, got {malformed[0]!r}\n")
     server_env = dict(item.split("=", 1) for item in args.server_env)
     heap_log = None
     if args.heap_stats:  # the server imports the hook at start-up from its PYTHONPATH
+        server_env.setdefault("SEARCH_ALLOCATOR", "system")  # mallinfo2 reads glibc's heap: jemalloc's is not in it
         heap_log = Path(tempfile.mkdtemp()) / "heap.log"
         os.environ["HEAP_STATS_LOG"] = str(heap_log)
         os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "bench/heap_stats"),

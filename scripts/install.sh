@@ -20,7 +20,7 @@ if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; the
     fi
 fi
 # jemalloc, the malloc `python -m service` runs on where it is installed (SEARCH_ALLOCATOR in the README).
-if ! ldconfig -p 2>/dev/null | grep -q 'libjemalloc\.so'; then
+if ! .venv/bin/python -c 'import ctypes.util, sys; sys.exit(ctypes.util.find_library("jemalloc") is None)'; then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
         (DEBIAN_FRONTEND=noninteractive timeout 300 apt-get install -y -qq libjemalloc2 >/dev/null 2>&1 \
             || (timeout 300 apt-get update -qq >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive timeout 300 apt-get install -y -qq libjemalloc2 >/dev/null 2>&1)) \

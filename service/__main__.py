@@ -28,7 +28,9 @@ def limit_malloc_arenas(arenas: int = 2) -> None:
         pass
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, reexec: bool = False) -> int:
+    """`reexec`: may this process be executed again, with jemalloc preloaded (SEARCH_ALLOCATOR)? Only
+    when it is `python -m service` or the `dense-search` script (`cli`), never a program calling main."""
     parser = argparse.ArgumentParser(prog="python -m service", add_help=False, description=(
         "Serve SEARCH_INDEX_DIR with uvicorn; with --ray, serve the shards of one build (--shards N, or --shard i/N "
         "jobs) on Ray Serve. "
@@ -56,8 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         return sharded.serve_sharded(args, settings)
     # Before the service's imports (torch, FAISS, uvicorn): executed again with jemalloc, they would load twice.
     try:
-        # Called in-process (argv given), never executed again: sys.orig_argv is another program's.
-        malloc = allocator.use(settings.allocator if argv is None else "system")  # in words, for the log
+        malloc = allocator.use(settings.allocator if reexec else "system")  # in words, for the log
     except allocator.AllocatorUnavailable as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -79,5 +80,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def cli() -> int:
+    """`python -m service` and the `dense-search` script."""
+    return main(reexec=True)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli())

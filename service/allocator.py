@@ -17,21 +17,23 @@ from pathlib import Path
 log = logging.getLogger("service")
 
 # oversize_threshold:0: no separate arena for allocations over 8 MiB, whose freed pages jemalloc hands
-# back at once (the encoder's large activations were faulted in anew every batch); background_thread:
+# back at once (the encoder's largest activations would be faulted in anew every batch); background_thread:
 # pages handed back by a thread of jemalloc's own, off the requests' threads; narenas:2, as the two
 # arenas the service gives glibc. MALLOC_CONF in the environment replaces it.
 JEMALLOC_CONF = "oversize_threshold:0,background_thread:true,narenas:2"
-REEXECUTED = "SEARCH_ALLOCATOR_REEXECUTED"  # set for the second start, so that a failed preload never loops
+# Set for the second start only: a preload that did not load never loops, and the operator's LD_PRELOAD
+# is given back to the processes the service starts.
+REEXECUTED = "DENSE_SEARCH_PRELOADED"
 
 
 class AllocatorUnavailable(RuntimeError):
-    """SEARCH_ALLOCATOR is jemalloc, and the system has none."""
+    """SEARCH_ALLOCATOR is jemalloc, and this system cannot give it."""
 
 
 def jemalloc_loaded() -> bool:
     try:
         return "libjemalloc" in Path("/proc/self/maps").read_text()
-    except OSError:  # not Linux
+    except OSError:
         return False
 
 
@@ -43,13 +45,22 @@ def use(allocator: str) -> str:
     """What this process allocates with, in words for the log. For "jemalloc", and for "auto" where jemalloc is
     installed, not loaded yet and LD_PRELOAD names nothing (an operator's own preload is left as it is), this
     does not return: the process is executed again with jemalloc preloaded. Raises AllocatorUnavailable where
-    "jemalloc" is asked for and is not installed."""
+    "jemalloc" is asked for and cannot be had: not installed, or not Linux (where LD_PRELOAD preloads)."""
     if jemalloc_loaded():
-        return "jemalloc, MALLOC_CONF=" + os.environ.get("MALLOC_CONF", "")
-    preloaded = os.environ.get("LD_PRELOAD")
-    if allocator == "system" or (allocator == "auto" and preloaded):
+        if os.environ.get(REEXECUTED) is not None:  # ours: the operator's LD_PRELOAD back for child processes
+            restored = os.environ.pop(REEXECUTED)
+            if restored:
+                os.environ["LD_PRELOAD"] = restored
+            else:
+                del os.environ["LD_PRELOAD"]
+        return "jemalloc, MALLOC_CONF=" + os.environ.get("MALLOC_CONF", "unset (jemalloc's defaults)")
+    preloaded = os.environ.get("LD_PRELOAD", "")
+    if allocator == "system" or (allocator == "auto" and (preloaded or sys.platform != "linux")):
         return f"as LD_PRELOAD={preloaded} gives it" if preloaded else "the C library's"
-    if os.environ.get(REEXECUTED):  # preloaded, yet not loaded: go on without
+    if sys.platform != "linux":
+        raise AllocatorUnavailable(f"SEARCH_ALLOCATOR is jemalloc, which is preloaded on Linux only, "
+                                   f"not {sys.platform}")
+    if os.environ.get(REEXECUTED) is not None:
         log.warning("jemalloc was preloaded but did not load: serving on the C library's malloc")
         return "the C library's"
     library = find_jemalloc()
@@ -60,9 +71,10 @@ def use(allocator: str) -> str:
         log.warning("no libjemalloc installed: serving on the C library's malloc, whose heap fragments under "
                     "load, so RSS grows (apt-get install libjemalloc2; SEARCH_ALLOCATOR=system silences this)")
         return "the C library's"
-    environ = {**os.environ, REEXECUTED: "1", "LD_PRELOAD": os.pathsep.join(filter(None, [library, preloaded])),
+    environ = {**os.environ, REEXECUTED: preloaded, "LD_PRELOAD": os.pathsep.join(filter(None, [library, preloaded])),
                "MALLOC_CONF": os.environ.get("MALLOC_CONF", JEMALLOC_CONF)}
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(sys.executable, sys.orig_argv, environ)
+    # sys.executable as argv[0] too: CPython finds its prefix (a virtual environment's) from argv[0].
+    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], environ)
     raise AssertionError("unreachable")  # pragma: no cover

@@ -17,6 +17,8 @@ from service.settings import ServiceSettings
 
 TRACES_PATH = "/v1/traces"  # OTLP/HTTP's path for traces, under a collector's base URL (port 4318)
 
+CLOCK_STEP_NS = 50_000_000  # a change of the wall clock against perf_counter taken for a step, not for jitter
+
 # (span name, start, end), the times in time.perf_counter() seconds
 Stage = tuple[str, float, float]
 
@@ -54,9 +56,6 @@ class Tracing:
     def __init__(self, provider: Any = None, *, owned: bool = False) -> None:
         self.provider, self._owned = provider, owned
         self._tracer = provider.get_tracer("dense-search") if provider is not None else None
-        # perf_counter -> the epoch nanoseconds spans carry: the clocks' offset, read once, so the
-        # requests of one fused batch get the very same times for its stages (read per request, the
-        # two clock reads straddle whatever preempts the thread between them: up to milliseconds).
         self._offset = time.time_ns() - time.perf_counter_ns()
 
     @classmethod
@@ -92,9 +91,20 @@ class Tracing:
         from opentelemetry import trace
 
         trace.get_current_span().set_attributes(attributes)
+        offset = self._epoch_offset()
         for name, start, end in stages:
-            span = self._tracer.start_span(name, start_time=int(start * 1e9) + self._offset, attributes=attributes)
-            span.end(end_time=int(end * 1e9) + self._offset)
+            span = self._tracer.start_span(name, start_time=int(start * 1e9) + offset, attributes=attributes)
+            span.end(end_time=int(end * 1e9) + offset)
+
+    def _epoch_offset(self) -> int:
+        """perf_counter -> the epoch nanoseconds spans carry. Kept from one request to the next, so the
+        requests of one fused batch get the very same times for its stages (two clock reads straddle
+        whatever preempts the thread between them: up to milliseconds under load); read anew only where
+        the wall clock was stepped (NTP at boot, a VM resumed), by more than CLOCK_STEP_NS."""
+        now = time.time_ns() - time.perf_counter_ns()
+        if abs(now - self._offset) > CLOCK_STEP_NS:
+            self._offset = now
+        return self._offset
 
     def search(self, submitted: float, result: SearchResult, plan: SearchPlan) -> None:
         """The stages of a search run (one query's, or a client batch's): queue, from `submitted`

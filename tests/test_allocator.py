@@ -22,13 +22,15 @@ needs_jemalloc = pytest.mark.skipif(find_jemalloc() is None, reason="no libjemal
 def started(index: Path, **settings: str) -> tuple[subprocess.Popen, str, str]:
     """`python -m service` once /health answers: the process, its memory map, and its environment."""
     port = free_port()
-    env = {name: value for name, value in os.environ.items() if name not in ("LD_PRELOAD", "MALLOC_CONF", REEXECUTED)}
+    env = {name: value for name, value in os.environ.items()
+           if name not in ("LD_PRELOAD", "MALLOC_CONF", REEXECUTED, "SEARCH_ALLOCATOR")}
     env.update({"SEARCH_INDEX_DIR": str(index), "SEARCH_PORT": str(port), "SEARCH_DEVICE": "cpu", **settings})
     server = subprocess.Popen([sys.executable, "-m", "service"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 60
     while True:
-        assert server.poll() is None and time.monotonic() < deadline, "the service did not answer /health"
+        if server.poll() is not None or time.monotonic() > deadline:
+            pytest.fail(f"the service did not answer /health:\n{stopped(server)}")
         try:
             if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
                 break
@@ -39,6 +41,7 @@ def started(index: Path, **settings: str) -> tuple[subprocess.Popen, str, str]:
 
 
 def stopped(server: subprocess.Popen) -> str:
+    """Its output, once terminated."""
     server.terminate()
     return server.communicate(timeout=30)[0]
 
@@ -78,3 +81,11 @@ def test_an_unknown_allocator_is_refused_with_exit_2_naming_the_setting(small_in
     done = subprocess.run([sys.executable, "-m", "service"], cwd=ROOT, capture_output=True, text=True, timeout=60,
                           env={**os.environ, "SEARCH_INDEX_DIR": str(small_index), "SEARCH_ALLOCATOR": "tcmalloc"})
     assert done.returncode == 2 and done.stderr.startswith("error: SEARCH_ALLOCATOR:"), done.stderr
+
+
+def test_starting_the_service_imports_nothing_heavy_before_the_allocator_is_chosen():
+    # Executed again with jemalloc, whatever python -m service imported before would be imported twice.
+    script = ("import sys, service.__main__; "
+              "print(sorted({'torch', 'faiss', 'uvicorn', 'transformers'} & set(sys.modules)))")
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.stdout.strip() == "[]", done.stdout + done.stderr

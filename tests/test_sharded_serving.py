@@ -159,10 +159,12 @@ def test_a_killed_shard_replica_gives_503s_naming_it_or_right_answers_never_wron
     workers = [threading.Thread(target=traffic) for _ in range(2)]
     for worker in workers:
         worker.start()
-    time.sleep(1.0)
+    deadline = time.monotonic() + 30
+    while not outcomes and time.monotonic() < deadline:  # traffic is flowing before the kill
+        time.sleep(0.1)
+    answered_before_the_kill = len(outcomes)
     killed = replica_name("shard-1")
     ray.kill(ray.get_actor(killed, namespace="serve"), no_restart=True)
-    answered_before_the_kill = len(outcomes)
     # While the shard is down, an allow_partial request gets the other shards' answer, saying so. Serve
     # may hold a request for a dead replica until its replacement is up, within SEARCH_SHARD_TIMEOUT_S,
     # and then answer it whole: that is right too, so this asks for a while and checks what it gets
