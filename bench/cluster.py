@@ -1,7 +1,7 @@
 """Sharded serving on a local Ray Serve against the plain service over the same passages, in one run.
 
     python bench/cluster.py [--lines 300] [--shards 3] [--replicas 1 2] [--clients 1 4] [--seconds 12]
-                            [--slices 4] [--k 10] [--work runs/cluster]
+                            [--slices 4] [--k 10] [--work runs/cluster] [--ingress-env NAME=VALUE ...]
 
 Builds (once, into `--work`) the first `--lines` passages of the demo corpus as `--shards` shards
 (`build --shards N`) and merges them (`merge`): one flat index over the very vectors the shards
@@ -64,7 +64,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--slices", type=int, default=4)
     parser.add_argument("--k", type=int, default=10)
     parser.add_argument("--work", type=Path, default=ROOT / "runs" / "cluster")
+    parser.add_argument("--ingress-env", action="append", default=[], metavar="NAME=VALUE",
+                        help="a variable for the ingress replicas' environment (e.g. OMP_WAIT_POLICY=PASSIVE); repeatable")
     args = parser.parse_args(argv)
+    malformed = [item for item in args.ingress_env if "=" not in item]
+    if malformed:
+        parser.exit(2, f"error: --ingress-env takes NAME=VALUE, got {malformed[0]!r}\n")
 
     import ray
     from ray import serve
@@ -83,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
             for replicas in args.replicas:
                 application = build_application(
                     [str(s) for s in shards], settings, shard_replicas=replicas, shard_options={"num_cpus": 0},
-                    ingress_options={"num_cpus": 0, "runtime_env": {"env_vars": {"OMP_NUM_THREADS": threads}}})
+                    ingress_options={"num_cpus": 0, "runtime_env": {"env_vars": {
+                        "OMP_NUM_THREADS": threads, **dict(item.split("=", 1) for item in args.ingress_env)}}})
                 serve.run(application, name=APP_NAME, route_prefix="/")
                 ray_path = f"ray, {args.shards} shards x {replicas}"
                 for clients in args.clients:
