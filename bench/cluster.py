@@ -28,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.load import Server, alternate, free_port, search_request  # noqa: E402
+from bench.load import Server, alternate, free_port, name_value, search_request  # noqa: E402
 from index_builder.build import BuildOptions, build_index  # noqa: E402
 from index_builder.merge import merge_shards  # noqa: E402
 from models.encoder import BiEncoder  # noqa: E402
@@ -64,12 +64,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--slices", type=int, default=4)
     parser.add_argument("--k", type=int, default=10)
     parser.add_argument("--work", type=Path, default=ROOT / "runs" / "cluster")
-    parser.add_argument("--ingress-env", action="append", default=[], metavar="NAME=VALUE",
+    parser.add_argument("--ingress-env", action="append", default=[], type=name_value, metavar="NAME=VALUE",
                         help="a variable for the ingress replicas' environment (e.g. OMP_WAIT_POLICY=PASSIVE); repeatable")
     args = parser.parse_args(argv)
-    malformed = [item for item in args.ingress_env if "=" not in item]
-    if malformed:
-        parser.exit(2, f"error: --ingress-env takes NAME=VALUE, got {malformed[0]!r}\n")
 
     import ray
     from ray import serve
@@ -89,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
                 application = build_application(
                     [str(s) for s in shards], settings, shard_replicas=replicas, shard_options={"num_cpus": 0},
                     ingress_options={"num_cpus": 0, "runtime_env": {"env_vars": {
-                        "OMP_NUM_THREADS": threads, **dict(item.split("=", 1) for item in args.ingress_env)}}})
+                        "OMP_NUM_THREADS": threads, **dict(args.ingress_env)}}})
                 serve.run(application, name=APP_NAME, route_prefix="/")
                 ray_path = f"ray, {args.shards} shards x {replicas}"
                 for clients in args.clients:

@@ -87,6 +87,14 @@ class Process:
         self.log.close()
 
 
+def name_value(text: str) -> tuple[str, str]:
+    """An argparse type for NAME=VALUE options (a variable for one process's environment)."""
+    name, sep, value = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"takes NAME=VALUE, got {text!r}")
+    return name, value
+
+
 class Server(Process):
     """`python -m service` on a loopback port, stopped on exit."""
 

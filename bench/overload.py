@@ -40,7 +40,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.load import QUERIES, Connection, Server, own_cpu_seconds  # noqa: E402
+from bench.load import QUERIES, Connection, Server, name_value, own_cpu_seconds  # noqa: E402
 from index_builder.build import BuildOptions, build_index  # noqa: E402
 from models.encoder import BiEncoder  # noqa: E402
 
@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=1,
                         help="run the overload phase this many times on the same server (each with its first wave) "
                              "and print every run's p99s: on a shared host one run's p99 is noisy")
-    parser.add_argument("--server-env", action="append", default=[], metavar="NAME=VALUE",
+    parser.add_argument("--server-env", action="append", default=[], type=name_value, metavar="NAME=VALUE",
                         help="a variable for the server's environment only (e.g. LD_PRELOAD=... to try another "
                              "allocator, MALLOC_CONF=...); repeatable")
     parser.add_argument("--heap-stats", action="store_true",
@@ -174,10 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         build_index(BuildOptions(corpus=ROOT / "data/demo/corpus.tsv", out=args.index, bm25=True),
                     BiEncoder(device=args.device))
 
-    malformed = [item for item in args.server_env if "=" not in item]
-    if malformed:
-        parser.exit(2, f"error: --server-env takes NAME=VALUE, got {malformed[0]!r}\n")
-    server_env = dict(item.split("=", 1) for item in args.server_env)
+    server_env = dict(args.server_env)
     heap_log = None
     if args.heap_stats:  # the server imports the hook at start-up from its PYTHONPATH
         server_env.setdefault("SEARCH_ALLOCATOR", "system")  # mallinfo2 reads glibc's heap: jemalloc's is not in it

