@@ -267,12 +267,13 @@ def throughput(index: Path, device: str, clients: int, seconds: float, slices: i
 
 async def alternate(targets: dict[str, tuple[str, Request]], clients: int, seconds: float, slices: int,
                     warm_up_s: float = 2.0, timeout_s: float = 120.0,
-                    pids: dict[str, int] | None = None, light: bool = False) -> dict[str, Load]:
+                    pids: dict[str, int] | None = None, light: bool = False,
+                    after_slice: Callable[[str], None] | None = None) -> dict[str, Load]:
     """targets: label -> (base URL, request); each loaded in turn by its own `clients` httpx clients
     (`light`: `Connection`s, which leave the servers more of a small host's CPU), in `slices`
     alternating slices (first, second, second, first, ...) adding up to `seconds`, after a warm-up that
     also opens every connection. Each Load also gets the CPU this process (the clients) used, and the
-    server's where `pids` gives its process (label -> pid)."""
+    server's where `pids` gives its process (label -> pid). `after_slice(label)` is called after each slice."""
     results = {label: Load() for label in targets}
     pools = {label: [Connection(*base.removeprefix("http://").split(":"), timeout_s=timeout_s) if light else
                      httpx.AsyncClient(base_url=base, timeout=timeout_s, trust_env=False) for _ in range(clients)]
@@ -291,6 +292,8 @@ async def alternate(targets: dict[str, tuple[str, Request]], clients: int, secon
                     result.server_cpu += server_after - server_before
                 else:
                     result.server_cpu = None
+                if after_slice is not None:
+                    after_slice(label)
     finally:
         for pool in pools.values():
             await asyncio.gather(*(http.aclose() for http in pool))

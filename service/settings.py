@@ -104,7 +104,8 @@ class ServiceSettings(BaseSettings):
     allocator: Literal["auto", "jemalloc", "system"] = Field(
         "auto", description="malloc of `python -m service`: jemalloc (the process starts again with it preloaded: "
         "glibc's heap fragments under steady load and RSS grows), system (the C library's, or what LD_PRELOAD "
-        "gives), or auto: jemalloc where it is installed (libjemalloc2) and LD_PRELOAD names nothing, else system",
+        "gives), or auto: jemalloc where it is installed (libjemalloc2) and LD_PRELOAD names nothing, else system; "
+        "with --ray, of the ingress and shard replicas too",
     )
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)

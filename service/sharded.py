@@ -13,6 +13,7 @@ import asyncio
 import logging
 import math
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Sequence
@@ -21,6 +22,7 @@ import numpy as np
 from ray import serve
 
 from retrieval.sharding import ShardIndex, expand_shard_dirs
+from service import allocator
 from service.app import create_app
 from service.settings import ServiceSettings
 from service.sharded_engine import ShardedEngine, describe_shard
@@ -128,12 +130,13 @@ def job_env(settings: ServiceSettings) -> dict[str, str]:
     return {"PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])), **serve_env(settings)}
 
 
-def _with_threads(options: dict | None) -> dict:
+def _replica_options(options: dict | None, malloc: dict[str, str]) -> dict:
     """ray_actor_options with OMP_NUM_THREADS set to the CPUs it reserves (at least 1), unless given:
-    FAISS and torch would otherwise start a thread per core in every replica of a shared machine."""
+    FAISS and torch would otherwise start a thread per core in every replica of a shared machine; and
+    `malloc`'s variables (allocator.worker_env), unless given."""
     options = dict(options or {})
     runtime_env = dict(options.get("runtime_env") or {})
-    env_vars = dict(runtime_env.get("env_vars") or {})
+    env_vars = {**malloc, **dict(runtime_env.get("env_vars") or {})}
     env_vars.setdefault("OMP_NUM_THREADS", str(max(1, math.ceil(options.get("num_cpus", 1)))))
     options["runtime_env"] = {**runtime_env, "env_vars": env_vars}
     return options
@@ -147,14 +150,19 @@ def build_application(shard_dirs: Sequence[str | Path], settings: ServiceSetting
     ingress `search` (`ingress_replicas`, `ingress_options`), which checks at start that the directories
     are all N shards of one build, in any order. With `shard_resources`, each replica of a shard also
     needs one unit of the custom resource named as its directory (`ray start --resources '{"shard0of4": 2}'`
-    on the machines that hold shard0of4, for two replicas there)."""
+    on the machines that hold shard0of4, for two replicas there). Every replica runs on the malloc that
+    SEARCH_ALLOCATOR names, as `python -m service` does (allocator.worker_env; AllocatorUnavailable where
+    it is jemalloc and this machine has none)."""
     names = [f"shard-{position}" for position in range(len(shard_dirs))]
+    malloc = allocator.worker_env(settings.allocator)
+    log.info("replicas' malloc: %s", ", ".join(f"{name}={value}" for name, value in malloc.items())
+             or "the C library's, or what the workers' LD_PRELOAD gives")
     # Serve logs a line per request and per shard call unless told not to; SEARCH_ACCESS_LOG decides, as it
     # does for uvicorn's (off by default: measured there at about a tenth of the event loop under load).
     logging_config = {"enable_access_log": settings.access_log}
     shards = []
     for name, directory in zip(names, shard_dirs):
-        options = _with_threads(shard_options)
+        options = _replica_options(shard_options, malloc)
         if shard_resources:
             options["resources"] = {**options.get("resources", {}), Path(directory).name: 1}
         shards.append(ShardDeployment.options(name=name, num_replicas=shard_replicas, ray_actor_options=options,
@@ -166,7 +174,8 @@ def build_application(shard_dirs: Sequence[str | Path], settings: ServiceSetting
     # /ready and the refusals themselves (Serve counts them all; the app counts only searches).
     ingress = SearchIngress.options(name="search", num_replicas=ingress_replicas,
                                     max_ongoing_requests=2 * settings.max_concurrent_requests,
-                                    ray_actor_options=_with_threads(ingress_options), logging_config=logging_config)
+                                    ray_actor_options=_replica_options(ingress_options, malloc),
+                                    logging_config=logging_config)
     return ingress.bind(settings, names, *shards)
 
 
@@ -186,6 +195,33 @@ def sharded_app(args: dict):
         ingress_options={"num_cpus": float(args.get("ingress_cpus", 1)), "num_gpus": float(args.get("ingress_gpus", 0))},
         shard_resources=bool(args.get("shard_resources", False)),
     )
+
+
+def _amounts(resources: dict[str, float]) -> str:
+    return ", ".join(f"{amount:g} {name}" for name, amount in resources.items())
+
+
+def placement_problems(asks: Sequence[tuple[str, int, dict[str, float]]], nodes: Sequence[dict]) -> list[str]:
+    """What Ray could never place of an application on the cluster as it stands: `asks` are (what, replicas,
+    the resources a replica reserves), `nodes` as ray.nodes() lists them. A line for each kind of replica
+    that no live node offers in full, and for each resource the replicas reserve more of, all together,
+    than the live nodes have (a necessary condition, not a packing: Ray may still find no room)."""
+    offered = [node.get("Resources", {}) for node in nodes if node.get("Alive")]
+    problems, needed = [], {}
+    for what, replicas, ask in asks:
+        ask = {name: amount for name, amount in ask.items() if amount > 0}
+        if not any(all(node.get(name, 0) >= amount for name, amount in ask.items()) for node in offered):
+            most = {name: max((node.get(name, 0) for node in offered), default=0) for name in ask}
+            problems.append(f"a replica of {what} reserves {_amounts(ask)}, and no node offers that "
+                            f"(the most one offers: {_amounts(most)})")
+        for name, amount in ask.items():
+            needed[name] = needed.get(name, 0) + replicas * amount
+    for name, amount in needed.items():
+        total = sum(node.get(name, 0) for node in offered)
+        if amount > total:
+            problems.append(f"the replicas reserve {amount:g} {name} in all, and the cluster has {total:g}"
+                            + (" (--shard-cpus 0 --ingress-cpus 0.5 lets them share the cores)" if name == "CPU" else ""))
+    return problems
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -213,18 +249,37 @@ def serve_sharded(args: argparse.Namespace, settings: ServiceSettings) -> int:
     import ray
 
     if not args.shards:
-        print("error: --ray needs --shards DIR [DIR ...]", flush=True)
+        print("error: --ray needs --shards DIR [DIR ...]", file=sys.stderr)
         return 2
-    ray.init(address=args.ray or None, runtime_env={"env_vars": job_env(settings)})
-    serve.start(http_options={"host": settings.host, "port": settings.port})
     shard_dirs = [str(d.resolve()) for d in expand_shard_dirs(args.shards)]
-    application = build_application(
-        shard_dirs, settings, shard_replicas=args.shard_replicas,
-        shard_options={"num_cpus": args.shard_cpus, "num_gpus": args.shard_gpus},
-        ingress_replicas=args.ingress_replicas,
-        ingress_options={"num_cpus": args.ingress_cpus, "num_gpus": args.ingress_gpus},
-        shard_resources=args.shard_resources,
-    )
+    try:
+        application = build_application(
+            shard_dirs, settings, shard_replicas=args.shard_replicas,
+            shard_options={"num_cpus": args.shard_cpus, "num_gpus": args.shard_gpus},
+            ingress_replicas=args.ingress_replicas,
+            ingress_options={"num_cpus": args.ingress_cpus, "num_gpus": args.ingress_gpus},
+            shard_resources=args.shard_resources,
+        )
+    except allocator.AllocatorUnavailable as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    joined = bool(args.ray or os.environ.get("RAY_ADDRESS"))  # a cluster that an autoscaler may grow
+    ray.init(address=args.ray or None, runtime_env={"env_vars": job_env(settings)})
+    shard_ask = {"CPU": args.shard_cpus, "GPU": args.shard_gpus}
+    asks = [("the ingress (--ingress-cpus, --ingress-gpus)", args.ingress_replicas,
+             {"CPU": args.ingress_cpus, "GPU": args.ingress_gpus})]
+    asks += [(f"shard-{position} (--shard-cpus, --shard-gpus, --shard-resources)", args.shard_replicas,
+              {**shard_ask, Path(directory).name: 1}) if args.shard_resources else
+             (f"shard-{position} (--shard-cpus, --shard-gpus)", args.shard_replicas, shard_ask)
+             for position, directory in enumerate(shard_dirs)]
+    problems = placement_problems(asks, ray.nodes())
+    if problems and not joined:  # a Ray started here never grows: the replicas would wait for ever
+        print(f"error: the application cannot be placed on this machine's Ray: {'; '.join(problems)}", file=sys.stderr)
+        ray.shutdown()
+        return 2
+    for problem in problems:
+        log.warning("replicas wait until the cluster has room (an autoscaler may add it): %s", problem)
+    serve.start(http_options={"host": settings.host, "port": settings.port})
     serve.run(application, name=APP_NAME, route_prefix="/")
     log.info("serving %d shards on http://%s:%d", len(shard_dirs), settings.host, settings.port)
     # Ctrl-C deletes the application. SIGTERM is Ray's to handle (its own handler ends the process); a

@@ -1,5 +1,7 @@
 """`python -m service` runs on jemalloc where the system has it (SEARCH_ALLOCATOR auto), started again
-with it preloaded under the same pid, and on the C library's malloc when told so."""
+with it preloaded under the same pid, and on the C library's malloc when told so; the Ray replicas of
+`python -m service --ray` are given the same through their environment (their processes:
+tests/test_sharded_serving.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from service.allocator import JEMALLOC_CONF, REEXECUTED, find_jemalloc
+from service.allocator import JEMALLOC_CONF, REEXECUTED, find_jemalloc, worker_env
 from tests.conftest import ROOT
 from tests.test_service import free_port
 
@@ -89,3 +91,19 @@ def test_starting_the_service_imports_nothing_heavy_before_the_allocator_is_chos
               "print(sorted({'torch', 'faiss', 'uvicorn', 'transformers'} & set(sys.modules)))")
     done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert done.stdout.strip() == "[]", done.stdout + done.stderr
+
+
+@needs_jemalloc
+def test_ray_replicas_are_given_jemalloc_and_the_services_malloc_conf_unless_the_environment_sets_one(monkeypatch):
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    monkeypatch.delenv("MALLOC_CONF", raising=False)
+    assert worker_env("auto") == worker_env("jemalloc") == {"LD_PRELOAD": find_jemalloc(), "MALLOC_CONF": JEMALLOC_CONF}
+    monkeypatch.setenv("MALLOC_CONF", "narenas:1")
+    assert worker_env("auto")["MALLOC_CONF"] == "narenas:1"
+
+
+def test_ray_replicas_keep_the_system_malloc_when_told_or_when_the_operator_preloads_their_own(monkeypatch):
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    assert worker_env("system") == {}
+    monkeypatch.setenv("LD_PRELOAD", "libtcmalloc.so.4")
+    assert worker_env("auto") == {}

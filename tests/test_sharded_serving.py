@@ -1,14 +1,18 @@
 """Sharded serving on Ray Serve, over HTTP through HAProxy, in Serve's high-throughput mode as
 `python -m service --ray` runs it (tests/conftest.py's Ray takes service.sharded.job_env()): three
-`build --shard i/3` shards answer as one flat index over the same passages, bm25 is refused, and a
-shard replica killed under traffic gives 503s naming it or right answers, never wrong ones. One local
-Ray for the module."""
+`build --shard i/3` shards answer as one flat index over the same passages, bm25 is refused, every
+replica runs on the service's malloc, and a shard replica killed under traffic gives 503s naming it or
+right answers, never wrong ones. One local Ray for the module."""
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -18,10 +22,11 @@ serve = pytest.importorskip("ray.serve", reason="sharded serving needs ray[serve
 
 from retrieval.searcher import Searcher  # noqa: E402
 from retrieval.sharding import ShardIndex  # noqa: E402
+from service.allocator import JEMALLOC_CONF, find_jemalloc  # noqa: E402
 from service.engine import SearchEngine  # noqa: E402
 from service.settings import ServiceSettings  # noqa: E402
-from service.sharded import APP_NAME, build_application  # noqa: E402
-from tests.conftest import RAY_CLIENT_TIMEOUT_S  # noqa: E402
+from service.sharded import APP_NAME, build_application, placement_problems  # noqa: E402
+from tests.conftest import RAY_CLIENT_TIMEOUT_S, ROOT  # noqa: E402
 
 SHARD_TIMEOUT_S = 3.0
 CAP = 4  # SEARCH_MAX_CONCURRENT_REQUESTS: above the kill test's three clients at once
@@ -71,6 +76,28 @@ def test_ready_names_the_shards_and_counts_every_passage(client):
     assert ready.status_code == 200
     index = ready.json()["index"]
     assert (index["count"], index["shards"], index["bm25"]) == (300, ["0/3", "1/3", "2/3"], False)
+
+
+def replica_processes() -> list[Path]:
+    """/proc of this machine's replicas of the application (Ray titles them ray::ServeReplica:APP:DEPLOYMENT)."""
+    found = []
+    for process in Path("/proc").glob("[0-9]*"):
+        try:
+            if (process / "cmdline").read_bytes().startswith(f"ray::ServeReplica:{APP_NAME}:".encode()):
+                found.append(process)
+        except OSError:  # gone meanwhile
+            continue
+    return found
+
+
+@pytest.mark.skipif(find_jemalloc() is None, reason="no libjemalloc installed (apt-get install libjemalloc2)")
+def test_every_replica_runs_on_jemalloc_with_the_services_malloc_conf(client):
+    processes = replica_processes()
+    assert len(processes) == 4, processes  # the ingress and three shards
+    for process in processes:
+        environ = dict(entry.split("=", 1) for entry in (process / "environ").read_text().split("\0") if "=" in entry)
+        assert "libjemalloc" in (process / "maps").read_text(), environ.get("LD_PRELOAD")
+        assert environ["MALLOC_CONF"] == os.environ.get("MALLOC_CONF", JEMALLOC_CONF)
 
 
 @pytest.mark.parametrize("k", [10, 1000])
@@ -222,3 +249,31 @@ def test_the_config_file_builder_places_each_shard_where_its_directory_is():
     assert [(shard.name, shard.num_replicas) for shard in shards] == [("shard-0", 2), ("shard-1", 2)]
     assert [shard.ray_actor_options["resources"] for shard in shards] == [{"shard0of2": 1}, {"shard1of2": 1}]
     assert all(shard.ray_actor_options["num_gpus"] == 1 for shard in shards)
+
+
+def test_what_no_node_could_hold_is_named_by_flag_and_resource(ray_session):
+    nodes = ray.nodes()  # the test session's Ray: one node, 2 CPUs, no GPU
+    ingress = ("the ingress", 1, {"CPU": 1, "GPU": 0})
+    shards = [(f"shard-{position}", 1, {"CPU": 1, "GPU": 0}) for position in range(3)]
+    assert placement_problems([ingress, *shards], nodes) == [
+        "the replicas reserve 4 CPU in all, and the cluster has 2 (--shard-cpus 0 --ingress-cpus 0.5 lets them "
+        "share the cores)"]
+    assert placement_problems([("shard-0", 2, {"CPU": 0, "GPU": 1})], nodes) == [
+        "a replica of shard-0 reserves 1 GPU, and no node offers that (the most one offers: 0 GPU)",
+        "the replicas reserve 2 GPU in all, and the cluster has 0"]
+    assert placement_problems([("shard-0", 1, {"CPU": 0, "shard0of3": 1})], nodes)[0].startswith(
+        "a replica of shard-0 reserves 1 shard0of3, and no node offers that")
+    assert placement_problems([("the ingress", 1, {"CPU": 0.5}), *[(name, 2, {"CPU": 0}) for name, _, _ in shards]],
+                              nodes) == []
+
+
+def test_serving_what_a_local_ray_could_never_place_exits_2_at_once_naming_the_flags(small_shards):
+    # More GPUs than any machine has (and the default CPU a replica: 4 for three shards and the ingress).
+    env = {name: value for name, value in os.environ.items() if name != "RAY_ADDRESS"}
+    done = subprocess.run([sys.executable, "-m", "service", "--ray", "--shards", *map(str, small_shards),
+                           "--shard-gpus", "64"], cwd=ROOT, env={**env, "SEARCH_DEVICE": "cpu"}, capture_output=True,
+                          text=True, timeout=300)
+    error = done.stderr.strip().splitlines()[-1]
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert error.startswith("error: the application cannot be placed on this machine's Ray: a replica of shard-0 "
+                            "(--shard-cpus, --shard-gpus) reserves 1 CPU, 64 GPU, and no node offers that"), error
