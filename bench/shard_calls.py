@@ -10,7 +10,9 @@ the ingress's engine calls them, the median of: an echo through a Serve handle, 
 `--shards` at once; a search of one query vector through the shard deployments' handles, one and all
 at once (what the Ray path's `retrieve` stage waits for); and the same calls on the plain actors
 (`ray.get`). The gap between Serve's handles and plain actor calls is what leaving Serve's deployments
-for the shard calls could save; the rest is Ray's own cost of a call between processes.
+for the shard calls could save; the rest is Ray's own cost of a call between processes. Last, with no
+call in flight, the median time to encode one demo query in the probe replica and in this process
+(the same encoder, as many threads): what a Serve replica's own threads cost the ingress's encoder.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.cluster import indexes  # noqa: E402
-from bench.load import free_port  # noqa: E402
+from bench.load import QUERIES, free_port  # noqa: E402
+from models.encoder import BiEncoder  # noqa: E402
 from service.settings import ServiceSettings  # noqa: E402
 
 
@@ -43,6 +46,12 @@ def median_ms(call, rounds: int) -> float:
     return statistics.median(times)
 
 
+def encode_ms(rounds: int) -> float:
+    """The median time to encode one demo query (each in turn) with MiniLM on the CPU, in this process."""
+    encoder, turn = BiEncoder(device="cpu"), iter(range(10**9))
+    return median_ms(lambda: encoder.encode_texts([QUERIES[next(turn) % len(QUERIES)]]), rounds)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--lines", type=int, default=300)
@@ -52,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     import ray
+    import torch
     from ray import serve
 
     from retrieval.sharding import ShardIndex
@@ -94,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
                 "Ray actor, shard search, 1": lambda: ray.get(actors[0].search.remote(vector, 10)),
                 f"Ray actor, shard search, {n} at once": lambda: ray.get([a.search.remote(vector, 10) for a in actors]),
             }
-            return {name: median_ms(call, self.rounds) for name, call in calls.items()}
+            found = {name: median_ms(call, self.rounds) for name, call in calls.items()}
+            return {**found, "encode one query, in a Serve replica": encode_ms(self.rounds)}
 
         async def measure(self) -> dict[str, float]:
             return await asyncio.to_thread(self._measure)  # off the replica's loop, as the engine's calls are
@@ -110,12 +121,14 @@ def main(argv: list[str] | None = None) -> int:
                       .bind(str(directory), "cpu"), name=f"shard-{position}", route_prefix=None)
         serve.run(Echo.options(ray_actor_options={"num_cpus": 0}).bind(), name="echo", route_prefix=None)
         actors = [PlainShard.options(runtime_env=one_thread["runtime_env"]).remote(str(d)) for d in shards]
-        probe = serve.run(Probe.options(ray_actor_options={"num_cpus": 0}).bind(len(shards), actors, args.calls),
+        threads = {"num_cpus": 0, "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(torch.get_num_threads())}}}
+        probe = serve.run(Probe.options(ray_actor_options=threads).bind(len(shards), actors, args.calls),
                           name="probe", route_prefix=None)
         found = probe.measure.remote().result(timeout_s=1800)
     finally:
         serve.shutdown()
         ray.shutdown()
+    found["encode one query, in a plain process"] = encode_ms(args.calls)
     print(f"\n{args.shards} shards of {args.lines} passages, k=10, one query vector, median of {args.calls} rounds "
           "from a thread of a Serve replica")
     for name, ms in found.items():
