@@ -1,7 +1,8 @@
 """Sharded serving on a local Ray Serve against the plain service over the same passages, in one run.
 
     python bench/cluster.py [--lines 300] [--shards 3] [--replicas 1 2] [--clients 1 4] [--seconds 12]
-                            [--slices 4] [--k 10] [--probe 200] [--work runs/cluster] [--ingress-env NAME=VALUE ...]
+                            [--slices 4] [--k 10] [--probe 200] [--work runs/cluster]
+                            [--ingress-env NAME=VALUE ...]
 
 Builds (once, into `--work`) the first `--lines` passages of the demo corpus as `--shards` shards
 (`build --shards N`) and merges them (`merge`): one flat index over the very vectors the shards
@@ -78,7 +79,7 @@ def where_time_goes(bases: dict[str, str], requests: int, k: int) -> dict[str, d
     """Per target, the medians (ms) over `requests` sequential searches, sent to the targets in turn (so
     a drifting host weighs on each alike): the client's round trip, the HTTP hop (that less the
     service's own `latency_ms.total`), and the encode and retrieve stages."""
-    clients = {name: httpx.Client(base_url=base, timeout=60.0) for name, base in bases.items()}
+    clients = {name: httpx.Client(base_url=base, timeout=60.0, trust_env=False) for name, base in bases.items()}
     seen: dict[str, list[dict[str, float]]] = {name: [] for name in bases}
     try:
         for i in range(requests + 10):  # the first 10 each warm the connection

@@ -99,11 +99,14 @@ def use(allocator: str) -> str:
 
 def worker_env(allocator: str) -> dict[str, str]:
     """The environment variables that put a Ray worker (a replica of the sharded application) on the allocator
-    `allocator` names, as `use` does for `python -m service`: jemalloc preloaded by the library's name,
-    which each node resolves itself (a node without it ignores the preload, and ld.so says so in the
-    worker's log), with MALLOC_CONF as this process's environment sets it, else JEMALLOC_CONF. Empty for
-    the C library's malloc. Raises AllocatorUnavailable as `_jemalloc` does."""
-    if _keeps_system(allocator, os.environ.get("LD_PRELOAD", "")):
-        return {}
-    library = _jemalloc(allocator)
-    return {"LD_PRELOAD": library, "MALLOC_CONF": os.environ.get("MALLOC_CONF", JEMALLOC_CONF)} if library else {}
+    `allocator` names, as `use` does for `python -m service`: jemalloc preloaded by the library's name as
+    found here (each node resolves the name itself; a node without it ignores the preload, and ld.so says
+    so in the worker's log), ahead of an LD_PRELOAD of the operator's, with MALLOC_CONF as this process's
+    environment sets it, else JEMALLOC_CONF; on glibc's malloc, two arenas (MALLOC_ARENA_MAX), as
+    `python -m service` sets them. Raises AllocatorUnavailable as `_jemalloc` does."""
+    preloaded = os.environ.get("LD_PRELOAD", "")
+    library = None if _keeps_system(allocator, preloaded) else _jemalloc(allocator)
+    if library is None:
+        return {"MALLOC_ARENA_MAX": "2"}
+    return {"LD_PRELOAD": os.pathsep.join(filter(None, [library, preloaded])),
+            "MALLOC_CONF": os.environ.get("MALLOC_CONF", JEMALLOC_CONF)}

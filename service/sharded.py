@@ -201,6 +201,10 @@ def _amounts(resources: dict[str, float]) -> str:
     return ", ".join(f"{amount:g} {name}" for name, amount in resources.items())
 
 
+def _fits(amount: float, offered: float) -> bool:
+    return round(amount, 4) <= round(offered, 4)  # Ray counts resources in steps of 1e-4; sums of floats drift
+
+
 def placement_problems(asks: Sequence[tuple[str, int, dict[str, float]]], nodes: Sequence[dict]) -> list[str]:
     """What Ray could never place of an application on the cluster as it stands: `asks` are (what, replicas,
     the resources a replica reserves), `nodes` as ray.nodes() lists them. A line for each kind of replica
@@ -210,7 +214,7 @@ def placement_problems(asks: Sequence[tuple[str, int, dict[str, float]]], nodes:
     problems, needed = [], {}
     for what, replicas, ask in asks:
         ask = {name: amount for name, amount in ask.items() if amount > 0}
-        if not any(all(node.get(name, 0) >= amount for name, amount in ask.items()) for node in offered):
+        if ask and not any(all(_fits(amount, node.get(name, 0)) for name, amount in ask.items()) for node in offered):
             most = {name: max((node.get(name, 0) for node in offered), default=0) for name in ask}
             problems.append(f"a replica of {what} reserves {_amounts(ask)}, and no node offers that "
                             f"(the most one offers: {_amounts(most)})")
@@ -218,7 +222,7 @@ def placement_problems(asks: Sequence[tuple[str, int, dict[str, float]]], nodes:
             needed[name] = needed.get(name, 0) + replicas * amount
     for name, amount in needed.items():
         total = sum(node.get(name, 0) for node in offered)
-        if amount > total:
+        if not _fits(amount, total):
             problems.append(f"the replicas reserve {amount:g} {name} in all, and the cluster has {total:g}"
                             + (" (--shard-cpus 0 --ingress-cpus 0.5 lets them share the cores)" if name == "CPU" else ""))
     return problems
@@ -228,7 +232,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("sharded serving on Ray Serve (--ray)")
     group.add_argument("--ray", nargs="?", const="", metavar="ADDRESS",
                        help="serve --shards on Ray Serve; ADDRESS of a running cluster (e.g. auto, or ray://HOST:10001); "
-                            "none: RAY_ADDRESS, else a local Ray started here")
+                            "none: RAY_ADDRESS, else the cluster `ray start` runs on this machine, else a local Ray "
+                            "started here")
     group.add_argument("--shards", nargs="+", metavar="DIR",
                        help="the N shard directories of one build (--shard i/N jobs), or the folder of a build --shards N")
     group.add_argument("--shard-replicas", type=int, default=1, metavar="R", help="replicas per shard (default 1)")
@@ -243,9 +248,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--ingress-gpus", type=float, default=0, help="GPUs each ingress replica reserves (default 0)")
 
 
+def starts_local_ray(address: str | None) -> bool:
+    """Whether ray.init(address) would start a new Ray here rather than join one: no address (nor
+    RAY_ADDRESS, nor a cluster `ray start` runs on this machine), or "local". Such a Ray never grows."""
+    try:
+        from ray._private.services import canonicalize_bootstrap_address
+    except ImportError:  # Ray moved it: count it as joined, which only warns
+        return False
+    try:
+        return canonicalize_bootstrap_address(address) is None
+    except Exception:  # noqa: BLE001 - an address ray.init itself will refuse, saying why
+        return False
+
+
 def serve_sharded(args: argparse.Namespace, settings: ServiceSettings) -> int:
     """Starts (or joins) Ray, runs the application on SEARCH_HOST:SEARCH_PORT (behind HAProxy under
-    SERVE_ENV), and keeps it up until interrupted."""
+    SERVE_ENV), and keeps it up until interrupted. Exits 2 before deploying where a Ray it starts itself
+    could never place the replicas (placement_problems); joining a cluster, it warns instead."""
     import ray
 
     if not args.shards:
@@ -263,17 +282,18 @@ def serve_sharded(args: argparse.Namespace, settings: ServiceSettings) -> int:
     except allocator.AllocatorUnavailable as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    joined = bool(args.ray or os.environ.get("RAY_ADDRESS"))  # a cluster that an autoscaler may grow
+    started_here = starts_local_ray(args.ray or None)
     ray.init(address=args.ray or None, runtime_env={"env_vars": job_env(settings)})
     shard_ask = {"CPU": args.shard_cpus, "GPU": args.shard_gpus}
     asks = [("the ingress (--ingress-cpus, --ingress-gpus)", args.ingress_replicas,
              {"CPU": args.ingress_cpus, "GPU": args.ingress_gpus})]
-    asks += [(f"shard-{position} (--shard-cpus, --shard-gpus, --shard-resources)", args.shard_replicas,
-              {**shard_ask, Path(directory).name: 1}) if args.shard_resources else
-             (f"shard-{position} (--shard-cpus, --shard-gpus)", args.shard_replicas, shard_ask)
-             for position, directory in enumerate(shard_dirs)]
+    if args.shard_resources:
+        asks += [(f"shard-{position} (--shard-cpus, --shard-gpus, --shard-resources)", args.shard_replicas,
+                  {**shard_ask, Path(directory).name: 1}) for position, directory in enumerate(shard_dirs)]
+    else:
+        asks.append(("a shard (--shard-cpus, --shard-gpus)", args.shard_replicas * len(shard_dirs), shard_ask))
     problems = placement_problems(asks, ray.nodes())
-    if problems and not joined:  # a Ray started here never grows: the replicas would wait for ever
+    if problems and started_here:  # a Ray started here never grows: the replicas would wait for ever
         print(f"error: the application cannot be placed on this machine's Ray: {'; '.join(problems)}", file=sys.stderr)
         ray.shutdown()
         return 2

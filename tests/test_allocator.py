@@ -102,8 +102,14 @@ def test_ray_replicas_are_given_jemalloc_and_the_services_malloc_conf_unless_the
     assert worker_env("auto")["MALLOC_CONF"] == "narenas:1"
 
 
-def test_ray_replicas_keep_the_system_malloc_when_told_or_when_the_operator_preloads_their_own(monkeypatch):
+def test_ray_replicas_on_the_system_malloc_get_its_two_arenas_as_the_service_does(monkeypatch):
     monkeypatch.delenv("LD_PRELOAD", raising=False)
-    assert worker_env("system") == {}
+    assert worker_env("system") == {"MALLOC_ARENA_MAX": "2"}
+    monkeypatch.setenv("LD_PRELOAD", "libtcmalloc.so.4")  # under auto, an operator's own preload is left as it is
+    assert worker_env("auto") == {"MALLOC_ARENA_MAX": "2"}
+
+
+@needs_jemalloc
+def test_ray_replicas_asked_for_jemalloc_preload_it_ahead_of_the_operators_own(monkeypatch):
     monkeypatch.setenv("LD_PRELOAD", "libtcmalloc.so.4")
-    assert worker_env("auto") == {}
+    assert worker_env("jemalloc")["LD_PRELOAD"] == f"{find_jemalloc()}:libtcmalloc.so.4"

@@ -79,24 +79,36 @@ def test_ready_names_the_shards_and_counts_every_passage(client):
 
 
 def replica_processes() -> list[Path]:
-    """/proc of this machine's replicas of the application (Ray titles them ray::ServeReplica:APP:DEPLOYMENT)."""
-    found = []
-    for process in Path("/proc").glob("[0-9]*"):
+    """/proc of the application's replicas on the test session's Ray: processes Ray titles
+    ray::ServeReplica:APP:DEPLOYMENT whose parent is this session's raylet."""
+
+    def read(process: Path, name: str) -> bytes:
         try:
-            if (process / "cmdline").read_bytes().startswith(f"ray::ServeReplica:{APP_NAME}:".encode()):
-                found.append(process)
+            return (process / name).read_bytes()
         except OSError:  # gone meanwhile
-            continue
-    return found
+            return b""
+
+    def parent(process: Path) -> bytes:
+        fields = read(process, "stat").rsplit(b")", 1)[-1].split()  # state, then the parent's pid
+        return fields[1] if len(fields) > 1 else b""
+
+    processes = list(Path("/proc").glob("[0-9]*"))
+    raylet = f"--raylet_socket_name={ray.nodes()[0]['RayletSocketName']}".encode()
+    raylets = {process.name.encode() for process in processes if raylet in read(process, "cmdline")}
+    title = f"ray::ServeReplica:{APP_NAME}:".encode()
+    return [process for process in processes if read(process, "cmdline").startswith(title) and parent(process) in raylets]
 
 
-@pytest.mark.skipif(find_jemalloc() is None, reason="no libjemalloc installed (apt-get install libjemalloc2)")
+@pytest.mark.skipif(find_jemalloc() is None or bool(os.environ.get("LD_PRELOAD"))
+                    or os.environ.get("SEARCH_ALLOCATOR") == "system",
+                    reason="no libjemalloc installed (apt-get install libjemalloc2), or this environment asks for "
+                           "another malloc")
 def test_every_replica_runs_on_jemalloc_with_the_services_malloc_conf(client):
     processes = replica_processes()
     assert len(processes) == 4, processes  # the ingress and three shards
     for process in processes:
         environ = dict(entry.split("=", 1) for entry in (process / "environ").read_text().split("\0") if "=" in entry)
-        assert "libjemalloc" in (process / "maps").read_text(), environ.get("LD_PRELOAD")
+        assert find_jemalloc() in (process / "maps").read_text(), environ.get("LD_PRELOAD")  # not Ray's own
         assert environ["MALLOC_CONF"] == os.environ.get("MALLOC_CONF", JEMALLOC_CONF)
 
 
@@ -252,19 +264,19 @@ def test_the_config_file_builder_places_each_shard_where_its_directory_is():
 
 
 def test_what_no_node_could_hold_is_named_by_flag_and_resource(ray_session):
-    nodes = ray.nodes()  # the test session's Ray: one node, 2 CPUs, no GPU
+    nodes = ray.nodes()  # the test session's Ray: one node, 2 CPUs
     ingress = ("the ingress", 1, {"CPU": 1, "GPU": 0})
     shards = [(f"shard-{position}", 1, {"CPU": 1, "GPU": 0}) for position in range(3)]
     assert placement_problems([ingress, *shards], nodes) == [
         "the replicas reserve 4 CPU in all, and the cluster has 2 (--shard-cpus 0 --ingress-cpus 0.5 lets them "
         "share the cores)"]
-    assert placement_problems([("shard-0", 2, {"CPU": 0, "GPU": 1})], nodes) == [
-        "a replica of shard-0 reserves 1 GPU, and no node offers that (the most one offers: 0 GPU)",
-        "the replicas reserve 2 GPU in all, and the cluster has 0"]
+    gpus = placement_problems([("shard-0", 2, {"CPU": 0, "GPU": 64})], nodes)
+    assert [problem.split(" (")[0].split(", and the cluster")[0] for problem in gpus] == [
+        "a replica of shard-0 reserves 64 GPU, and no node offers that", "the replicas reserve 128 GPU in all"]
+    assert placement_problems([("the ingress", 1, {"CPU": 1.6}), ("a shard", 4, {"CPU": 0.1})], nodes) == []
     assert placement_problems([("shard-0", 1, {"CPU": 0, "shard0of3": 1})], nodes)[0].startswith(
         "a replica of shard-0 reserves 1 shard0of3, and no node offers that")
-    assert placement_problems([("the ingress", 1, {"CPU": 0.5}), *[(name, 2, {"CPU": 0}) for name, _, _ in shards]],
-                              nodes) == []
+    assert placement_problems([("the ingress", 1, {"CPU": 0.5}), ("a shard", 6, {"CPU": 0})], nodes) == []
 
 
 def test_serving_what_a_local_ray_could_never_place_exits_2_at_once_naming_the_flags(small_shards):
@@ -273,7 +285,8 @@ def test_serving_what_a_local_ray_could_never_place_exits_2_at_once_naming_the_f
     done = subprocess.run([sys.executable, "-m", "service", "--ray", "--shards", *map(str, small_shards),
                            "--shard-gpus", "64"], cwd=ROOT, env={**env, "SEARCH_DEVICE": "cpu"}, capture_output=True,
                           text=True, timeout=300)
-    error = done.stderr.strip().splitlines()[-1]
     assert done.returncode == 2, done.stderr[-2000:]
-    assert error.startswith("error: the application cannot be placed on this machine's Ray: a replica of shard-0 "
+    error = [line for line in done.stderr.splitlines() if line.startswith("error:")][-1]
+    assert error.startswith("error: the application cannot be placed on this machine's Ray: a replica of a shard "
                             "(--shard-cpus, --shard-gpus) reserves 1 CPU, 64 GPU, and no node offers that"), error
+    assert "the replicas reserve 4 CPU in all, and the cluster has" in error
