@@ -155,8 +155,7 @@ def build_application(shard_dirs: Sequence[str | Path], settings: ServiceSetting
     it is jemalloc and this machine has none)."""
     names = [f"shard-{position}" for position in range(len(shard_dirs))]
     malloc = allocator.worker_env(settings.allocator)
-    log.info("replicas' malloc: %s", ", ".join(f"{name}={value}" for name, value in malloc.items())
-             or "the C library's, or what the workers' LD_PRELOAD gives")
+    log.info("replicas' malloc: %s", ", ".join(f"{name}={value}" for name, value in malloc.items()))
     # Serve logs a line per request and per shard call unless told not to; SEARCH_ACCESS_LOG decides, as it
     # does for uvicorn's (off by default: measured there at about a tenth of the event loop under load).
     logging_config = {"enable_access_log": settings.access_log}
