@@ -8,11 +8,13 @@ runs), over the shards bench/cluster.py builds: the shard deployments of the sha
 and an echo deployment. A probe deployment then times, one round after another from a worker thread as
 the ingress's engine calls them, the median of: an echo through a Serve handle, to one and to
 `--shards` at once; a search of one query vector through the shard deployments' handles, one and all
-at once (what the Ray path's `retrieve` stage waits for); and the same calls on the plain actors
+at once (what the Ray path's `retrieve` stage waits for), also sent from one thread and awaited on
+another as the ingress's engine does; and the same calls on the plain actors
 (`ray.get`). The gap between Serve's handles and plain actor calls is what leaving Serve's deployments
 for the shard calls could save; the rest is Ray's own cost of a call between processes. Last, with no
-call in flight, the median time to encode one demo query in the probe replica and in this process
-(the same encoder, as many threads): what a Serve replica's own threads cost the ingress's encoder.
+call in flight, the median time to encode one demo query in the probe replica and in this process,
+with Ray and the replicas still up (the same encoder, as many threads): what being a Serve replica
+costs the ingress's encoder.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import asyncio
 import statistics
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -93,12 +96,16 @@ def main(argv: list[str] | None = None) -> int:
         def _measure(self) -> dict[str, float]:
             vector = np.random.default_rng(0).random((1, 384), dtype=np.float32)
             shards, echo, actors, n = self.shards, self.echo, self.actors, len(self.shards)
+            pool = ThreadPoolExecutor(1)  # as the ingress's engine: sent from its model thread, awaited on a pool
             calls = {
                 "Serve handle, echo, 1": lambda: echo.ping.remote(1).result(),
                 f"Serve handle, echo, {n} at once": lambda: [r.result() for r in [echo.ping.remote(1) for _ in range(n)]],
                 "Serve handle, shard search, 1": lambda: shards[0].search.remote(vector, 10).result(),
                 f"Serve handle, shard search, {n} at once":
                     lambda: [r.result() for r in [s.search.remote(vector, 10) for s in shards]],
+                f"Serve handle, shard search, {n} at once, awaited on another thread":
+                    lambda: pool.submit(lambda sent: [r.result() for r in sent],
+                                        [s.search.remote(vector, 10) for s in shards]).result(),
                 "Ray actor, echo, 1": lambda: ray.get(actors[0].ping.remote(1)),
                 f"Ray actor, echo, {n} at once": lambda: ray.get([a.ping.remote(1) for a in actors]),
                 "Ray actor, shard search, 1": lambda: ray.get(actors[0].search.remote(vector, 10)),
@@ -125,10 +132,11 @@ def main(argv: list[str] | None = None) -> int:
         probe = serve.run(Probe.options(ray_actor_options=threads).bind(len(shards), actors, args.calls),
                           name="probe", route_prefix=None)
         found = probe.measure.remote().result(timeout_s=1800)
+        # Here, with the same replicas and actors idle beside it.
+        found["encode one query, in this process (not Ray's)"] = encode_ms(args.calls)
     finally:
         serve.shutdown()
         ray.shutdown()
-    found["encode one query, in a plain process"] = encode_ms(args.calls)
     print(f"\n{args.shards} shards of {args.lines} passages, k=10, one query vector, median of {args.calls} rounds "
           "from a thread of a Serve replica")
     for name, ms in found.items():
