@@ -18,9 +18,9 @@ at a time and alternating between the two (`--probe` each), where each path's ti
 of the service's own `latency_ms` stages (encode; retrieve: for the Ray path, the shard calls and the
 merge) and of the HTTP hop (the client's time less the service's total). Before each load and after
 each of its slices it reads the resident memory of the plain service and of the Ray path's ingress
-and shard replicas (MiB; both run on the malloc SEARCH_ALLOCATOR names). No CPUs are reserved for the replicas: the ingress, the
-shards and the plain service share the machine, as the clients do, so the figures compare the paths'
-overhead, not a cluster's capacity.
+and shard replicas (MiB; both run on the malloc SEARCH_ALLOCATOR names). No CPUs are reserved for the
+replicas: the ingress, the shards and the plain service share the machine, as the clients do, so the
+figures compare the paths' overhead, not a cluster's capacity.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.load import QUERIES, Server, alternate, free_port, name_value, search_request  # noqa: E402
+from bench.load import QUERIES, Server, alternate, free_port, name_value, rss_mib, search_request  # noqa: E402
 from index_builder.build import BuildOptions, build_index  # noqa: E402
 from index_builder.merge import merge_shards  # noqa: E402
 from models.encoder import BiEncoder  # noqa: E402
@@ -49,27 +49,15 @@ GOAL = 1.3
 PARTS = ("client", "hop", "encode", "retrieve")
 
 
-def rss_mib(processes: list[Path]) -> float:
-    """The summed VmRSS of `processes` (/proc entries), in MiB."""
-    total = 0
-    for process in processes:
-        try:
-            total += next(int(line.split()[1]) for line in (process / "status").read_text().splitlines()
-                          if line.startswith("VmRSS:"))
-        except (OSError, StopIteration):  # gone, or a kernel thread
-            continue
-    return total / 1024
-
-
-def replica_processes(app: str, deployment: str = "") -> list[Path]:
-    """/proc entries of this machine's replicas of Serve application `app` (titled
-    ray::ServeReplica:APP:DEPLOYMENT), those of `deployment` (a name's beginning) only if given."""
+def replica_pids(app: str, deployment: str = "") -> list[int]:
+    """The pids of this machine's replicas of Serve application `app` (titled ray::ServeReplica:APP:DEPLOYMENT),
+    those of `deployment` (a name's beginning) only if given."""
     prefix = f"ray::ServeReplica:{app}:{deployment}".encode()
     found = []
     for process in Path("/proc").glob("[0-9]*"):
         try:
             if (process / "cmdline").read_bytes().startswith(prefix):
-                found.append(process)
+                found.append(int(process.name))
         except OSError:
             continue
     return found
@@ -152,9 +140,9 @@ def main(argv: list[str] | None = None) -> int:
                 ray_path = f"ray, {args.shards} shards x {replicas}"
 
                 def memory() -> dict[str, str]:
-                    return {"plain": f"{rss_mib([Path(f'/proc/{plain.process.pid}')]):.0f}",
-                            ray_path: f"{rss_mib(replica_processes(APP_NAME, 'search')):.0f}"
-                                      f"+{rss_mib(replica_processes(APP_NAME, 'shard-')):.0f}"}
+                    return {"plain": f"{rss_mib(plain.process.pid):.0f}",
+                            ray_path: f"{sum(map(rss_mib, replica_pids(APP_NAME, 'search'))):.0f}"
+                                      f"+{sum(map(rss_mib, replica_pids(APP_NAME, 'shard-'))):.0f}"}
                 for clients in args.clients:
                     search = search_request(args.k)
                     targets = {"plain": (plain.base, search), ray_path: (f"http://127.0.0.1:{port}", search)}

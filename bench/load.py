@@ -246,6 +246,15 @@ def cpu_seconds(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def rss_mib(pid: int) -> float:
+    """Resident memory of process `pid` so far, in MiB (Linux /proc); NaN where it has none or is gone."""
+    try:
+        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    except OSError:
+        return float("nan")
+    return next((int(line.split()[1]) / 1024 for line in lines if line.startswith("VmRSS:")), float("nan"))
+
+
 def own_cpu_seconds() -> float:
     """User + system CPU seconds of this process so far (the load's clients), on any platform."""
     times = os.times()

@@ -40,7 +40,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.load import QUERIES, Connection, Server, name_value, own_cpu_seconds  # noqa: E402
+from bench.load import QUERIES, Connection, Server, name_value, own_cpu_seconds, rss_mib  # noqa: E402
 from index_builder.build import BuildOptions, build_index  # noqa: E402
 from models.encoder import BiEncoder  # noqa: E402
 
@@ -74,13 +74,6 @@ class Answers:
         """The q-th percentile ms of the answers with `status` (`later`: of those sent after `settled`)."""
         values = (self.later if later else self.by_status).get(status)
         return float(np.percentile(values, q)) if values else float("nan")
-
-
-def rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
 
 
 async def drive(base: str, clients: int, seconds: float, k: int = 10, health: Answers | None = None,
