@@ -120,14 +120,14 @@ def main(argv: list[str] | None = None) -> int:
     import ray
     from ray import serve
 
-    from service.sharded import APP_NAME, build_application, job_env
+    from service.sharded import APP_NAME, build_application, job_env, shutdown_serve
 
     shards, merged = indexes(args.work, args.lines, args.shards)
     rows, parts, memories = [], [], []
     threads = str(os.cpu_count() or 1)
     with Server(merged, "cpu") as plain:
         settings = ServiceSettings(device="cpu")
-        ray.init(include_dashboard=False, runtime_env={"env_vars": job_env(settings)})
+        ray.init(include_dashboard=False, runtime_env={"env_vars": job_env(settings, local=True)})
         try:
             port = free_port()
             serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
                     parts += list(found.items())
                 serve.delete(APP_NAME)
         finally:
-            serve.shutdown()
+            shutdown_serve()
             ray.shutdown()
 
     print(f"\n{args.lines} passages, k={args.k}, {args.seconds:g} s per setup and client count, {os.cpu_count()} cores")

@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     from ray import serve
 
     from retrieval.sharding import ShardIndex
-    from service.sharded import ShardDeployment, job_env
+    from service.sharded import ShardDeployment, job_env, shutdown_serve
 
     @serve.deployment
     class Echo:
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
             return await asyncio.to_thread(self._measure)  # off the replica's loop, as the engine's calls are
 
     shards, _ = indexes(args.work, args.lines, args.shards)
-    env = job_env(ServiceSettings(device="cpu"))
+    env = job_env(ServiceSettings(device="cpu"), local=True)
     ray.init(include_dashboard=False, runtime_env={"env_vars": env})
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         # Here, with the same replicas and actors idle beside it.
         found["encode one query, in this process (not Ray's)"] = encode_ms(args.calls)
     finally:
-        serve.shutdown()
+        shutdown_serve()
         ray.shutdown()
     print(f"\n{args.shards} shards of {args.lines} passages, k=10, one query vector, median of {args.calls} rounds "
           "from a thread of a Serve replica")

@@ -13,6 +13,8 @@ import asyncio
 import logging
 import math
 import os
+import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -117,17 +119,27 @@ def client_timeout_env(settings: ServiceSettings) -> dict[str, str]:
     return {"RAY_SERVE_HAPROXY_TIMEOUT_CLIENT_S": str(math.ceil(max(settings.read_timeout_s, settings.write_timeout_s)))}
 
 
-def serve_env(settings: ServiceSettings) -> dict[str, str]:
-    """SERVE_ENV and `client_timeout_env(settings)`, each variable as this process's environment sets it
-    where it does."""
-    return {name: os.environ.get(name, default) for name, default in {**SERVE_ENV, **client_timeout_env(settings)}.items()}
+# On a Ray started here the one load balancer in front of the ingress is this machine's HAProxy, which
+# drops a stopping replica within a fraction of a second: Ray's drain period (30 s, for cloud load
+# balancers to deregister it) would only hold every stop (Ctrl-C, SIGTERM) that long. The ingress still
+# finishes the requests it holds (measured: a stop in 5 s against 33).
+LOCAL_SERVE_ENV = {"RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2"}
 
 
-def job_env(settings: ServiceSettings) -> dict[str, str]:
-    """The env_vars of a Ray job that starts Serve: `serve_env(settings)`, and a PYTHONPATH with this
-    checkout ahead of the caller's, so that Ray's workers on this host import the code that started them."""
+def serve_env(settings: ServiceSettings, *, local: bool = False) -> dict[str, str]:
+    """SERVE_ENV, `client_timeout_env(settings)` and for a `local` Ray (started here) LOCAL_SERVE_ENV, each
+    variable as this process's environment sets it where it does."""
+    defaults = {**SERVE_ENV, **client_timeout_env(settings), **(LOCAL_SERVE_ENV if local else {})}
+    return {name: os.environ.get(name, default) for name, default in defaults.items()}
+
+
+def job_env(settings: ServiceSettings, *, local: bool = False) -> dict[str, str]:
+    """The env_vars of a Ray job that starts Serve: `serve_env(settings, local=local)`, and a PYTHONPATH
+    with this checkout ahead of the caller's, so that Ray's workers on this host import the code that
+    started them."""
     root = str(Path(__file__).resolve().parents[1])
-    return {"PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])), **serve_env(settings)}
+    return {"PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
+            **serve_env(settings, local=local)}
 
 
 def _replica_options(options: dict | None, malloc: dict[str, str]) -> dict:
@@ -260,10 +272,65 @@ def starts_local_ray(address: str | None) -> bool:
         return False
 
 
+def serve_ports(settings: ServiceSettings) -> dict[int, str]:
+    """The ports a Serve started here takes on this machine, each named by the variable that moves it:
+    SEARCH_PORT, and in HAProxy mode (serve_env) HAProxy's stats and metrics pages and Serve's fallback
+    proxy, which Ray binds at fixed ports (a second Serve in this mode on one machine must move them)."""
+    from ray.serve._private import constants  # Ray's own reading of the RAY_SERVE_* variables, as here
+
+    ports = {settings.port: "SEARCH_PORT"}
+    if serve_env(settings)["RAY_SERVE_ENABLE_HA_PROXY"] == "1":
+        for name in ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT",
+                     "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT"):
+            port = getattr(constants, name, None)
+            if isinstance(port, int) and port > 0:
+                ports.setdefault(port, name)
+    return ports
+
+
+def ports_in_use(ports: dict[int, str], host: str) -> list[str]:
+    """Those of `ports` something on this machine listens on already (SEARCH_PORT on `host`, the others on
+    every interface, as HAProxy binds them)."""
+    taken = []
+    for port, name in ports.items():
+        with socket.socket() as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as HAProxy: TIME_WAIT does not count
+            try:
+                probe.bind((host if name == "SEARCH_PORT" else "0.0.0.0", port))
+            except OSError:
+                taken.append(f"{name}={port}")
+    return taken
+
+
+def shutdown_serve(timeout_s: float = 120.0) -> None:
+    """serve.shutdown() once every application is gone. Serve's own shutdown waits 30 s for its
+    controller, less than an ingress replica in direct-ingress mode may take to stop (its drain period,
+    RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S, 30 s by Ray's default, and 5), and Ray shut down under
+    a controller still stopping takes down the proxy actor that would stop HAProxy."""
+    names = list(serve.status().applications)
+    for name in names:
+        serve.delete(name, _blocking=False)  # every drain at once
+    deadline = time.monotonic() + timeout_s
+    while serve.status().applications and time.monotonic() < deadline:
+        time.sleep(0.5)
+    serve.shutdown()
+
+
+def _stop_on_sigterm() -> None:
+    """SIGTERM (`kill`, `docker stop`, Kubernetes) stops as Ctrl-C does, as uvicorn stops the plain
+    service: the requests in hand finish, and the command exits 0. Ray's own handler ended the process at
+    once, and the requests with it."""
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
+
+
 def serve_sharded(args: argparse.Namespace, settings: ServiceSettings) -> int:
     """Starts (or joins) Ray, runs the application on SEARCH_HOST:SEARCH_PORT (behind HAProxy under
-    SERVE_ENV), and keeps it up until interrupted. Exits 2 before deploying where a Ray it starts itself
-    could never place the replicas (placement_problems); joining a cluster, it warns instead."""
+    SERVE_ENV), and keeps it up until stopped (Ctrl-C or SIGTERM). Exits 2 before starting a Ray here where
+    the ports Serve takes are in use (serve_ports), and before deploying where that Ray could never place
+    the replicas (placement_problems); joining a cluster, it warns instead."""
     import ray
 
     if not args.shards:
@@ -282,7 +349,12 @@ def serve_sharded(args: argparse.Namespace, settings: ServiceSettings) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     started_here = starts_local_ray(args.ray or None)
-    ray.init(address=args.ray or None, runtime_env={"env_vars": job_env(settings)})
+    taken = ports_in_use(serve_ports(settings), settings.host) if started_here else []
+    if taken:
+        print(f"error: ports this machine's Serve would listen on are in use: {', '.join(taken)} (another service, "
+              "or a HAProxy left by a Serve that was killed); set the variables named to free ports", file=sys.stderr)
+        return 2
+    ray.init(address=args.ray or None, runtime_env={"env_vars": job_env(settings, local=started_here)})
     shard_ask = {"CPU": args.shard_cpus, "GPU": args.shard_gpus}
     asks = [("the ingress (--ingress-cpus, --ingress-gpus)", args.ingress_replicas,
              {"CPU": args.ingress_cpus, "GPU": args.ingress_gpus})]
@@ -298,15 +370,24 @@ def serve_sharded(args: argparse.Namespace, settings: ServiceSettings) -> int:
         return 2
     for problem in problems:
         log.warning("replicas wait until the cluster has room (an autoscaler may add it): %s", problem)
-    serve.start(http_options={"host": settings.host, "port": settings.port})
-    serve.run(application, name=APP_NAME, route_prefix="/")
-    log.info("serving %d shards on http://%s:%d", len(shard_dirs), settings.host, settings.port)
-    # Ctrl-C deletes the application. SIGTERM is Ray's to handle (its own handler ends the process); a
-    # local Ray started here goes with it, and on a cluster the application stays until `serve shutdown`.
+    _stop_on_sigterm()
     try:
+        serve.start(http_options={"host": settings.host, "port": settings.port})
+        serve.run(application, name=APP_NAME, route_prefix="/")
+        log.info("serving %d shards on http://%s:%d", len(shard_dirs), settings.host, settings.port)
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
-        serve.delete(APP_NAME)
-    ray.shutdown()
+        pass
+    finally:
+        # A stop (Ctrl-C, SIGTERM) takes down what this command started: on its own Ray, Serve as a whole
+        # (the proxies stop their HAProxy), then Ray; on a cluster, only the application.
+        log.info("stopping %s (the ingress finishes its requests first)",
+                 "Serve and the local Ray" if started_here else f"the application {APP_NAME}")
+        if started_here:
+            shutdown_serve()
+        else:
+            serve.delete(APP_NAME)
+        ray.shutdown()
+        log.info("stopped")
     return 0

@@ -115,7 +115,7 @@ def ray_session():
     from service.settings import ServiceSettings
     from service.sharded import job_env  # Serve's settings as `python -m service --ray` starts it (HAProxy, gRPC)
 
-    env = job_env(ServiceSettings(read_timeout_s=RAY_CLIENT_TIMEOUT_S, write_timeout_s=RAY_CLIENT_TIMEOUT_S))
+    env = job_env(ServiceSettings(read_timeout_s=RAY_CLIENT_TIMEOUT_S, write_timeout_s=RAY_CLIENT_TIMEOUT_S), local=True)
     ray.init(num_cpus=2, include_dashboard=False, logging_level=logging.WARNING, runtime_env={"env_vars": env})
     yield ray
     ray.shutdown()

@@ -2,11 +2,13 @@
 `python -m service --ray` runs it (tests/conftest.py's Ray takes service.sharded.job_env()): three
 `build --shard i/3` shards answer as one flat index over the same passages, bm25 is refused, every
 replica runs on the service's malloc, and a shard replica killed under traffic gives 503s naming it or
-right answers, never wrong ones. One local Ray for the module."""
+right answers, never wrong ones. One local Ray for the module; `python -m service --ray` itself, on a
+Ray of its own beside it, exits 2 on what it could never serve and stops cleanly on SIGTERM."""
 
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -25,7 +27,7 @@ from retrieval.sharding import ShardIndex  # noqa: E402
 from service.allocator import JEMALLOC_CONF, find_jemalloc  # noqa: E402
 from service.engine import SearchEngine  # noqa: E402
 from service.settings import ServiceSettings  # noqa: E402
-from service.sharded import APP_NAME, build_application, placement_problems  # noqa: E402
+from service.sharded import APP_NAME, build_application, placement_problems, ports_in_use, shutdown_serve  # noqa: E402
 from tests.conftest import RAY_CLIENT_TIMEOUT_S, ROOT  # noqa: E402
 
 SHARD_TIMEOUT_S = 3.0
@@ -57,7 +59,7 @@ def base_url(ray_session, small_shards):
         serve.run(application, name=APP_NAME, route_prefix="/")
         yield f"http://127.0.0.1:{port}"
     finally:
-        serve.shutdown()
+        shutdown_serve()
 
 
 @pytest.fixture(scope="module")
@@ -279,14 +281,73 @@ def test_what_no_node_could_hold_is_named_by_flag_and_resource(ray_session):
     assert placement_problems([("the ingress", 1, {"CPU": 0.5}), ("a shard", 6, {"CPU": 0})], nodes) == []
 
 
+def own_serve_env() -> dict[str, str]:
+    """The environment of a `python -m service --ray` beside the module's Serve: a local Ray of its own
+    (no RAY_ADDRESS), the CPU, and free ports for those Serve would otherwise bind at fixed ones."""
+    env = {name: value for name, value in os.environ.items() if name != "RAY_ADDRESS"}
+    ports = ("SEARCH_PORT", "RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT",
+             "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT", "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT")
+    return {**env, "SEARCH_DEVICE": "cpu", **{name: str(free_port()) for name in ports}}
+
+
+def serve_command(shards, *flags: str) -> list[str]:
+    return [sys.executable, "-m", "service", "--ray", "--shards", *map(str, shards), *flags]
+
+
+def last_error(stderr: str) -> str:
+    return [line for line in stderr.splitlines() if line.startswith("error:")][-1]
+
+
 def test_serving_what_a_local_ray_could_never_place_exits_2_at_once_naming_the_flags(small_shards):
     # More GPUs than any machine has (and the default CPU a replica: 4 for three shards and the ingress).
-    env = {name: value for name, value in os.environ.items() if name != "RAY_ADDRESS"}
-    done = subprocess.run([sys.executable, "-m", "service", "--ray", "--shards", *map(str, small_shards),
-                           "--shard-gpus", "64"], cwd=ROOT, env={**env, "SEARCH_DEVICE": "cpu"}, capture_output=True,
-                          text=True, timeout=300)
+    done = subprocess.run(serve_command(small_shards, "--shard-gpus", "64"), cwd=ROOT, env=own_serve_env(),
+                          capture_output=True, text=True, timeout=300)
     assert done.returncode == 2, done.stderr[-2000:]
-    error = [line for line in done.stderr.splitlines() if line.startswith("error:")][-1]
+    error = last_error(done.stderr)
     assert error.startswith("error: the application cannot be placed on this machine's Ray: a replica of a shard "
                             "(--shard-cpus, --shard-gpus) reserves 1 CPU, 64 GPU, and no node offers that"), error
     assert "the replicas reserve 4 CPU in all, and the cluster has" in error
+
+
+@pytest.mark.parametrize("variable", ["SEARCH_PORT", "RAY_SERVE_HAPROXY_STATS_PORT"])
+def test_a_port_serve_would_take_already_in_use_exits_2_naming_its_variable(small_shards, variable):
+    env = own_serve_env()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", int(env[variable])))
+        taken.listen()
+        done = subprocess.run(serve_command(small_shards), cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=300)
+    assert done.returncode == 2, done.stderr[-2000:]
+    error = last_error(done.stderr)
+    assert error.startswith("error: ports this machine's Serve would listen on are in use: "), error
+    assert f"{variable}={env[variable]}" in error, error
+
+
+def test_sigterm_stops_the_command_with_exit_0_and_frees_every_port_it_served_on(small_shards, tmp_path):
+    env = own_serve_env()
+    log = tmp_path / "service.log"
+    with log.open("w") as output:
+        process = subprocess.Popen(serve_command(small_shards, "--shard-cpus", "0", "--ingress-cpus", "0"), cwd=ROOT,
+                                   env=env, stdout=output, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{env['SEARCH_PORT']}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert process.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            try:
+                if httpx.get(f"{base}/ready", timeout=5, trust_env=False).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        answer = httpx.post(f"{base}/search", json={"query": "solar power", "k": 3}, timeout=60, trust_env=False)
+        assert answer.status_code == 200 and len(answer.json()["results"]) == 3, answer.text
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=180) == 0, log.read_text()[-3000:]
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert "INFO service: stopped" in log.read_text()
+    ports = {int(env[name]): name for name in ("SEARCH_PORT", "RAY_SERVE_HAPROXY_STATS_PORT",
+                                               "RAY_SERVE_HAPROXY_METRICS_PORT", "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT")}
+    assert ports_in_use(ports, "127.0.0.1") == []  # HAProxy and Serve's proxy gone with it
