@@ -316,6 +316,18 @@ def shutdown_serve(timeout_s: float = 120.0) -> None:
     serve.shutdown()
 
 
+def start_failures(status) -> list[str]:
+    """What stopped the application from starting, from its serve.status() entry: for each deployment
+    whose replicas failed to start, its name and the last line of the replica's error (the exception:
+    `shard-1: retrieval.index_format.IndexFormatError: .../index.faiss: sha256 differs from the manifest's`)."""
+    failed = []
+    for name, deployment in (status.deployments.items() if status else ()):
+        if str(deployment.status).rsplit(".", 1)[-1] in {"DEPLOY_FAILED", "UNHEALTHY"}:
+            lines = [line.strip() for line in (deployment.message or "").splitlines() if line.strip()]
+            failed.append(f"{name}: {lines[-1] if lines else deployment.status}")
+    return failed
+
+
 def _stop_on_sigterm() -> None:
     """SIGTERM (`kill`, `docker stop`, Kubernetes) stops as Ctrl-C does, as uvicorn stops the plain
     service: the requests in hand finish, and the command exits 0. Ray's own handler ended the process at
@@ -330,7 +342,8 @@ def serve_sharded(args: argparse.Namespace, settings: ServiceSettings) -> int:
     """Starts (or joins) Ray, runs the application on SEARCH_HOST:SEARCH_PORT (behind HAProxy under
     SERVE_ENV), and keeps it up until stopped (Ctrl-C or SIGTERM). Exits 2 before starting a Ray here where
     the ports Serve takes are in use (serve_ports), and before deploying where that Ray could never place
-    the replicas (placement_problems); joining a cluster, it warns instead."""
+    the replicas (placement_problems); joining a cluster, it warns instead. Exits 2 with the replicas'
+    own error where the application fails to start (a shard folder missing or damaged on its node)."""
     import ray
 
     if not args.shards:
@@ -371,9 +384,16 @@ def serve_sharded(args: argparse.Namespace, settings: ServiceSettings) -> int:
     for problem in problems:
         log.warning("replicas wait until the cluster has room (an autoscaler may add it): %s", problem)
     _stop_on_sigterm()
+    failed: list[str] = []
     try:
         serve.start(http_options={"host": settings.host, "port": settings.port})
-        serve.run(application, name=APP_NAME, route_prefix="/")
+        try:
+            serve.run(application, name=APP_NAME, route_prefix="/")
+        except RuntimeError:  # Serve's "Deploying application ... failed", which names no cause
+            failed = start_failures(serve.status().applications.get(APP_NAME))
+            if not failed:
+                raise
+            return 2
         log.info("serving %d shards on http://%s:%d", len(shard_dirs), settings.host, settings.port)
         while True:
             time.sleep(3600)
@@ -382,12 +402,13 @@ def serve_sharded(args: argparse.Namespace, settings: ServiceSettings) -> int:
     finally:
         # A stop (Ctrl-C, SIGTERM) takes down what this command started: on its own Ray, Serve as a whole
         # (the proxies stop their HAProxy), then Ray; on a cluster, only the application.
-        log.info("stopping %s (the ingress finishes its requests first)",
-                 "Serve and the local Ray" if started_here else f"the application {APP_NAME}")
+        log.info("stopping %s", "Serve and the local Ray" if started_here else f"the application {APP_NAME}")
         if started_here:
             shutdown_serve()
         else:
             serve.delete(APP_NAME)
         ray.shutdown()
         log.info("stopped")
+        if failed:  # last, after the stop's own lines
+            print(f"error: the application could not start: {'; '.join(failed)}", file=sys.stderr)
     return 0

@@ -8,6 +8,7 @@ Ray of its own beside it, exits 2 on what it could never serve and stops cleanly
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -307,6 +308,22 @@ def test_serving_what_a_local_ray_could_never_place_exits_2_at_once_naming_the_f
     assert error.startswith("error: the application cannot be placed on this machine's Ray: a replica of a shard "
                             "(--shard-cpus, --shard-gpus) reserves 1 CPU, 64 GPU, and no node offers that"), error
     assert "the replicas reserve 4 CPU in all, and the cluster has" in error
+
+
+def test_a_damaged_shard_folder_exits_2_with_the_replicas_own_error_naming_the_file(small_shards, tmp_path):
+    shards = [tmp_path / shard.name for shard in small_shards]
+    for shard, copy in zip(small_shards, shards):
+        shutil.copytree(shard, copy)
+    damaged = shards[1] / "index.faiss"
+    data = bytearray(damaged.read_bytes())
+    data[-1] ^= 0xFF  # one bit pattern of the last vector changed
+    damaged.write_bytes(bytes(data))
+    done = subprocess.run(serve_command(shards, "--shard-cpus", "0", "--ingress-cpus", "0"), cwd=ROOT,
+                          env=own_serve_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"error: the application could not start: shard-1: retrieval.index_format.IndexFormatError: {damaged}: "
+        "sha256 differs from the manifest's")
 
 
 @pytest.mark.parametrize("variable", ["SEARCH_PORT", "RAY_SERVE_HAPROXY_STATS_PORT"])
