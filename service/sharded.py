@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import logging
 import math
 import os
@@ -22,6 +23,7 @@ from typing import Sequence
 
 import numpy as np
 from ray import serve
+from ray.serve.schema import ApplicationStatusOverview, DeploymentStatus
 
 from retrieval.sharding import ShardIndex, expand_shard_dirs
 from service import allocator
@@ -119,10 +121,10 @@ def client_timeout_env(settings: ServiceSettings) -> dict[str, str]:
     return {"RAY_SERVE_HAPROXY_TIMEOUT_CLIENT_S": str(math.ceil(max(settings.read_timeout_s, settings.write_timeout_s)))}
 
 
-# On a Ray started here the one load balancer in front of the ingress is this machine's HAProxy, which
-# drops a stopping replica within a fraction of a second: Ray's drain period (30 s, for cloud load
-# balancers to deregister it) would only hold every stop (Ctrl-C, SIGTERM) that long. The ingress still
-# finishes the requests it holds (measured: a stop in 5 s against 33).
+# On a Ray started here the one load balancer in front of the ingress is this machine's HAProxy, which Serve
+# itself updates (and which retries a refused connection): Ray's drain period, there for cloud load
+# balancers to deregister a stopping ingress replica (30 s), would only hold every stop (Ctrl-C, SIGTERM)
+# that long. The ingress still finishes the requests it holds. Measured: a stop in 5 s against 33.
 LOCAL_SERVE_ENV = {"RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2"}
 
 
@@ -272,60 +274,86 @@ def starts_local_ray(address: str | None) -> bool:
         return False
 
 
-def serve_ports(settings: ServiceSettings) -> dict[int, str]:
-    """The ports a Serve started here takes on this machine, each named by the variable that moves it:
-    SEARCH_PORT, and in HAProxy mode (serve_env) HAProxy's stats and metrics pages and Serve's fallback
-    proxy, which Ray binds at fixed ports (a second Serve in this mode on one machine must move them)."""
-    from ray.serve._private import constants  # Ray's own reading of the RAY_SERVE_* variables, as here
+# The ports a Serve in HAProxy mode binds at fixed numbers, each moved by its variable; Ray's own reading of
+# them (ray.serve._private.constants) is what the Ray started here inherits. `True`: on every interface.
+HAPROXY_MODE_PORTS = {"RAY_SERVE_HAPROXY_STATS_PORT": True, "RAY_SERVE_HAPROXY_METRICS_PORT": True,
+                      "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": False}
 
-    ports = {settings.port: "SEARCH_PORT"}
+
+def serve_ports(settings: ServiceSettings) -> dict[int, tuple[str, str]]:
+    """The ports a Serve started here takes on this machine, with the variable that moves each and the
+    address it binds: SEARCH_PORT, and in HAProxy mode (serve_env) HAProxy's stats and metrics pages (on
+    every interface) and Serve's fallback proxy (on SEARCH_HOST). A second Serve in this mode on one
+    machine must move them all."""
+    from ray.serve._private import constants
+
+    ports = {settings.port: ("SEARCH_PORT", settings.host)}
     if serve_env(settings)["RAY_SERVE_ENABLE_HA_PROXY"] == "1":
-        for name in ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT",
-                     "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT"):
+        for name, everywhere in HAPROXY_MODE_PORTS.items():
             port = getattr(constants, name, None)
             if isinstance(port, int) and port > 0:
-                ports.setdefault(port, name)
+                ports.setdefault(port, (name, "0.0.0.0" if everywhere else settings.host))
     return ports
 
 
-def ports_in_use(ports: dict[int, str], host: str) -> list[str]:
-    """Those of `ports` something on this machine listens on already (SEARCH_PORT on `host`, the others on
-    every interface, as HAProxy binds them)."""
+def ports_in_use(ports: dict[int, tuple[str, str]]) -> list[str]:
+    """`NAME=PORT` for each of `ports` (as serve_ports gives them) that something on this machine listens
+    on already."""
     taken = []
-    for port, name in ports.items():
-        with socket.socket() as probe:
+    for port, (name, host) in ports.items():
+        host = "0.0.0.0" if host in ("", "::", "0.0.0.0") else host  # Serve binds "::" as every interface
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as HAProxy: TIME_WAIT does not count
             try:
-                probe.bind((host if name == "SEARCH_PORT" else "0.0.0.0", port))
-            except OSError:
-                taken.append(f"{name}={port}")
+                probe.bind((host, port))
+            except OSError as error:
+                if error.errno == errno.EADDRINUSE:
+                    taken.append(f"{name}={port}")
     return taken
 
 
 def shutdown_serve(timeout_s: float = 120.0) -> None:
     """serve.shutdown() once every application is gone. Serve's own shutdown waits 30 s for its
-    controller, less than an ingress replica in direct-ingress mode may take to stop (its drain period,
-    RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S, 30 s by Ray's default, and 5), and Ray shut down under
-    a controller still stopping takes down the proxy actor that would stop HAProxy."""
-    names = list(serve.status().applications)
-    for name in names:
+    controller, less than an ingress replica in direct-ingress mode may take to stop under Ray's default
+    drain (RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S, 30 s, and RAY_SERVE_DIRECT_INGRESS_SHUTDOWN_BUFFER_S,
+    5 s: an operator's setting where LOCAL_SERVE_ENV's is overridden), and Ray shut down under a controller
+    still stopping takes down the proxy actor that would stop HAProxy."""
+    for name in serve.status().applications:
         serve.delete(name, _blocking=False)  # every drain at once
     deadline = time.monotonic() + timeout_s
-    while serve.status().applications and time.monotonic() < deadline:
+    while serve.status().applications:
+        if time.monotonic() > deadline:
+            log.warning("applications still stopping after %g s: %s", timeout_s, ", ".join(serve.status().applications))
+            break
         time.sleep(0.5)
     serve.shutdown()
 
 
-def start_failures(status) -> list[str]:
+def start_failures(status: ApplicationStatusOverview | None) -> list[str]:
     """What stopped the application from starting, from its serve.status() entry: for each deployment
     whose replicas failed to start, its name and the last line of the replica's error (the exception:
     `shard-1: retrieval.index_format.IndexFormatError: .../index.faiss: sha256 differs from the manifest's`)."""
     failed = []
     for name, deployment in (status.deployments.items() if status else ()):
-        if str(deployment.status).rsplit(".", 1)[-1] in {"DEPLOY_FAILED", "UNHEALTHY"}:
+        if deployment.status in (DeploymentStatus.DEPLOY_FAILED, DeploymentStatus.UNHEALTHY):
             lines = [line.strip() for line in (deployment.message or "").splitlines() if line.strip()]
-            failed.append(f"{name}: {lines[-1] if lines else deployment.status}")
+            failed.append(f"{name}: {lines[-1] if lines else deployment.status.value}")
     return failed
+
+
+def _deploy(application) -> list[str]:
+    """serve.run(application): [] once it runs, else its start_failures (Serve's own error names no cause)."""
+    try:
+        serve.run(application, name=APP_NAME, route_prefix="/")
+        return []
+    except RuntimeError:
+        try:
+            failed = start_failures(serve.status().applications.get(APP_NAME))
+        except Exception:  # noqa: BLE001 - then Serve's own error is all there is
+            failed = []
+        if not failed:
+            raise
+        return failed
 
 
 def _stop_on_sigterm() -> None:
@@ -336,6 +364,27 @@ def _stop_on_sigterm() -> None:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, interrupt)
+
+
+def _stop(started_here: bool, serving: bool) -> None:
+    """Takes down what the command started: on its own Ray, Serve as a whole (the proxies stop their
+    HAProxy) and Ray; on a cluster, only the application. A second signal is ignored meanwhile: cut short,
+    the stop would leave HAProxy listening."""
+    import ray
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if serving:
+        log.info("stopping %s", "Serve and the local Ray" if started_here else f"the application {APP_NAME}")
+    try:
+        if serving and started_here:
+            shutdown_serve()
+        elif serving:
+            serve.delete(APP_NAME)
+    finally:
+        ray.shutdown()
+    if serving:
+        log.info("stopped")
 
 
 def serve_sharded(args: argparse.Namespace, settings: ServiceSettings) -> int:
@@ -362,12 +411,13 @@ def serve_sharded(args: argparse.Namespace, settings: ServiceSettings) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     started_here = starts_local_ray(args.ray or None)
-    taken = ports_in_use(serve_ports(settings), settings.host) if started_here else []
+    taken = ports_in_use(serve_ports(settings)) if started_here else []
     if taken:
         print(f"error: ports this machine's Serve would listen on are in use: {', '.join(taken)} (another service, "
               "or a HAProxy left by a Serve that was killed); set the variables named to free ports", file=sys.stderr)
         return 2
     ray.init(address=args.ray or None, runtime_env={"env_vars": job_env(settings, local=started_here)})
+    _stop_on_sigterm()
     shard_ask = {"CPU": args.shard_cpus, "GPU": args.shard_gpus}
     asks = [("the ingress (--ingress-cpus, --ingress-gpus)", args.ingress_replicas,
              {"CPU": args.ingress_cpus, "GPU": args.ingress_gpus})]
@@ -376,39 +426,30 @@ def serve_sharded(args: argparse.Namespace, settings: ServiceSettings) -> int:
                   {**shard_ask, Path(directory).name: 1}) for position, directory in enumerate(shard_dirs)]
     else:
         asks.append(("a shard (--shard-cpus, --shard-gpus)", args.shard_replicas * len(shard_dirs), shard_ask))
-    problems = placement_problems(asks, ray.nodes())
-    if problems and started_here:  # a Ray started here never grows: the replicas would wait for ever
-        print(f"error: the application cannot be placed on this machine's Ray: {'; '.join(problems)}", file=sys.stderr)
-        ray.shutdown()
-        return 2
-    for problem in problems:
-        log.warning("replicas wait until the cluster has room (an autoscaler may add it): %s", problem)
-    _stop_on_sigterm()
-    failed: list[str] = []
+    unplaceable, failed, serving = [], [], False
     try:
-        serve.start(http_options={"host": settings.host, "port": settings.port})
-        try:
-            serve.run(application, name=APP_NAME, route_prefix="/")
-        except RuntimeError:  # Serve's "Deploying application ... failed", which names no cause
-            failed = start_failures(serve.status().applications.get(APP_NAME))
+        problems = placement_problems(asks, ray.nodes())
+        if problems and started_here:  # a Ray started here never grows: the replicas would wait for ever
+            unplaceable = problems
+        else:
+            for problem in problems:
+                log.warning("replicas wait until the cluster has room (an autoscaler may add it): %s", problem)
+            serve.start(http_options={"host": settings.host, "port": settings.port})
+            serving = True
+            failed = _deploy(application)
             if not failed:
-                raise
-            return 2
-        log.info("serving %d shards on http://%s:%d", len(shard_dirs), settings.host, settings.port)
-        while True:
-            time.sleep(3600)
+                log.info("serving %d shards on http://%s:%d", len(shard_dirs), settings.host, settings.port)
+                while True:
+                    time.sleep(3600)
     except KeyboardInterrupt:
         pass
     finally:
-        # A stop (Ctrl-C, SIGTERM) takes down what this command started: on its own Ray, Serve as a whole
-        # (the proxies stop their HAProxy), then Ray; on a cluster, only the application.
-        log.info("stopping %s", "Serve and the local Ray" if started_here else f"the application {APP_NAME}")
-        if started_here:
-            shutdown_serve()
-        else:
-            serve.delete(APP_NAME)
-        ray.shutdown()
-        log.info("stopped")
-        if failed:  # last, after the stop's own lines
-            print(f"error: the application could not start: {'; '.join(failed)}", file=sys.stderr)
+        _stop(started_here, serving)
+    if unplaceable:
+        print(f"error: the application cannot be placed on this machine's Ray: {'; '.join(unplaceable)}",
+              file=sys.stderr)
+        return 2
+    if failed:
+        print(f"error: the application could not start: {'; '.join(failed)}", file=sys.stderr)
+        return 2
     return 0

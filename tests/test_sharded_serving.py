@@ -28,7 +28,17 @@ from retrieval.sharding import ShardIndex  # noqa: E402
 from service.allocator import JEMALLOC_CONF, find_jemalloc  # noqa: E402
 from service.engine import SearchEngine  # noqa: E402
 from service.settings import ServiceSettings  # noqa: E402
-from service.sharded import APP_NAME, build_application, placement_problems, ports_in_use, shutdown_serve  # noqa: E402
+from service.sharded import (  # noqa: E402
+    APP_NAME,
+    HAPROXY_MODE_PORTS,
+    LOCAL_SERVE_ENV,
+    build_application,
+    job_env,
+    placement_problems,
+    ports_in_use,
+    serve_ports,
+    shutdown_serve,
+)
 from tests.conftest import RAY_CLIENT_TIMEOUT_S, ROOT  # noqa: E402
 
 SHARD_TIMEOUT_S = 3.0
@@ -282,13 +292,22 @@ def test_what_no_node_could_hold_is_named_by_flag_and_resource(ray_session):
     assert placement_problems([("the ingress", 1, {"CPU": 0.5}), ("a shard", 6, {"CPU": 0})], nodes) == []
 
 
-def own_serve_env() -> dict[str, str]:
+PORT_VARIABLES = ("SEARCH_PORT", *HAPROXY_MODE_PORTS)
+
+
+def command_env() -> dict[str, str]:
     """The environment of a `python -m service --ray` beside the module's Serve: a local Ray of its own
-    (no RAY_ADDRESS), the CPU, and free ports for those Serve would otherwise bind at fixed ones."""
+    (no RAY_ADDRESS), the CPU, and free ports (distinct) for those Serve would otherwise bind at fixed ones."""
     env = {name: value for name, value in os.environ.items() if name != "RAY_ADDRESS"}
-    ports = ("SEARCH_PORT", "RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT",
-             "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT", "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT")
-    return {**env, "SEARCH_DEVICE": "cpu", **{name: str(free_port()) for name in ports}}
+    sockets = [socket.socket() for _ in PORT_VARIABLES]
+    try:
+        for sock in sockets:  # all bound at once: no two the same
+            sock.bind(("127.0.0.1", 0))
+        ports = {name: str(sock.getsockname()[1]) for name, sock in zip(PORT_VARIABLES, sockets)}
+    finally:
+        for sock in sockets:
+            sock.close()
+    return {**env, "SEARCH_DEVICE": "cpu", **ports}
 
 
 def serve_command(shards, *flags: str) -> list[str]:
@@ -301,7 +320,7 @@ def last_error(stderr: str) -> str:
 
 def test_serving_what_a_local_ray_could_never_place_exits_2_at_once_naming_the_flags(small_shards):
     # More GPUs than any machine has (and the default CPU a replica: 4 for three shards and the ingress).
-    done = subprocess.run(serve_command(small_shards, "--shard-gpus", "64"), cwd=ROOT, env=own_serve_env(),
+    done = subprocess.run(serve_command(small_shards, "--shard-gpus", "64"), cwd=ROOT, env=command_env(),
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 2, done.stderr[-2000:]
     error = last_error(done.stderr)
@@ -319,16 +338,16 @@ def test_a_damaged_shard_folder_exits_2_with_the_replicas_own_error_naming_the_f
     data[-1] ^= 0xFF  # one bit pattern of the last vector changed
     damaged.write_bytes(bytes(data))
     done = subprocess.run(serve_command(shards, "--shard-cpus", "0", "--ingress-cpus", "0"), cwd=ROOT,
-                          env=own_serve_env(), capture_output=True, text=True, timeout=300)
+                          env=command_env(), capture_output=True, text=True, timeout=300)
     assert done.returncode == 2, done.stderr[-3000:]
     assert done.stderr.strip().splitlines()[-1] == (
         f"error: the application could not start: shard-1: retrieval.index_format.IndexFormatError: {damaged}: "
         "sha256 differs from the manifest's")
 
 
-@pytest.mark.parametrize("variable", ["SEARCH_PORT", "RAY_SERVE_HAPROXY_STATS_PORT"])
+@pytest.mark.parametrize("variable", PORT_VARIABLES)
 def test_a_port_serve_would_take_already_in_use_exits_2_naming_its_variable(small_shards, variable):
-    env = own_serve_env()
+    env = command_env()
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", int(env[variable])))
         taken.listen()
@@ -341,7 +360,7 @@ def test_a_port_serve_would_take_already_in_use_exits_2_naming_its_variable(smal
 
 
 def test_sigterm_stops_the_command_with_exit_0_and_frees_every_port_it_served_on(small_shards, tmp_path):
-    env = own_serve_env()
+    env = command_env()
     log = tmp_path / "service.log"
     with log.open("w") as output:
         process = subprocess.Popen(serve_command(small_shards, "--shard-cpus", "0", "--ingress-cpus", "0"), cwd=ROOT,
@@ -365,6 +384,25 @@ def test_sigterm_stops_the_command_with_exit_0_and_frees_every_port_it_served_on
         if process.poll() is None:
             process.kill()
     assert "INFO service: stopped" in log.read_text()
-    ports = {int(env[name]): name for name in ("SEARCH_PORT", "RAY_SERVE_HAPROXY_STATS_PORT",
-                                               "RAY_SERVE_HAPROXY_METRICS_PORT", "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT")}
-    assert ports_in_use(ports, "127.0.0.1") == []  # HAProxy and Serve's proxy gone with it
+    ports = {int(env[name]): (name, "0.0.0.0") for name in PORT_VARIABLES}
+    assert ports_in_use(ports) == []  # HAProxy and Serve's proxies gone with it
+
+
+def test_a_ray_started_here_drains_a_stopping_ingress_2_s_not_30_and_a_cluster_keeps_rays_drain(monkeypatch):
+    monkeypatch.delenv("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", raising=False)
+    settings = ServiceSettings()
+    assert LOCAL_SERVE_ENV == {"RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2"}
+    assert job_env(settings, local=True)["RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"] == "2"
+    assert "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S" not in job_env(settings)
+    monkeypatch.setenv("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "10")  # an operator's own wins
+    assert job_env(settings, local=True)["RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"] == "10"
+
+
+def test_the_ports_checked_are_those_serve_binds_moved_by_their_variables(monkeypatch):
+    settings = ServiceSettings(host="127.0.0.1", port=8123)
+    ports = serve_ports(settings)
+    assert ports[8123] == ("SEARCH_PORT", "127.0.0.1")
+    assert sorted(name for name, _ in ports.values()) == sorted(PORT_VARIABLES)
+    assert {name: host for name, host in ports.values()}["RAY_SERVE_HAPROXY_STATS_PORT"] == "0.0.0.0"
+    monkeypatch.setenv("RAY_SERVE_ENABLE_HA_PROXY", "0")  # Serve's Python proxy: SEARCH_PORT only
+    assert list(serve_ports(settings).values()) == [("SEARCH_PORT", "127.0.0.1")]
