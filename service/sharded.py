@@ -124,7 +124,7 @@ def client_timeout_env(settings: ServiceSettings) -> dict[str, str]:
 # On a Ray started here the one load balancer in front of the ingress is this machine's HAProxy, which Serve
 # itself updates (and which retries a refused connection): Ray's drain period, there for cloud load
 # balancers to deregister a stopping ingress replica (30 s), would only hold every stop (Ctrl-C, SIGTERM)
-# that long. The ingress still finishes the requests it holds. Measured: a stop in 5 s against 33.
+# that long. Measured: a stop in 5 s against 33.
 LOCAL_SERVE_ENV = {"RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2"}
 
 
@@ -357,9 +357,8 @@ def _deploy(application) -> list[str]:
 
 
 def _stop_on_sigterm() -> None:
-    """SIGTERM (`kill`, `docker stop`, Kubernetes) stops as Ctrl-C does, as uvicorn stops the plain
-    service: the requests in hand finish, and the command exits 0. Ray's own handler ended the process at
-    once, and the requests with it."""
+    """SIGTERM (`kill`, `docker stop`, Kubernetes) stops as Ctrl-C does (_stop), and the command exits 0.
+    Ray's own handler ended the process at once, before Serve could stop what it runs."""
     def interrupt(signum, frame):
         raise KeyboardInterrupt
 
