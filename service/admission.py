@@ -14,6 +14,7 @@ import asyncio
 import functools
 import hmac
 import json
+import time
 from http import HTTPStatus
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -21,7 +22,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.protocols.utils import get_client_addr, get_path_with_query_string
 
 from service import errors
-from service.errors import Overloaded, send_error
+from service.errors import Overloaded, Stopping, send_error
 from service.monitoring import Monitor
 
 # The routes that run a model (all POST): the ones the cap counts.
@@ -44,9 +45,19 @@ class Occupancy:
         self.cap, self.retry_after_s, self.monitor = cap, retry_after_s, monitor
         self.expected = b"bearer " + api_key if api_key is not None else None
         self.in_flight = 0
+        self.stopping = False
 
     def full(self) -> bool:
-        return self.in_flight >= self.cap
+        return self.in_flight >= self.cap or self.stopping
+
+    async def drain(self, timeout_s: float) -> int:
+        """Takes no new search from now on (503, `refuse`) and waits, up to `timeout_s`, until those in the
+        service are answered: how many are still in it. (The sharded service's stop: service/sharded.py.)"""
+        self.stopping = True
+        deadline = time.monotonic() + timeout_s
+        while self.in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return self.in_flight
 
     def counts(self, scope: dict) -> bool:
         """Whether the request of ASGI `scope` counts against the cap: a search, with the key where one is set."""
@@ -66,12 +77,15 @@ class Occupancy:
         finally:
             self.in_flight -= 1
 
-    def refuse(self, unrouted_path: str | None = None) -> Overloaded:
+    def refuse(self, unrouted_path: str | None = None) -> Overloaded | Stopping:
         """Counts a refusal and returns its error. `unrouted_path`: the refusal is answered outside the app,
         whose request counter does not see it, so it is counted by route here."""
         self.monitor.rejected.inc()
         if unrouted_path is not None:
-            self.monitor.observe_request(unrouted_path, 429)
+            self.monitor.observe_request(unrouted_path, 503 if self.stopping else 429)
+        if self.stopping:
+            return Stopping(f"stopping: this service takes no new search; retry after {self.retry_after_s} s",
+                            self.retry_after_s)
         return Overloaded(
             f"overloaded: {self.cap} search requests are in the service, the max_concurrent_requests limit "
             f"(SEARCH_MAX_CONCURRENT_REQUESTS); retry after {self.retry_after_s} s", self.retry_after_s)
@@ -123,7 +137,7 @@ def timeout_protocol(read_timeout_s: float, write_timeout_s: float, occupancy: O
     app's `Admission` counts and refuses where no protocol did (h11, whose protocol does not start
     requests through `_start_asgi_task`; an app served some other way)."""
 
-    refusals: dict[bool, tuple[list, bytes]] = {}  # keep-alive -> (the default headers it has, the answer)
+    refusals: dict[tuple[bool, bool], tuple[list, bytes]] = {}  # (keep-alive, stopping) -> (its default headers, the answer)
 
     class TimeoutProtocol(base):
         _head_timer: asyncio.TimerHandle | None = None
@@ -168,16 +182,17 @@ def timeout_protocol(read_timeout_s: float, write_timeout_s: float, occupancy: O
                 super()._start_asgi_task(cycle, functools.partial(occupancy.serve, app))
 
         def _refuse(self, cycle) -> None:
-            """Answers `cycle`'s request 429 whole; its body, if any, is skipped as it arrives (uvicorn drops
+            """Answers `cycle`'s request 429 (503 while stopping) whole; its body, if any, is skipped as it arrives (uvicorn drops
             the body of a request whose response is complete), and the connection stays open for the next."""
             error = occupancy.refuse(cycle.scope["path"])
             # A client waiting for 100 Continue may send the body anyway, or not: the connection cannot be reused.
             keep_alive = cycle.keep_alive and not cycle.waiting_for_100_continue
             # The answer's bytes change only with the Date header, which uvicorn renews once a second.
             default_headers = self.server_state.default_headers
-            cached = refusals.get(keep_alive)
+            kind = (keep_alive, occupancy.stopping)
+            cached = refusals.get(kind)
             if cached is None or cached[0] is not default_headers:
-                cached = refusals[keep_alive] = (default_headers, http_answer(error, default_headers, keep_alive))
+                cached = refusals[kind] = (default_headers, http_answer(error, default_headers, keep_alive))
             self.transport.write(cached[1])
             if self.access_log:
                 self.access_logger.info('%s - "%s %s HTTP/%s" 429', get_client_addr(cycle.scope), cycle.scope["method"],

@@ -51,6 +51,14 @@ class Overloaded(ServiceError):
         self.retry_after_s = retry_after_s
 
 
+class Stopping(ServiceError):
+    """The service is stopping and takes no new search: 503 with Retry-After, for another replica."""
+
+    def __init__(self, message: str, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
 class NotReady(ServiceError):
     """No index loaded yet, or loading failed: 503."""
 
@@ -79,6 +87,8 @@ def answer(error: ServiceError) -> tuple[int, dict, dict[str, str]]:
         return 422, {"detail": _json_safe(jsonable_encoder([problem]))}, {}
     if isinstance(error, Overloaded):
         return 429, {"detail": str(error)}, {"Retry-After": str(error.retry_after_s)}
+    if isinstance(error, Stopping):
+        return 503, {"detail": str(error)}, {"Retry-After": str(error.retry_after_s)}
     if isinstance(error, Unauthorized):
         return 401, {"detail": str(error)}, {"WWW-Authenticate": "Bearer"}
     status = {NotServable: 400, NotFound: 404, TimedOut: 408, NotReady: 503, ShardsUnavailable: 503}[type(error)]

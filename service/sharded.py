@@ -91,7 +91,15 @@ class SearchIngress:
                                     rerankers=settings.rerankers, backend=settings.backend,
                                     timeout_s=settings.shard_timeout_s)
         log.info("ready: %s", engine.describe())
-        return create_app(settings, engine)
+        self.asgi = create_app(settings, engine)  # (`app` is Serve's, on an ingress class)
+        return self.asgi
+
+    async def drain(self, timeout_s: float) -> dict:
+        """Takes no new search (503 with Retry-After) and waits, up to `timeout_s`, for those in this replica
+        to be answered, while the shards still answer them: the stop calls it on every replica before
+        deleting the application, whose shards Serve would otherwise delete under searches in flight."""
+        left = await self.asgi.state.runtime.occupancy.drain(timeout_s)
+        return {"replica": serve.get_replica_context().replica_id.unique_id, "left": left}
 
 
 # Ray Serve's high-throughput mode (Ray's guide "Enable High Throughput on Ray Serve"): HAProxy (shipped
@@ -365,16 +373,38 @@ def _stop_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, interrupt)
 
 
-def _stop(started_here: bool, serving: bool) -> None:
+def drain_ingress(replicas: int, timeout_s: float) -> None:
+    """SearchIngress.drain on each of the ingress's `replicas`. A handle reaches one replica a call, as
+    Serve routes it, so calls go on until each has answered (at most 20 a replica); a drained replica
+    answers again at once."""
+    handle = serve.get_deployment_handle("search", APP_NAME)
+    drained: dict[str, int] = {}
+    for _ in range(20 * replicas):
+        answer = handle.drain.remote(timeout_s).result(timeout_s=timeout_s + 30)
+        drained[answer["replica"]] = answer["left"]
+        if len(drained) >= replicas:
+            break
+    left = sum(drained.values())
+    log.log(logging.WARNING if left or len(drained) < replicas else logging.INFO,
+            "ingress drained: %d of %d replicas, %d searches still in them", len(drained), replicas, left)
+
+
+def _stop(started_here: bool, serving: bool, ingress_replicas: int, drain_s: float) -> None:
     """Takes down what the command started: on its own Ray, Serve as a whole (the proxies stop their
-    HAProxy) and Ray; on a cluster, only the application. A second signal is ignored meanwhile: cut short,
-    the stop would leave HAProxy listening."""
+    HAProxy) and Ray; on a cluster, only the application; first, where the application runs
+    (`ingress_replicas` of it), the ingress answers the searches it holds (drain_ingress, up to
+    `drain_s`). A second signal is ignored meanwhile: cut short, the stop would leave HAProxy listening."""
     import ray
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if serving:
         log.info("stopping %s", "Serve and the local Ray" if started_here else f"the application {APP_NAME}")
+    if ingress_replicas:
+        try:
+            drain_ingress(ingress_replicas, drain_s)
+        except Exception as error:  # noqa: BLE001 - the stop goes on
+            log.warning("ingress not drained: %s: %s", type(error).__name__, error)
     try:
         if serving and started_here:
             shutdown_serve()
@@ -425,7 +455,7 @@ def serve_sharded(args: argparse.Namespace, settings: ServiceSettings) -> int:
                   {**shard_ask, Path(directory).name: 1}) for position, directory in enumerate(shard_dirs)]
     else:
         asks.append(("a shard (--shard-cpus, --shard-gpus)", args.shard_replicas * len(shard_dirs), shard_ask))
-    unplaceable, failed, serving = [], [], False
+    unplaceable, failed, serving, running = [], [], False, False
     try:
         problems = placement_problems(asks, ray.nodes())
         if problems and started_here:  # a Ray started here never grows: the replicas would wait for ever
@@ -436,14 +466,16 @@ def serve_sharded(args: argparse.Namespace, settings: ServiceSettings) -> int:
             serve.start(http_options={"host": settings.host, "port": settings.port})
             serving = True
             failed = _deploy(application)
-            if not failed:
+            running = not failed
+            if running:
                 log.info("serving %d shards on http://%s:%d", len(shard_dirs), settings.host, settings.port)
                 while True:
                     time.sleep(3600)
     except KeyboardInterrupt:
         pass
     finally:
-        _stop(started_here, serving)
+        # A search waits for the shards at most SEARCH_SHARD_TIMEOUT_S, after its encoding.
+        _stop(started_here, serving, args.ingress_replicas if running else 0, settings.shard_timeout_s + 10)
     if unplaceable:
         print(f"error: the application cannot be placed on this machine's Ray: {'; '.join(unplaceable)}",
               file=sys.stderr)

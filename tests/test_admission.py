@@ -112,6 +112,25 @@ def test_past_the_concurrency_cap_a_search_is_refused_at_once_with_retry_after(s
         assert httpx.post(f"{base}/search", json={"query": demo_queries["q0002"]}, trust_env=False).status_code == 200
 
 
+def test_a_draining_service_answers_the_searches_in_it_and_refuses_new_ones_503_with_retry_after(
+        small_index, engine, demo_queries):
+    with serving(small_index, engine) as (app, base, port):
+        occupancy = app.state.runtime.occupancy
+        with model_busy(app):
+            first = send_search(port, demo_queries["q0001"])
+            wait_until(lambda: occupancy.in_flight == 1)
+            drained = ThreadPoolExecutor(1).submit(asyncio.run, occupancy.drain(60))
+            wait_until(lambda: occupancy.stopping)
+            refused = httpx.post(f"{base}/search", json={"query": demo_queries["q0002"]}, trust_env=False)
+            assert not drained.done()  # the first search is still in the service
+        assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+        assert refused.json()["detail"].startswith("stopping: ")
+        first.settimeout(60)
+        assert first.recv(64).startswith(b"HTTP/1.1 200")
+        first.close()
+        assert drained.result(timeout=60) == 0
+
+
 def test_past_the_cap_the_http_protocol_refuses_before_any_of_the_app_runs(small_index, engine, demo_queries):
     entered = []
     body = json.dumps({"query": demo_queries["q0002"], "k": 3})

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -359,7 +360,7 @@ def test_a_port_serve_would_take_already_in_use_exits_2_naming_its_variable(smal
     assert f"{variable}={env[variable]}" in error, error
 
 
-def test_sigterm_stops_the_command_with_exit_0_and_frees_every_port_it_served_on(small_shards, tmp_path):
+def test_sigterm_answers_the_searches_in_flight_exits_0_and_frees_every_port_it_served_on(small_shards, tmp_path):
     env = command_env()
     log = tmp_path / "service.log"
     with log.open("w") as output:
@@ -376,9 +377,15 @@ def test_sigterm_stops_the_command_with_exit_0_and_frees_every_port_it_served_on
             except httpx.HTTPError:
                 pass
             time.sleep(1)
-        answer = httpx.post(f"{base}/search", json={"query": "solar power", "k": 3}, timeout=60, trust_env=False)
-        assert answer.status_code == 200 and len(answer.json()["results"]) == 3, answer.text
+        # A batch of long queries (seconds of encoding here) in flight when the signal comes is answered
+        # whole: the ingress drains before Serve deletes the shards (which had failed it with 503).
+        queries = [" ".join(["solar power and wind energy for homes"] * 40) + f" {i}" for i in range(48)]
+        in_flight = ThreadPoolExecutor(1).submit(httpx.post, f"{base}/search/batch", json={"queries": queries, "k": 3},
+                                                 timeout=120, trust_env=False)
+        time.sleep(0.5)
         process.send_signal(signal.SIGTERM)
+        answer = in_flight.result(timeout=180)
+        assert answer.status_code == 200 and [len(item["results"]) for item in answer.json()["results"]] == [3] * 48
         assert process.wait(timeout=180) == 0, log.read_text()[-3000:]
     finally:
         if process.poll() is None:
