@@ -80,15 +80,17 @@ class Occupancy:
     def refuse(self, unrouted_path: str | None = None) -> Overloaded | Stopping:
         """Counts a refusal and returns its error. `unrouted_path`: the refusal is answered outside the app,
         whose request counter does not see it, so it is counted by route here."""
+        if self.stopping:
+            error = Stopping(f"stopping: this service takes no new search; retry after {self.retry_after_s} s",
+                             self.retry_after_s)
+        else:
+            error = Overloaded(
+                f"overloaded: {self.cap} search requests are in the service, the max_concurrent_requests limit "
+                f"(SEARCH_MAX_CONCURRENT_REQUESTS); retry after {self.retry_after_s} s", self.retry_after_s)
         self.monitor.rejected.inc()
         if unrouted_path is not None:
-            self.monitor.observe_request(unrouted_path, 503 if self.stopping else 429)
-        if self.stopping:
-            return Stopping(f"stopping: this service takes no new search; retry after {self.retry_after_s} s",
-                            self.retry_after_s)
-        return Overloaded(
-            f"overloaded: {self.cap} search requests are in the service, the max_concurrent_requests limit "
-            f"(SEARCH_MAX_CONCURRENT_REQUESTS); retry after {self.retry_after_s} s", self.retry_after_s)
+            self.monitor.observe_request(unrouted_path, errors.answer(error)[0])  # the status, as errors maps it
+        return error
 
 
 class Admission:
@@ -137,7 +139,8 @@ def timeout_protocol(read_timeout_s: float, write_timeout_s: float, occupancy: O
     app's `Admission` counts and refuses where no protocol did (h11, whose protocol does not start
     requests through `_start_asgi_task`; an app served some other way)."""
 
-    refusals: dict[tuple[bool, bool], tuple[list, bytes]] = {}  # (keep-alive, stopping) -> (its default headers, the answer)
+    # (keep-alive, stopping) -> (the default headers it has, the answer)
+    refusals: dict[tuple[bool, bool], tuple[list, bytes]] = {}
 
     class TimeoutProtocol(base):
         _head_timer: asyncio.TimerHandle | None = None
@@ -182,8 +185,9 @@ def timeout_protocol(read_timeout_s: float, write_timeout_s: float, occupancy: O
                 super()._start_asgi_task(cycle, functools.partial(occupancy.serve, app))
 
         def _refuse(self, cycle) -> None:
-            """Answers `cycle`'s request 429 (503 while stopping) whole; its body, if any, is skipped as it arrives (uvicorn drops
-            the body of a request whose response is complete), and the connection stays open for the next."""
+            """Answers `cycle`'s request 429 (503 while stopping) whole; its body, if any, is skipped as it
+            arrives (uvicorn drops the body of a request whose response is complete), and the connection stays
+            open for the next."""
             error = occupancy.refuse(cycle.scope["path"])
             # A client waiting for 100 Continue may send the body anyway, or not: the connection cannot be reused.
             keep_alive = cycle.keep_alive and not cycle.waiting_for_100_continue

@@ -51,12 +51,8 @@ class Overloaded(ServiceError):
         self.retry_after_s = retry_after_s
 
 
-class Stopping(ServiceError):
+class Stopping(Overloaded):
     """The service is stopping and takes no new search: 503 with Retry-After, for another replica."""
-
-    def __init__(self, message: str, retry_after_s: int) -> None:
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
 
 
 class NotReady(ServiceError):
@@ -85,10 +81,9 @@ def answer(error: ServiceError) -> tuple[int, dict, dict[str, str]]:
     if isinstance(error, OverLimit):
         problem = {"type": "limit", "loc": ["body", *error.field], "msg": str(error), "input": error.value}
         return 422, {"detail": _json_safe(jsonable_encoder([problem]))}, {}
-    if isinstance(error, Overloaded):
-        return 429, {"detail": str(error)}, {"Retry-After": str(error.retry_after_s)}
-    if isinstance(error, Stopping):
-        return 503, {"detail": str(error)}, {"Retry-After": str(error.retry_after_s)}
+    if isinstance(error, Overloaded):  # Stopping too, 503
+        status = 503 if isinstance(error, Stopping) else 429
+        return status, {"detail": str(error)}, {"Retry-After": str(error.retry_after_s)}
     if isinstance(error, Unauthorized):
         return 401, {"detail": str(error)}, {"WWW-Authenticate": "Bearer"}
     status = {NotServable: 400, NotFound: 404, TimedOut: 408, NotReady: 503, ShardsUnavailable: 503}[type(error)]
