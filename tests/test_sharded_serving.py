@@ -41,6 +41,7 @@ from service.sharded import (  # noqa: E402
     shutdown_serve,
 )
 from tests.conftest import RAY_CLIENT_TIMEOUT_S, ROOT  # noqa: E402
+from tests.test_admission import metric  # noqa: E402
 
 SHARD_TIMEOUT_S = 3.0
 CAP = 4  # SEARCH_MAX_CONCURRENT_REQUESTS: above the kill test's three clients at once
@@ -382,10 +383,14 @@ def test_sigterm_answers_the_searches_in_flight_exits_0_and_frees_every_port_it_
         queries = [" ".join(["solar power and wind energy for homes"] * 40) + f" {i}" for i in range(48)]
         in_flight = ThreadPoolExecutor(1).submit(httpx.post, f"{base}/search/batch", json={"queries": queries, "k": 3},
                                                  timeout=120, trust_env=False)
-        time.sleep(0.5)
+        deadline = time.monotonic() + 60  # the batch in the ingress before the signal, not on its way
+        while metric(base, "search_in_flight_requests") < 1:
+            assert time.monotonic() < deadline and not in_flight.done(), "the batch never was in flight"
+            time.sleep(0.05)
         process.send_signal(signal.SIGTERM)
         answer = in_flight.result(timeout=180)
-        assert answer.status_code == 200 and [len(item["results"]) for item in answer.json()["results"]] == [3] * 48
+        assert answer.status_code == 200, answer.text
+        assert [len(item["results"]) for item in answer.json()["results"]] == [3] * 48
         assert process.wait(timeout=180) == 0, log.read_text()[-3000:]
     finally:
         if process.poll() is None:
