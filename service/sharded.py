@@ -98,7 +98,8 @@ class SearchIngress:
         """Takes no new search (503 with Retry-After) and waits, up to `timeout_s`, for those in this replica
         to be answered, while the shards still answer them: the stop calls it on every replica before
         deleting the application, whose shards Serve would otherwise delete under searches in flight."""
-        left = await self.asgi.state.runtime.occupancy.drain(timeout_s)
+        asgi = getattr(self, "asgi", None)  # None: not built yet, so never answered a search
+        left = await asgi.state.runtime.occupancy.drain(timeout_s) if asgi is not None else 0
         return {"replica": serve.get_replica_context().replica_id.unique_id, "left": left}
 
 
@@ -373,10 +374,20 @@ def _stop_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, interrupt)
 
 
+def running_ingress_replicas() -> int:
+    """How many replicas of the ingress run now (serve.status()): a stop may come while the application is
+    still deploying, once some answer already (a readiness probe's 200, then SIGTERM)."""
+    application = serve.status().applications.get(APP_NAME)
+    deployment = application.deployments.get("search") if application else None
+    return deployment.replica_states.get("RUNNING", 0) if deployment else 0  # keys: a str enum
+
+
 def drain_ingress(replicas: int, timeout_s: float) -> None:
     """SearchIngress.drain on each of the ingress's `replicas`. A handle reaches one replica a call, as
     Serve routes it, so calls go on until each has answered (at most 20 a replica); a drained replica
     answers again at once."""
+    if not replicas:
+        return
     handle = serve.get_deployment_handle("search", APP_NAME)
     drained: dict[str, int] = {}
     for _ in range(20 * replicas):
@@ -389,10 +400,10 @@ def drain_ingress(replicas: int, timeout_s: float) -> None:
             "ingress drained: %d of %d replicas, %d searches still in them", len(drained), replicas, left)
 
 
-def _stop(started_here: bool, serving: bool, ingress_replicas: int, drain_s: float) -> None:
+def _stop(started_here: bool, serving: bool, drain: bool, drain_s: float) -> None:
     """Takes down what the command started: on its own Ray, Serve as a whole (the proxies stop their
-    HAProxy) and Ray; on a cluster, only the application; first, where the application runs
-    (`ingress_replicas` of it), the ingress answers the searches it holds (drain_ingress, up to
+    HAProxy) and Ray; on a cluster, only the application; first, with `drain` (the application deployed,
+    or deploying), the ingress replicas running answer the searches they hold (drain_ingress, up to
     `drain_s`). A second signal is ignored meanwhile: cut short, the stop would leave HAProxy listening."""
     import ray
 
@@ -400,9 +411,9 @@ def _stop(started_here: bool, serving: bool, ingress_replicas: int, drain_s: flo
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if serving:
         log.info("stopping %s", "Serve and the local Ray" if started_here else f"the application {APP_NAME}")
-    if ingress_replicas:
+    if drain:
         try:
-            drain_ingress(ingress_replicas, drain_s)
+            drain_ingress(running_ingress_replicas(), drain_s)
         except Exception as error:  # noqa: BLE001 - the stop goes on
             log.warning("ingress not drained: %s: %s", type(error).__name__, error)
     try:
@@ -455,7 +466,7 @@ def serve_sharded(args: argparse.Namespace, settings: ServiceSettings) -> int:
                   {**shard_ask, Path(directory).name: 1}) for position, directory in enumerate(shard_dirs)]
     else:
         asks.append(("a shard (--shard-cpus, --shard-gpus)", args.shard_replicas * len(shard_dirs), shard_ask))
-    unplaceable, failed, serving, running = [], [], False, False
+    unplaceable, failed, serving = [], [], False
     try:
         problems = placement_problems(asks, ray.nodes())
         if problems and started_here:  # a Ray started here never grows: the replicas would wait for ever
@@ -466,8 +477,7 @@ def serve_sharded(args: argparse.Namespace, settings: ServiceSettings) -> int:
             serve.start(http_options={"host": settings.host, "port": settings.port})
             serving = True
             failed = _deploy(application)
-            running = not failed
-            if running:
+            if not failed:
                 log.info("serving %d shards on http://%s:%d", len(shard_dirs), settings.host, settings.port)
                 while True:
                     time.sleep(3600)
@@ -475,7 +485,7 @@ def serve_sharded(args: argparse.Namespace, settings: ServiceSettings) -> int:
         pass
     finally:
         # A search waits for the shards at most SEARCH_SHARD_TIMEOUT_S, after its encoding.
-        _stop(started_here, serving, args.ingress_replicas if running else 0, settings.shard_timeout_s + 10)
+        _stop(started_here, serving, serving and not failed, settings.shard_timeout_s + 10)
     if unplaceable:
         print(f"error: the application cannot be placed on this machine's Ray: {'; '.join(unplaceable)}",
               file=sys.stderr)
