@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Sequence
 
 import numpy as np
+import ray
 from ray import serve
 from ray.serve.schema import ApplicationStatusOverview, DeploymentStatus
 
@@ -82,7 +83,10 @@ class SearchIngress:
 
     async def __serve_build_asgi_app__(self):
         # Off the event loop: the handles' blocking result() may not run on it, and the warm-up searches.
-        return await asyncio.to_thread(self._build)
+        self.asgi = await asyncio.to_thread(self._build)  # (`app` is Serve's, on an ingress class)
+        # Held: the event loop keeps only a weak reference to a task.
+        self.stop_watch = asyncio.get_running_loop().create_task(self._drain_on_stop())
+        return self.asgi
 
     def _build(self):
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -91,16 +95,49 @@ class SearchIngress:
                                     rerankers=settings.rerankers, backend=settings.backend,
                                     timeout_s=settings.shard_timeout_s)
         log.info("ready: %s", engine.describe())
-        self.asgi = create_app(settings, engine)  # (`app` is Serve's, on an ingress class)
-        return self.asgi
+        return create_app(settings, engine)
 
-    async def drain(self, timeout_s: float) -> dict:
-        """Takes no new search (503 with Retry-After) and waits, up to `timeout_s`, for those in this replica
-        to be answered, while the shards still answer them: the stop calls it on every replica before
-        deleting the application, whose shards Serve would otherwise delete under searches in flight."""
-        asgi = getattr(self, "asgi", None)  # None: not built yet, so never answered a search
-        left = await asgi.state.runtime.occupancy.drain(timeout_s) if asgi is not None else 0
-        return {"replica": serve.get_replica_context().replica_id.unique_id, "left": left}
+    async def _drain_on_stop(self) -> None:
+        """Once the command that started the application stops (its StopSignal), takes no new search (503
+        with Retry-After) and waits, up to the stop's timeout, for those in this replica to be answered
+        while the shards still answer them: Serve deletes the shards with the ingress, under searches in
+        flight. An application the command did not start (a Serve config, KubeRay) has no StopSignal; one
+        whose command is gone (killed, or the stop done) stops nothing here."""
+        try:
+            stop = await asyncio.to_thread(ray.get_actor, STOP_SIGNAL, namespace=APP_NAME)
+            timeout_s = await stop.stopped.remote()
+        except (ValueError, ray.exceptions.RayError):  # no StopSignal; or its command gone
+            return
+        left = await self.asgi.state.runtime.occupancy.drain(timeout_s)
+        await stop.report.remote(serve.get_replica_context().replica_id.unique_id, left)
+
+
+STOP_SIGNAL = "stop"  # the name of the command's StopSignal, in the namespace APP_NAME
+
+
+@ray.remote(num_cpus=0)
+class StopSignal:
+    """The command's stop, seen by every ingress replica at once (a call through a deployment handle
+    reaches one replica, the one Serve's router picks: the idler, so never a busy one). Each replica waits
+    on `stopped` from its start and, drained, `report`s how many searches it still held. Made by the
+    command before it deploys and owned by it, so gone with it."""
+
+    def __init__(self) -> None:
+        self.stopping, self.timeout_s, self.left = asyncio.Event(), 0.0, {}
+
+    async def stopped(self) -> float:
+        await self.stopping.wait()
+        return self.timeout_s
+
+    async def stop(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self.stopping.set()
+
+    async def report(self, replica: str, left: int) -> None:
+        self.left[replica] = left
+
+    async def reports(self) -> dict[str, int]:
+        return dict(self.left)
 
 
 # Ray Serve's high-throughput mode (Ray's guide "Enable High Throughput on Ray Serve"): HAProxy (shipped
@@ -382,38 +419,31 @@ def running_ingress_replicas() -> int:
     return deployment.replica_states.get("RUNNING", 0) if deployment else 0  # keys: a str enum
 
 
-def drain_ingress(replicas: int, timeout_s: float) -> None:
-    """SearchIngress.drain on each of the ingress's `replicas`. A handle reaches one replica a call, as
-    Serve routes it, so calls go on until each has answered (at most 20 a replica); a drained replica
-    answers again at once."""
-    if not replicas:
-        return
-    handle = serve.get_deployment_handle("search", APP_NAME)
-    drained: dict[str, int] = {}
-    for _ in range(20 * replicas):
-        answer = handle.drain.remote(timeout_s).result(timeout_s=timeout_s + 30)
-        drained[answer["replica"]] = answer["left"]
-        if len(drained) >= replicas:
-            break
+def drain_ingress(stop, replicas: int, timeout_s: float) -> None:
+    """Every ingress replica drains at once (`stop`, the StopSignal they watch; SearchIngress._drain_on_stop),
+    each for at most `timeout_s`: waits until the `replicas` running have reported, a little longer at most."""
+    ray.get(stop.stop.remote(timeout_s))
+    deadline = time.monotonic() + timeout_s + 10  # beyond the replicas' own deadline: their reports' way here
+    while len(drained := ray.get(stop.reports.remote())) < replicas and time.monotonic() < deadline:
+        time.sleep(0.1)
     left = sum(drained.values())
     log.log(logging.WARNING if left or len(drained) < replicas else logging.INFO,
             "ingress drained: %d of %d replicas, %d searches still in them", len(drained), replicas, left)
 
 
-def _stop(started_here: bool, serving: bool, drain: bool, drain_s: float) -> None:
+def _stop(started_here: bool, serving: bool, stop, drain_s: float) -> None:
     """Takes down what the command started: on its own Ray, Serve as a whole (the proxies stop their
-    HAProxy) and Ray; on a cluster, only the application; first, with `drain` (the application deployed,
-    or deploying), the ingress replicas running answer the searches they hold (drain_ingress, up to
-    `drain_s`). A second signal is ignored meanwhile: cut short, the stop would leave HAProxy listening."""
-    import ray
-
+    HAProxy) and Ray; on a cluster, only the application; first, given the StopSignal `stop` (the
+    application deployed, or deploying), the ingress replicas running answer the searches they hold
+    (drain_ingress, up to `drain_s`). A second signal is ignored meanwhile: cut short, the stop would leave
+    HAProxy listening."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if serving:
         log.info("stopping %s", "Serve and the local Ray" if started_here else f"the application {APP_NAME}")
-    if drain:
+    if stop is not None:
         try:
-            drain_ingress(running_ingress_replicas(), drain_s)
+            drain_ingress(stop, running_ingress_replicas(), drain_s)
         except Exception as error:  # noqa: BLE001 - the stop goes on
             log.warning("ingress not drained: %s: %s", type(error).__name__, error)
     try:
@@ -466,7 +496,7 @@ def serve_sharded(args: argparse.Namespace, settings: ServiceSettings) -> int:
                   {**shard_ask, Path(directory).name: 1}) for position, directory in enumerate(shard_dirs)]
     else:
         asks.append(("a shard (--shard-cpus, --shard-gpus)", args.shard_replicas * len(shard_dirs), shard_ask))
-    unplaceable, failed, serving = [], [], False
+    unplaceable, failed, serving, stop = [], [], False, None
     try:
         problems = placement_problems(asks, ray.nodes())
         if problems and started_here:  # a Ray started here never grows: the replicas would wait for ever
@@ -474,6 +504,7 @@ def serve_sharded(args: argparse.Namespace, settings: ServiceSettings) -> int:
         else:
             for problem in problems:
                 log.warning("replicas wait until the cluster has room (an autoscaler may add it): %s", problem)
+            stop = StopSignal.options(name=STOP_SIGNAL, namespace=APP_NAME, get_if_exists=True).remote()
             serve.start(http_options={"host": settings.host, "port": settings.port})
             serving = True
             failed = _deploy(application)
@@ -485,7 +516,7 @@ def serve_sharded(args: argparse.Namespace, settings: ServiceSettings) -> int:
         pass
     finally:
         # A search waits for the shards at most SEARCH_SHARD_TIMEOUT_S, after its encoding.
-        _stop(started_here, serving, serving and not failed, settings.shard_timeout_s + 10)
+        _stop(started_here, serving, stop if serving and not failed else None, settings.shard_timeout_s + 10)
     if unplaceable:
         print(f"error: the application cannot be placed on this machine's Ray: {'; '.join(unplaceable)}",
               file=sys.stderr)

@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -361,11 +362,17 @@ def test_a_port_serve_would_take_already_in_use_exits_2_naming_its_variable(smal
     assert f"{variable}={env[variable]}" in error, error
 
 
-def test_sigterm_answers_the_searches_in_flight_exits_0_and_frees_every_port_it_served_on(small_shards, tmp_path):
+LONG_QUERIES = [" ".join(["solar power and wind energy for homes"] * 40) + f" {i}" for i in range(48)]
+
+
+@contextmanager
+def running_command(shards, log: Path, *flags: str, until: str = "/ready"):
+    """A `python -m service --ray` over `shards` on free ports, logging to `log`, once /ready answers 200 (or,
+    with `until` "serving", once serve.run returned: every replica up); killed at the end if still running.
+    Yields the process, its environment and its base URL."""
     env = command_env()
-    log = tmp_path / "service.log"
     with log.open("w") as output:
-        process = subprocess.Popen(serve_command(small_shards, "--shard-cpus", "0", "--ingress-cpus", "0"), cwd=ROOT,
+        process = subprocess.Popen(serve_command(shards, "--shard-cpus", "0", "--ingress-cpus", "0", *flags), cwd=ROOT,
                                    env=env, stdout=output, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{env['SEARCH_PORT']}"
     try:
@@ -373,31 +380,75 @@ def test_sigterm_answers_the_searches_in_flight_exits_0_and_frees_every_port_it_
         while True:
             assert process.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
             try:
-                if httpx.get(f"{base}/ready", timeout=5, trust_env=False).status_code == 200:
+                if until == "serving":
+                    if "INFO service: serving " in log.read_text():
+                        break
+                elif httpx.get(f"{base}/ready", timeout=5, trust_env=False).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
-            time.sleep(1)
+            time.sleep(0.5)
+        yield process, env, base
+    finally:
+        if process.poll() is None:
+            process.kill()
+
+
+def replica_sessions(env: dict[str, str]) -> dict[str, int]:
+    """The connections HAProxy holds open to each ingress replica now, from its Prometheus page."""
+    page = httpx.get(f"http://127.0.0.1:{env['RAY_SERVE_HAPROXY_METRICS_PORT']}/metrics", trust_env=False).text
+    return {line.split('server="')[1].split('"')[0]: int(float(line.split()[-1])) for line in page.splitlines()
+            if line.startswith("haproxy_server_current_sessions{") and 'server="SERVE_REPLICA_' in line}
+
+
+def assert_answered_whole(answer: httpx.Response) -> None:
+    assert answer.status_code == 200, answer.text
+    assert [len(item["results"]) for item in answer.json()["results"]] == [3] * len(LONG_QUERIES)
+
+
+def test_sigterm_answers_the_searches_in_flight_exits_0_and_frees_every_port_it_served_on(small_shards, tmp_path):
+    log = tmp_path / "service.log"
+    # Signalled once /ready answers (a readiness probe's view), most often before serve.run has returned.
+    with running_command(small_shards, log) as (process, env, base):
         # A batch of long queries (seconds of encoding here) in flight when the signal comes is answered
         # whole: the ingress drains before Serve deletes the shards (which had failed it with 503).
-        queries = [" ".join(["solar power and wind energy for homes"] * 40) + f" {i}" for i in range(48)]
-        in_flight = ThreadPoolExecutor(1).submit(httpx.post, f"{base}/search/batch", json={"queries": queries, "k": 3},
-                                                 timeout=120, trust_env=False)
+        in_flight = ThreadPoolExecutor(1).submit(httpx.post, f"{base}/search/batch",
+                                                 json={"queries": LONG_QUERIES, "k": 3}, timeout=120, trust_env=False)
         deadline = time.monotonic() + 60  # the batch in the ingress before the signal, not on its way
         while metric(base, "search_in_flight_requests") < 1:
             assert time.monotonic() < deadline and not in_flight.done(), "the batch never was in flight"
             time.sleep(0.05)
         process.send_signal(signal.SIGTERM)
-        answer = in_flight.result(timeout=180)
-        assert answer.status_code == 200, answer.text
-        assert [len(item["results"]) for item in answer.json()["results"]] == [3] * 48
+        assert_answered_whole(in_flight.result(timeout=180))
         assert process.wait(timeout=180) == 0, log.read_text()[-3000:]
-    finally:
-        if process.poll() is None:
-            process.kill()
     assert "INFO service: stopped" in log.read_text()
     ports = {int(env[name]): (name, "0.0.0.0") for name in PORT_VARIABLES}
     assert ports_in_use(ports) == []  # HAProxy and Serve's proxies gone with it
+
+
+def test_sigterm_drains_every_ingress_replica_the_busy_one_too(small_shards, tmp_path):
+    log = tmp_path / "service.log"
+    with running_command(small_shards, log, "--ingress-replicas", "2", until="serving") as (process, env, base):
+        deadline = time.monotonic() + 60
+        while len(replica_sessions(env)) < 2:  # HAProxy told of both replicas
+            assert time.monotonic() < deadline, replica_sessions(env)
+            time.sleep(0.2)
+        # Three batches, two in one replica: Serve's router, which a handle call goes through, prefers the
+        # replica with fewer requests in it.
+        with ThreadPoolExecutor(3) as pool:
+            batches = []
+            for held in (1, 2, 3):  # each once the last is at its replica: HAProxy sends it to the one with fewer
+                batches.append(pool.submit(httpx.post, f"{base}/search/batch",
+                                           json={"queries": LONG_QUERIES, "k": 3}, timeout=120, trust_env=False))
+                while sum(replica_sessions(env).values()) < held:
+                    assert time.monotonic() < deadline and not any(b.done() for b in batches), replica_sessions(env)
+                    time.sleep(0.05)
+            time.sleep(0.5)  # their heads read and counted in (microseconds; their encoding takes seconds)
+            process.send_signal(signal.SIGTERM)
+            for batch in batches:
+                assert_answered_whole(batch.result(timeout=180))
+        assert process.wait(timeout=180) == 0, log.read_text()[-3000:]
+    assert "INFO service: ingress drained: 2 of 2 replicas, 0 searches still in them" in log.read_text()
 
 
 def test_a_ray_started_here_drains_a_stopping_ingress_2_s_not_30_and_a_cluster_keeps_rays_drain(monkeypatch):
