@@ -52,12 +52,16 @@ class Occupancy:
 
     async def drain(self, timeout_s: float) -> int:
         """Takes no new search from now on (503, `refuse`) and waits, up to `timeout_s`, until those in the
-        service are answered: how many are still in it. (The sharded service's stop: service/sharded.py.)"""
+        service are answered: how many are still in it. (The sharded service's stop: service/stop_signal.py.)"""
         self.stopping = True
         deadline = time.monotonic() + timeout_s
         while self.in_flight and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         return self.in_flight
+
+    def resume(self) -> None:
+        """Takes searches again after a drain (one whose stop did not come: service/stop_signal.py)."""
+        self.stopping = False
 
     def counts(self, scope: dict) -> bool:
         """Whether the request of ASGI `scope` counts against the cap: a search, with the key where one is set."""

@@ -18,6 +18,7 @@ import signal
 import socket
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import Sequence
 
@@ -27,7 +28,7 @@ from ray import serve
 from ray.serve.schema import ApplicationStatusOverview, DeploymentStatus
 
 from retrieval.sharding import ShardIndex, expand_shard_dirs
-from service import allocator
+from service import allocator, stop_signal
 from service.app import create_app
 from service.settings import ServiceSettings
 from service.sharded_engine import ShardedEngine, describe_shard
@@ -73,19 +74,23 @@ class RayShard:
 @serve.deployment
 @serve.ingress()
 class SearchIngress:
-    """The HTTP routes of `python -m service` over the shard deployments `names` (their `handles`)."""
+    """The HTTP routes of `python -m service` over the shard deployments `names` (their `handles`); with
+    `stop_name`, the name of the starting command's StopSignal, drained when that command stops."""
 
-    def __init__(self, settings: ServiceSettings, names: list[str], *handles) -> None:
+    def __init__(self, settings: ServiceSettings, stop_name: str | None, names: list[str], *handles) -> None:
         # The bound `handles` make the shards part of this application; the calls go through handles made
         # here, which take this replica's Serve settings (gRPC under SERVE_ENV) where a bound handle keeps
         # those of the process that built the application (Ray object references unless it set SERVE_ENV).
         self.settings, self.clients = settings, [RayShard(n, serve.get_deployment_handle(n)) for n in names]
+        self.stop_name = stop_name
 
     async def __serve_build_asgi_app__(self):
         # Off the event loop: the handles' blocking result() may not run on it, and the warm-up searches.
         self.asgi = await asyncio.to_thread(self._build)  # (`app` is Serve's, on an ingress class)
-        # Held: the event loop keeps only a weak reference to a task.
-        self.stop_watch = asyncio.get_running_loop().create_task(self._drain_on_stop())
+        if self.stop_name:  # held: the event loop keeps only a weak reference to a task
+            replica = serve.get_replica_context().replica_id.unique_id
+            self.stop_watch = asyncio.get_running_loop().create_task(
+                stop_signal.watch(self.stop_name, replica, self.asgi.state.runtime.occupancy))
         return self.asgi
 
     def _build(self):
@@ -96,48 +101,6 @@ class SearchIngress:
                                     timeout_s=settings.shard_timeout_s)
         log.info("ready: %s", engine.describe())
         return create_app(settings, engine)
-
-    async def _drain_on_stop(self) -> None:
-        """Once the command that started the application stops (its StopSignal), takes no new search (503
-        with Retry-After) and waits, up to the stop's timeout, for those in this replica to be answered
-        while the shards still answer them: Serve deletes the shards with the ingress, under searches in
-        flight. An application the command did not start (a Serve config, KubeRay) has no StopSignal; one
-        whose command is gone (killed, or the stop done) stops nothing here."""
-        try:
-            stop = await asyncio.to_thread(ray.get_actor, STOP_SIGNAL, namespace=APP_NAME)
-            timeout_s = await stop.stopped.remote()
-        except (ValueError, ray.exceptions.RayError):  # no StopSignal; or its command gone
-            return
-        left = await self.asgi.state.runtime.occupancy.drain(timeout_s)
-        await stop.report.remote(serve.get_replica_context().replica_id.unique_id, left)
-
-
-STOP_SIGNAL = "stop"  # the name of the command's StopSignal, in the namespace APP_NAME
-
-
-@ray.remote(num_cpus=0)
-class StopSignal:
-    """The command's stop, seen by every ingress replica at once (a call through a deployment handle
-    reaches one replica, the one Serve's router picks: the idler, so never a busy one). Each replica waits
-    on `stopped` from its start and, drained, `report`s how many searches it still held. Made by the
-    command before it deploys and owned by it, so gone with it."""
-
-    def __init__(self) -> None:
-        self.stopping, self.timeout_s, self.left = asyncio.Event(), 0.0, {}
-
-    async def stopped(self) -> float:
-        await self.stopping.wait()
-        return self.timeout_s
-
-    async def stop(self, timeout_s: float) -> None:
-        self.timeout_s = timeout_s
-        self.stopping.set()
-
-    async def report(self, replica: str, left: int) -> None:
-        self.left[replica] = left
-
-    async def reports(self) -> dict[str, int]:
-        return dict(self.left)
 
 
 # Ray Serve's high-throughput mode (Ray's guide "Enable High Throughput on Ray Serve"): HAProxy (shipped
@@ -204,7 +167,8 @@ def _replica_options(options: dict | None, malloc: dict[str, str]) -> dict:
 
 def build_application(shard_dirs: Sequence[str | Path], settings: ServiceSettings, *, shard_replicas: int = 1,
                       shard_options: dict | None = None, ingress_replicas: int = 1,
-                      ingress_options: dict | None = None, shard_resources: bool = False):
+                      ingress_options: dict | None = None, shard_resources: bool = False,
+                      stop_name: str | None = None):
     """The Serve application: deployments `shard-0` .. `shard-{S-1}` (one per directory, as given, each
     `shard_replicas` replicas with `shard_options` as ray_actor_options, e.g. {"num_gpus": 1}) and the
     ingress `search` (`ingress_replicas`, `ingress_options`), which checks at start that the directories
@@ -212,7 +176,8 @@ def build_application(shard_dirs: Sequence[str | Path], settings: ServiceSetting
     needs one unit of the custom resource named as its directory (`ray start --resources '{"shard0of4": 2}'`
     on the machines that hold shard0of4, for two replicas there). Every replica runs on the malloc that
     SEARCH_ALLOCATOR names, as `python -m service` does (allocator.worker_env; AllocatorUnavailable where
-    it is jemalloc and this machine has none)."""
+    it is jemalloc and this machine has none). With `stop_name` (the name of a StopSignal, which
+    `python -m service --ray` makes), the ingress drains when it is stopped."""
     names = [f"shard-{position}" for position in range(len(shard_dirs))]
     malloc = allocator.worker_env(settings.allocator)
     log.info("replicas' malloc: %s", ", ".join(f"{name}={value}" for name, value in malloc.items()))
@@ -235,7 +200,7 @@ def build_application(shard_dirs: Sequence[str | Path], settings: ServiceSetting
                                     max_ongoing_requests=2 * settings.max_concurrent_requests,
                                     ray_actor_options=_replica_options(ingress_options, malloc),
                                     logging_config=logging_config)
-    return ingress.bind(settings, names, *shards)
+    return ingress.bind(settings, stop_name, names, *shards)
 
 
 def sharded_app(args: dict):
@@ -411,26 +376,6 @@ def _stop_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, interrupt)
 
 
-def running_ingress_replicas() -> int:
-    """How many replicas of the ingress run now (serve.status()): a stop may come while the application is
-    still deploying, once some answer already (a readiness probe's 200, then SIGTERM)."""
-    application = serve.status().applications.get(APP_NAME)
-    deployment = application.deployments.get("search") if application else None
-    return deployment.replica_states.get("RUNNING", 0) if deployment else 0  # keys: a str enum
-
-
-def drain_ingress(stop, replicas: int, timeout_s: float) -> None:
-    """Every ingress replica drains at once (`stop`, the StopSignal they watch; SearchIngress._drain_on_stop),
-    each for at most `timeout_s`: waits until the `replicas` running have reported, a little longer at most."""
-    ray.get(stop.stop.remote(timeout_s))
-    deadline = time.monotonic() + timeout_s + 10  # beyond the replicas' own deadline: their reports' way here
-    while len(drained := ray.get(stop.reports.remote())) < replicas and time.monotonic() < deadline:
-        time.sleep(0.1)
-    left = sum(drained.values())
-    log.log(logging.WARNING if left or len(drained) < replicas else logging.INFO,
-            "ingress drained: %d of %d replicas, %d searches still in them", len(drained), replicas, left)
-
-
 def _stop(started_here: bool, serving: bool, stop, drain_s: float) -> None:
     """Takes down what the command started: on its own Ray, Serve as a whole (the proxies stop their
     HAProxy) and Ray; on a cluster, only the application; first, given the StopSignal `stop` (the
@@ -443,7 +388,7 @@ def _stop(started_here: bool, serving: bool, stop, drain_s: float) -> None:
         log.info("stopping %s", "Serve and the local Ray" if started_here else f"the application {APP_NAME}")
     if stop is not None:
         try:
-            drain_ingress(stop, running_ingress_replicas(), drain_s)
+            stop_signal.drain_ingress(stop, drain_s)
         except Exception as error:  # noqa: BLE001 - the stop goes on
             log.warning("ingress not drained: %s: %s", type(error).__name__, error)
     try:
@@ -463,19 +408,18 @@ def serve_sharded(args: argparse.Namespace, settings: ServiceSettings) -> int:
     the ports Serve takes are in use (serve_ports), and before deploying where that Ray could never place
     the replicas (placement_problems); joining a cluster, it warns instead. Exits 2 with the replicas'
     own error where the application fails to start (a shard folder missing or damaged on its node)."""
-    import ray
-
     if not args.shards:
         print("error: --ray needs --shards DIR [DIR ...]", file=sys.stderr)
         return 2
     shard_dirs = [str(d.resolve()) for d in expand_shard_dirs(args.shards)]
+    stop_name = f"stop-{uuid.uuid4().hex}"  # this command's: another's on the cluster is not it
     try:
         application = build_application(
             shard_dirs, settings, shard_replicas=args.shard_replicas,
             shard_options={"num_cpus": args.shard_cpus, "num_gpus": args.shard_gpus},
             ingress_replicas=args.ingress_replicas,
             ingress_options={"num_cpus": args.ingress_cpus, "num_gpus": args.ingress_gpus},
-            shard_resources=args.shard_resources,
+            shard_resources=args.shard_resources, stop_name=stop_name,
         )
     except allocator.AllocatorUnavailable as error:
         print(f"error: {error}", file=sys.stderr)
@@ -504,7 +448,7 @@ def serve_sharded(args: argparse.Namespace, settings: ServiceSettings) -> int:
         else:
             for problem in problems:
                 log.warning("replicas wait until the cluster has room (an autoscaler may add it): %s", problem)
-            stop = StopSignal.options(name=STOP_SIGNAL, namespace=APP_NAME, get_if_exists=True).remote()
+            stop = stop_signal.StopSignal.options(name=stop_name, namespace=stop_signal.NAMESPACE).remote()
             serve.start(http_options={"host": settings.host, "port": settings.port})
             serving = True
             failed = _deploy(application)

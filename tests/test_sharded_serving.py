@@ -7,6 +7,7 @@ Ray of its own beside it, exits 2 on what it could never serve and stops cleanly
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import signal
@@ -15,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
@@ -27,8 +29,10 @@ serve = pytest.importorskip("ray.serve", reason="sharded serving needs ray[serve
 
 from retrieval.searcher import Searcher  # noqa: E402
 from retrieval.sharding import ShardIndex  # noqa: E402
+from service.admission import Occupancy  # noqa: E402
 from service.allocator import JEMALLOC_CONF, find_jemalloc  # noqa: E402
 from service.engine import SearchEngine  # noqa: E402
+from service.monitoring import Monitor  # noqa: E402
 from service.settings import ServiceSettings  # noqa: E402
 from service.sharded import (  # noqa: E402
     APP_NAME,
@@ -41,6 +45,7 @@ from service.sharded import (  # noqa: E402
     serve_ports,
     shutdown_serve,
 )
+from service.stop_signal import NAMESPACE, StopSignal, watch  # noqa: E402
 from tests.conftest import RAY_CLIENT_TIMEOUT_S, ROOT  # noqa: E402
 from tests.test_admission import metric  # noqa: E402
 
@@ -272,8 +277,9 @@ def test_the_config_file_builder_places_each_shard_where_its_directory_is():
     application = sharded_app({"shards": ["/indexes/shard0of2", "/indexes/shard1of2"], "shard_replicas": 2,
                                "shard_gpus": 1, "shard_resources": True, "settings": {"gpu_fp16": True}})
     ingress = application._bound_deployment
-    shards = [bound._bound_deployment for bound in ingress.init_args[2:]]
-    assert ingress.init_args[0].gpu_fp16 and ingress.init_args[1] == ["shard-0", "shard-1"]
+    shards = [bound._bound_deployment for bound in ingress.init_args[3:]]
+    assert ingress.init_args[0].gpu_fp16 and ingress.init_args[2] == ["shard-0", "shard-1"]
+    assert ingress.init_args[1] is None  # no command to stop it: Serve's own stop (no drain)
     assert [(shard.name, shard.num_replicas) for shard in shards] == [("shard-0", 2), ("shard-1", 2)]
     assert [shard.ray_actor_options["resources"] for shard in shards] == [{"shard0of2": 1}, {"shard1of2": 1}]
     assert all(shard.ray_actor_options["num_gpus"] == 1 for shard in shards)
@@ -368,7 +374,7 @@ LONG_QUERIES = [" ".join(["solar power and wind energy for homes"] * 40) + f" {i
 @contextmanager
 def running_command(shards, log: Path, *flags: str, until: str = "/ready"):
     """A `python -m service --ray` over `shards` on free ports, logging to `log`, once /ready answers 200 (or,
-    with `until` "serving", once serve.run returned: every replica up); killed at the end if still running.
+    with `until` "serving", once serve.run returned: every replica up); stopped at the end if still running.
     Yields the process, its environment and its base URL."""
     env = command_env()
     with log.open("w") as output:
@@ -390,8 +396,12 @@ def running_command(shards, log: Path, *flags: str, until: str = "/ready"):
             time.sleep(0.5)
         yield process, env, base
     finally:
-        if process.poll() is None:
-            process.kill()
+        if process.poll() is None:  # a test that failed: its own stop, or a kill would leave HAProxy listening
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                process.kill()
 
 
 def replica_sessions(env: dict[str, str]) -> dict[str, int]:
@@ -443,12 +453,56 @@ def test_sigterm_drains_every_ingress_replica_the_busy_one_too(small_shards, tmp
                 while sum(replica_sessions(env).values()) < held:
                     assert time.monotonic() < deadline and not any(b.done() for b in batches), replica_sessions(env)
                     time.sleep(0.05)
-            time.sleep(0.5)  # their heads read and counted in (microseconds; their encoding takes seconds)
+            assert sorted(replica_sessions(env).values()) == [1, 2]  # the busy replica and the idler both in it
+            time.sleep(1.0)  # their heads read and counted in (microseconds; their encoding takes seconds)
             process.send_signal(signal.SIGTERM)
             for batch in batches:
                 assert_answered_whole(batch.result(timeout=180))
         assert process.wait(timeout=180) == 0, log.read_text()[-3000:]
     assert "INFO service: ingress drained: 2 of 2 replicas, 0 searches still in them" in log.read_text()
+
+
+def test_a_replica_drains_on_its_commands_stop_and_serves_again_if_the_command_dies_leaving_it(ray_session):
+    name = f"stop-{uuid.uuid4().hex}"
+    stop = StopSignal.options(name=name, namespace=NAMESPACE).remote()
+    occupancy = Occupancy(cap=4, retry_after_s=1, monitor=Monitor(window=10))
+
+    async def until(condition, what: str) -> None:
+        deadline = time.monotonic() + 30
+        while not await condition():
+            assert time.monotonic() < deadline, what
+            await asyncio.sleep(0.05)
+
+    async def registered() -> bool:
+        return (await stop.reports.remote())[0] == ["replica-a"]
+
+    async def stopping() -> bool:
+        return occupancy.stopping
+
+    async def reported() -> bool:
+        return (await stop.reports.remote())[1] == {"replica-a": 0}
+
+    async def scenario() -> None:
+        occupancy.in_flight = 1  # a search in the replica
+        watching = asyncio.create_task(watch(name, "replica-a", occupancy, resume_after_s=0.5))
+        await until(registered, "the replica never registered")
+        await stop.stop.remote(30.0)
+        await until(stopping, "the replica never stopped")
+        assert occupancy.full() and not watching.done()  # refuses new searches, waits for the one in it
+        assert await stop.reports.remote() == (["replica-a"], {})
+        occupancy.in_flight = 0  # answered
+        await until(reported, "the drained replica never reported")
+        ray.kill(stop)  # the command gone, and the application it should have deleted still up
+        await asyncio.wait_for(watching, 30)
+        assert not occupancy.stopping and not occupancy.full()
+
+    asyncio.run(scenario())
+
+
+def test_a_replica_of_an_application_with_no_stop_signal_serves_on(ray_session):
+    occupancy = Occupancy(cap=4, retry_after_s=1, monitor=Monitor(window=10))
+    asyncio.run(asyncio.wait_for(watch(f"stop-{uuid.uuid4().hex}", "replica-a", occupancy), 30))  # returns at once
+    assert not occupancy.stopping
 
 
 def test_a_ray_started_here_drains_a_stopping_ingress_2_s_not_30_and_a_cluster_keeps_rays_drain(monkeypatch):
