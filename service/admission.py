@@ -203,8 +203,9 @@ def timeout_protocol(read_timeout_s: float, write_timeout_s: float, occupancy: O
                 cached = refusals[kind] = (default_headers, http_answer(error, default_headers, keep_alive))
             self.transport.write(cached[1])
             if self.access_log:
-                self.access_logger.info('%s - "%s %s HTTP/%s" 429', get_client_addr(cycle.scope), cycle.scope["method"],
-                                        get_path_with_query_string(cycle.scope), cycle.scope["http_version"])
+                self.access_logger.info('%s - "%s %s HTTP/%s" %d', get_client_addr(cycle.scope), cycle.scope["method"],
+                                        get_path_with_query_string(cycle.scope), cycle.scope["http_version"],
+                                        errors.answer(error)[0])
             cycle.response_started = cycle.response_complete = True
             if not keep_alive:
                 self.transport.close()

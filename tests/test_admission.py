@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import logging
 import socket
 import threading
 import time
@@ -112,9 +113,27 @@ def test_past_the_concurrency_cap_a_search_is_refused_at_once_with_retry_after(s
         assert httpx.post(f"{base}/search", json={"query": demo_queries["q0002"]}, trust_env=False).status_code == 200
 
 
+@contextmanager
+def access_log_statuses():
+    """The statuses uvicorn's access log gives while the block runs (its logger has handlers of its own
+    and does not propagate, so it is listened to directly)."""
+    statuses: list[str] = []
+    listener = logging.Handler()
+    listener.emit = lambda record: statuses.append(record.getMessage().rsplit(" ", 1)[1])
+    access = logging.getLogger("uvicorn.access")
+    level = access.level
+    access.setLevel(logging.INFO)
+    access.addHandler(listener)
+    try:
+        yield statuses
+    finally:
+        access.removeHandler(listener)
+        access.setLevel(level)
+
+
 def test_a_draining_service_answers_the_searches_in_it_and_refuses_new_ones_503_with_retry_after(
         small_index, engine, demo_queries):
-    with serving(small_index, engine) as (app, base, port):
+    with serving(small_index, engine) as (app, base, port), access_log_statuses() as logged:
         occupancy = app.state.runtime.occupancy
         with model_busy(app):
             first = send_search(port, demo_queries["q0001"])
@@ -123,8 +142,10 @@ def test_a_draining_service_answers_the_searches_in_it_and_refuses_new_ones_503_
             wait_until(lambda: occupancy.stopping)
             refused = httpx.post(f"{base}/search", json={"query": demo_queries["q0002"]}, trust_env=False)
             assert not drained.done()  # the first search is still in the service
+            wait_until(lambda: logged)  # the access log's line, written just after the answer
         assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
         assert refused.json()["detail"].startswith("stopping: ")
+        assert logged[0] == "503"
         first.settimeout(60)
         assert first.recv(64).startswith(b"HTTP/1.1 200")
         first.close()

@@ -131,7 +131,7 @@ def test_an_index_built_before_the_layout_change_still_loads_and_answers_as_a_ne
 def test_only_the_ray_modules_import_ray_and_the_plain_service_never_loads_it():
     importers = sorted(str(path.relative_to(ROOT)) for package in PACKAGES for path in (ROOT / package).glob("*.py")
                        if "ray" in imported_packages(path))
-    assert importers == ["index_builder/ray_build.py", "service/sharded.py"]
+    assert importers == ["index_builder/ray_build.py", "service/sharded.py", "service/stop_signal.py"]
     script = "import sys, service.__main__, service.app, service.sharded_engine; print('ray' in sys.modules)"
     loaded = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, check=True)
     assert loaded.stdout.strip() == "False"
