@@ -86,12 +86,12 @@ class SearchIngress:
 
     async def __serve_build_asgi_app__(self):
         # Off the event loop: the handles' blocking result() may not run on it, and the warm-up searches.
-        self.asgi = await asyncio.to_thread(self._build)  # (`app` is Serve's, on an ingress class)
+        asgi = await asyncio.to_thread(self._build)
         if self.stop_name:  # held: the event loop keeps only a weak reference to a task
             replica = serve.get_replica_context().replica_id.unique_id
             self.stop_watch = asyncio.get_running_loop().create_task(
-                stop_signal.watch(self.stop_name, replica, self.asgi.state.runtime.occupancy))
-        return self.asgi
+                stop_signal.watch(self.stop_name, replica, asgi.state.runtime.occupancy))
+        return asgi
 
     def _build(self):
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
