@@ -258,6 +258,9 @@ class CoAttentionReranker:
             ))
         return out
 
+    def pair_tokens(self, query: str, passages: Sequence[str]) -> list[int]:
+        return [len(pair[0]) + len(pair[3]) for pair in self.features(query, passages)]
+
     def _ids(self, text_words: Sequence[str]) -> tuple[list[int], list[int]]:
         """Word ids and IDF-embedding rows (bucket + 1; unknown words, df 0, get the rarest bucket)."""
         ids = [self.vocabulary.ids.get(w, 1) for w in text_words]

@@ -98,6 +98,9 @@ class CrossEncoder:
         return score_in_batches(pairs, [len(ids) for ids, _ in pairs], self.batch_size,
                                 lambda batch: relevance_probability(self.logits(batch)))
 
+    def pair_tokens(self, query: str, passages: Sequence[str]) -> list[int]:
+        return [len(ids) for ids, _ in self.tokenize(query, passages)] if passages else []
+
     def tokenize(self, query: str, passages: Sequence[str]) -> list[tuple[list[int], list[int]]]:
         """(input ids, segment ids) of `[CLS] query [SEP] passage [SEP]` for each passage, within the token limits."""
         query_ids = self.tokenizer(query, add_special_tokens=False, truncation=True, max_length=self.query_max_tokens)

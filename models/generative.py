@@ -114,6 +114,10 @@ class GenerativeReranker:
                                      truncation=True, max_length=self.passage_max_tokens)["input_ids"]
         return [(ids, query_ids) for ids in passage_ids]
 
+    def pair_tokens(self, query: str, passages: Sequence[str]) -> list[int]:
+        # <bos> passage <boq> query <eoq>
+        return [len(passage) + len(query) + 3 for passage, query in self.tokenize(query, passages)] if passages else []
+
     def token_logprobs(self, pairs: Sequence[Pair]) -> tuple[torch.Tensor, torch.Tensor]:
         """log p of each query token and of `<eoq>` given the passage and the query tokens before it:
         (len(pairs), T) float32, 0 where the bool mask of the same shape is False (padding).

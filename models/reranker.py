@@ -36,6 +36,11 @@ class Reranker(Protocol):
         """One float32 score per passage, in the order of `passages`; higher = more relevant."""
         ...
 
+    def pair_tokens(self, query: str, passages: Sequence[str]) -> list[int]:
+        """Tokens (or words) the model reads for each (query, passage) pair, after its own truncation:
+        the work a scoring costs, for budgets."""
+        ...
+
     def save(self, folder: str | Path) -> None:
         """A folder `load_reranker` loads back as this reranker."""
         ...

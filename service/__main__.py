@@ -64,8 +64,8 @@ def main(argv: list[str] | None = None, *, reexec: bool = False) -> int:
         return 2
     import uvicorn
 
-    from service.admission import timeout_protocol
     from service.app import create_app
+    from service.protocol import timeout_protocol
     from service.tracing import TracingUnavailable
 
     logging.getLogger("service").info("malloc: %s", malloc)
@@ -74,7 +74,8 @@ def main(argv: list[str] | None = None, *, reexec: bool = False) -> int:
     except TracingUnavailable as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    protocol = timeout_protocol(settings.read_timeout_s, settings.write_timeout_s, app.state.runtime.occupancy)
+    protocol = timeout_protocol(settings.read_timeout_s, settings.write_timeout_s, app.state.runtime.occupancy,
+                                max_head_bytes=settings.max_head_bytes, max_headers=settings.max_headers)
     uvicorn.run(app, host=settings.host, port=settings.port, log_level="info", access_log=settings.access_log,
                 http=protocol)
     return 0

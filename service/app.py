@@ -42,6 +42,7 @@ from service.settings import ServiceSettings
 from service.tracing import Tracing
 
 log = logging.getLogger("service")
+ANSWER_SLICE_BYTES = 65_536  # asyncio's default high-water mark for a transport's send buffer
 
 
 class _RequestCounter:
@@ -106,9 +107,10 @@ async def unless_gone(http: Request, work):
     return None
 
 
-def _spec_with_limits(app: FastAPI, spec, settings: ServiceSettings) -> dict:
+def _spec_with_limits(app: FastAPI, spec, settings: ServiceSettings, runtime: Runtime) -> dict:
     """FastAPI's spec (`spec()`), with the limits that are settings written into the request schemas,
-    so that every request the spec allows is one this service accepts."""
+    and the served encoder's dimension once an index is in, so that every request the spec allows is
+    one this service accepts."""
     if app.openapi_schema is None:
         schemas = spec()["components"]["schemas"]
         for name in ("SearchRequest", "BatchSearchRequest"):
@@ -135,7 +137,26 @@ def _spec_with_limits(app: FastAPI, spec, settings: ServiceSettings) -> dict:
             fields["documents"].update(maxItems=settings.max_rerank_depth)
             text, document = fields["documents"]["items"]["anyOf"]
             text["maxLength"] = schemas["RerankDocument"]["properties"]["text"]["maxLength"] = settings.max_query_chars
+    if runtime.engine is not None:  # read anew: a reload may change it
+        dimension = runtime.engine.searcher.manifest.dimension
+        app.openapi_schema["components"]["schemas"]["EmbeddingsRequest"]["properties"]["dimensions"] = {
+            "anyOf": [{"const": dimension}, {"type": "null"}], "default": None,
+            "description": "OpenAI's: only the encoder's own dimension is served (the vectors are not shortened)"}
     return app.openapi_schema
+
+
+class SlicedResponse(Response):
+    """A response whose body is written ANSWER_SLICE_BYTES at a time, each once the client has read
+    enough of the last (uvicorn waits for the send buffer to drain before each write): an answer its
+    client does not read keeps its request in the service, counted against the concurrency cap, and
+    sits in memory once, instead of being copied whole into the send buffer and forgotten."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        body = self.body
+        for start in range(0, max(len(body), 1), ANSWER_SLICE_BYTES):
+            end = start + ANSWER_SLICE_BYTES
+            await send({"type": "http.response.body", "body": body[start:end], "more_body": end < len(body)})
 
 
 def _json(body: dict) -> Response:
@@ -144,7 +165,7 @@ def _json(body: dict) -> Response:
     response_model still documents the shape; tests check the passage fields, and the OpenAPI fuzz
     test checks unreranked bodies against the spec. A NaN or infinite score becomes null, as
     pydantic's own serialiser wrote it: always valid JSON."""
-    return Response(to_json(body, inf_nan_mode="null"), media_type="application/json")
+    return SlicedResponse(to_json(body, inf_nan_mode="null"), media_type="application/json")
 
 
 def _shards(result: SearchResult) -> dict:
@@ -221,6 +242,10 @@ def create_app(settings: ServiceSettings | None = None, engine: SearchEngine | N
             return Status(status="failed" if runtime.load_error else "loading", detail=runtime.load_error)
         return Status(status="ready", index=IndexInfo(**runtime.engine.describe()))
 
+    # HEAD too, as load balancers' and probes' checks often ask (uvicorn sends no body for it).
+    app.add_api_route("/health", health, methods=["HEAD"], include_in_schema=False)
+    app.add_api_route("/ready", ready, methods=["HEAD"], include_in_schema=False)
+
     @app.post("/search", response_model=SearchResponse, dependencies=protected,
               responses=responses({400: "rerank without a reranker, or a mode the index lacks"}, search=True))
     async def search(request: SearchRequest, http: Request) -> Response:
@@ -254,6 +279,10 @@ def create_app(settings: ServiceSettings | None = None, engine: SearchEngine | N
             raise OverLimit(("input",), "input must hold at least one text")
         limits.check_batch(settings, texts, "input")
         engine = runtime.ready_engine()
+        dimension = engine.searcher.manifest.dimension
+        if request.dimensions is not None and request.dimensions != dimension:
+            raise OverLimit(("dimensions",), f"dimensions={request.dimensions}: this encoder's vectors have {dimension} "
+                                             "dimensions, and are not shortened", request.dimensions)
         tokens = [engine.tokenize(text, request.truncate, ("input", position), request.input_type)
                   for position, text in enumerate(texts)]
         used = sum(len(text.ids) for text in tokens)
@@ -272,7 +301,7 @@ def create_app(settings: ServiceSettings | None = None, engine: SearchEngine | N
     @app.post("/rerank", response_model=RerankResponse, dependencies=protected, include_in_schema=bool(settings.rerankers),
               responses=responses({400: "no reranker is configured, or not the one asked for"}),
               summary="rescore passages against a query (text-embeddings-inference's and Cohere's shape)")
-    async def rerank(request: RerankRequest) -> Response:
+    async def rerank(request: RerankRequest, http: Request) -> Response:
         limits.check_query(settings, request.query)
         if (request.texts is None) == (request.documents is None):
             raise OverLimit(("texts",), "send the passages as texts or as documents (one of them)")
@@ -281,7 +310,13 @@ def create_app(settings: ServiceSettings | None = None, engine: SearchEngine | N
             text if isinstance(text, str) else text.text for text in request.documents]
         limits.check_documents(settings, texts, field)
         engine = runtime.ready_engine()
-        scores = await runtime.rescore(request.query, texts, request.model)
+        reranker = engine.reranker(request.model)
+        # Off the event loop: a thousand long texts take a tokenizer a while.
+        pair_tokens = await asyncio.to_thread(reranker.pair_tokens, request.query, texts)
+        limits.check_rerank_tokens(settings, sum(pair_tokens), field)
+        scores = await unless_gone(http, runtime.rescore(request.query, texts, request.model, pair_tokens))
+        if scores is None:
+            return Response(status_code=499)  # as /search: its client has gone
         kind = request.model or engine.default_reranker
         order = sorted(range(len(texts)), key=lambda i: -float(scores[i]))[: request.top_n]
         show = request.return_documents or request.return_text
@@ -321,7 +356,7 @@ def create_app(settings: ServiceSettings | None = None, engine: SearchEngine | N
         except ReloadError as error:
             raise OverLimit(("index",), f"reload failed, the previous index keeps serving: {error}") from None
 
-    app.openapi = functools.partial(_spec_with_limits, app, app.openapi, settings)
+    app.openapi = functools.partial(_spec_with_limits, app, app.openapi, settings, runtime)
     errors.install(app)
     app.add_middleware(limits.BodyLimits, max_bytes=settings.body_limit, timeout_s=settings.read_timeout_s)
     # Outside the body limits: an overloaded service refuses before reading a byte of the body.

@@ -43,6 +43,10 @@ class TimedOut(ServiceError):
     """The request stopped arriving: 408."""
 
 
+class HeadTooLarge(ServiceError):
+    """A request head over its byte or header-count limit: 431, and the connection closed."""
+
+
 class Overloaded(ServiceError):
     """The service is at its concurrency cap: 429 with Retry-After."""
 
@@ -86,7 +90,8 @@ def answer(error: ServiceError) -> tuple[int, dict, dict[str, str]]:
         return status, {"detail": str(error)}, {"Retry-After": str(error.retry_after_s)}
     if isinstance(error, Unauthorized):
         return 401, {"detail": str(error)}, {"WWW-Authenticate": "Bearer"}
-    status = {NotServable: 400, NotFound: 404, TimedOut: 408, NotReady: 503, ShardsUnavailable: 503}[type(error)]
+    status = {NotServable: 400, NotFound: 404, TimedOut: 408, HeadTooLarge: 431, NotReady: 503,
+              ShardsUnavailable: 503}[type(error)]
     return status, {"detail": str(error)}, {}
 
 

@@ -40,6 +40,13 @@ def check_batch_tokens(settings: ServiceSettings, tokens: int, field: str = "que
                                   f"{settings.max_batch_tokens} (SEARCH_MAX_BATCH_TOKENS): send fewer at a time")
 
 
+def check_rerank_tokens(settings: ServiceSettings, tokens: int, field: str) -> None:
+    if tokens > settings.max_rerank_tokens:
+        raise OverLimit((field,), f"the query and {field} make {tokens} tokens for the reranker in all, over the "
+                                  f"max_rerank_tokens limit of {settings.max_rerank_tokens} (SEARCH_MAX_RERANK_TOKENS): "
+                                  "send fewer or shorter texts at a time")
+
+
 def check_k(settings: ServiceSettings, k: int) -> None:
     if k > settings.max_k:
         raise OverLimit(("k",), f"k={k} is over the max_k limit of {settings.max_k} (SEARCH_MAX_K)", k)

@@ -28,6 +28,8 @@ from service.settings import ServiceSettings
 from service.tracing import Stage, Tracing
 
 log = logging.getLogger("service")
+# A /rerank's share of the model thread before waiting batches get theirs: 16 full monoBERT pairs.
+RERANK_SLICE_TOKENS = 8192
 
 
 def _lower_priority(increment: int) -> None:
@@ -167,10 +169,18 @@ class Runtime:
                             {"search.batch_size": done.batch_size})
         return done.vectors
 
-    async def rescore(self, query: str, texts: Sequence[str], reranker: str | None) -> np.ndarray:
+    async def rescore(self, query: str, texts: Sequence[str], reranker: str | None,
+                      pair_tokens: Sequence[int]) -> np.ndarray:
+        """One score per text, scored in slices of at most RERANK_SLICE_TOKENS tokens (`pair_tokens`: each
+        pair's, as the reranker counts them), each its own turn on the model thread: batches that queue
+        meanwhile run between slices, so a long rerank delays a search by one slice, not by all of it.
+        Cancelling the call (its client has gone) stops it at the next slice."""
         engine = self.ready_engine()
         attributes = {"search.reranker": reranker or engine.default_reranker or "", "search.depth": len(texts)}
-        return await self._traced("rerank", attributes, engine.rescore, query, list(texts), reranker)
+        scores = []
+        for start, end in slices(pair_tokens, RERANK_SLICE_TOKENS):
+            scores.append(await self._traced("rerank", attributes, engine.rescore, query, list(texts[start:end]), reranker))
+        return np.concatenate(scores) if scores else np.zeros(0, dtype=np.float32)
 
     async def reload(self, target: Path) -> dict:
         """Loads `target` beside the serving index (searches go on), warms it up on the model thread and
@@ -216,6 +226,20 @@ class Runtime:
         stages: list[Stage] = [("queue", marks[0], marks[1]), (stage, marks[1], marks[2])]
         self.tracing.stages(stages, attributes)
         return result
+
+
+def slices(costs: Sequence[int], budget: int) -> list[tuple[int, int]]:
+    """(start, end) of consecutive runs of `costs` each summing to at most `budget` (one item over it
+    alone), covering them all in order."""
+    bounds, start, total = [], 0, 0
+    for end, cost in enumerate(costs):
+        if end > start and total + cost > budget:
+            bounds.append((start, end))
+            start, total = end, 0
+        total += cost
+    if start < len(costs):
+        bounds.append((start, len(costs)))
+    return bounds
 
 
 def _waited(result: SearchResult, submitted: float) -> SearchResult:

@@ -165,6 +165,8 @@ class EmbeddingsRequest(BaseModel):
     input_type: Literal["query", "passage"] = Field(
         "query", description="encode as a query or as a passage (segment id and token limit of that kind)")
     truncate: bool = TRUNCATE
+    dimensions: int | None = Field(None, ge=1, description="OpenAI's: only the encoder's own dimension is served "
+                                                          "(the vectors are not shortened); any other is a 422")
     user: str | None = None
 
 

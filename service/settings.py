@@ -51,6 +51,15 @@ class ServiceSettings(BaseSettings):
         None, ge=1, description="largest request body accepted, in bytes (default: a full batch of maximal "
         "queries, each character written as a 6-byte JSON escape, plus 64 KiB)",
     )
+    max_head_bytes: int = Field(
+        32_768, ge=1024, description="largest request head (request line and headers) accepted, in bytes; past it, "
+        "431 and the connection closed",
+    )
+    max_headers: int = Field(100, ge=1, description="most header lines in one request; past it, 431 and the connection closed")
+    max_rerank_tokens: int = Field(
+        65_536, ge=1, description="most tokens one /rerank request may make its reranker read (query and passage "
+        "of every pair, after the reranker's own truncation); over it, 422",
+    )
     api_key: SecretStr | None = Field(None, description="bearer key for every route but /health and /ready")
     open_docs: bool = Field(False, description="with a key: serve /docs, /redoc and /openapi.json without it")
 

@@ -8,6 +8,8 @@ as children of the request's span, one set per request, a fused batch's shared s
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 from typing import Any, Sequence
 from urllib.parse import urlsplit
@@ -16,6 +18,10 @@ from service.engine import SearchPlan, SearchResult
 from service.settings import ServiceSettings
 
 TRACES_PATH = "/v1/traces"  # OTLP/HTTP's path for traces, under a collector's base URL (port 4318)
+
+# The most a stop waits for the last spans: well inside a 30 s termination grace period.
+SHUTDOWN_TIMEOUT_S = 2.0
+log = logging.getLogger("service")
 
 CLOCK_STEP_NS = 50_000_000  # a change of the wall clock against perf_counter taken for a step, not for jitter
 
@@ -126,7 +132,15 @@ class Tracing:
             attributes["search.reranker"] = plan.reranker
         self.stages(stages, attributes)
 
-    def shutdown(self) -> None:
-        """Export what is left and stop, if the provider is this object's own."""
-        if self._owned:
-            self.provider.shutdown()
+    def shutdown(self, timeout_s: float = SHUTDOWN_TIMEOUT_S) -> bool:
+        """Export what is left and stop, if the provider is this object's own, waiting at most
+        `timeout_s`: whether it finished. Past it the export goes on in a daemon thread, which the
+        process does not wait for at exit (a collector that never answers held the exit 30 s)."""
+        if not self._owned:
+            return True
+        exporting = threading.Thread(target=self.provider.shutdown, name="trace-shutdown", daemon=True)
+        exporting.start()
+        exporting.join(timeout_s)
+        if exporting.is_alive():
+            log.warning("traces: the last spans were not exported within %g s; stopping without them", timeout_s)
+        return not exporting.is_alive()

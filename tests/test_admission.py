@@ -18,9 +18,9 @@ import httpx
 import pytest
 import uvicorn
 
-from service.admission import timeout_protocol
 from service.app import create_app
 from service.batcher import MicroBatcher
+from service.protocol import timeout_protocol
 from tests.test_service import call, one, settings_for
 
 READ_TIMEOUT_S = 0.5
@@ -37,7 +37,8 @@ def free_port() -> int:
 def serving(small_index, engine, entered: list | None = None, **overrides):
     """The app on a loopback port, served by uvicorn as `python -m service` serves it; `entered` collects
     the path of every HTTP request that reached the app."""
-    settings = settings_for(small_index, read_timeout_s=READ_TIMEOUT_S, write_timeout_s=WRITE_TIMEOUT_S, **overrides)
+    settings = settings_for(small_index, **{"read_timeout_s": READ_TIMEOUT_S, "write_timeout_s": WRITE_TIMEOUT_S,
+                                            **overrides})
     app = create_app(settings, engine)
 
     async def entry(scope, receive, send):
@@ -47,8 +48,10 @@ def serving(small_index, engine, entered: list | None = None, **overrides):
 
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(entry, host="127.0.0.1", port=port, log_level="warning",
-                                           http=timeout_protocol(READ_TIMEOUT_S, WRITE_TIMEOUT_S,
-                                                                 app.state.runtime.occupancy)))
+                                           http=timeout_protocol(settings.read_timeout_s, settings.write_timeout_s,
+                                                                 app.state.runtime.occupancy,
+                                                                 max_head_bytes=settings.max_head_bytes,
+                                                                 max_headers=settings.max_headers)))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     try:
@@ -364,11 +367,19 @@ def test_latency_counts_the_wait_for_the_model_thread_on_paths_that_do_not_micro
                                                                                       demo_queries, path):
     with serving(small_index, engine, microbatch=False) as (app, base, port):
         gate = threading.Event()
-        app.state.runtime.executor.submit(gate.wait)  # other work holds the model thread for 0.3 s
-        threading.Timer(0.3, gate.set).start()
+        executor = app.state.runtime.executor
+        executor.submit(gate.wait)  # other work holds the model thread
         query = demo_queries["q0001"]
         body = {"query": query} if path == "/search" else {"queries": [query]}
-        latency = httpx.post(base + path, json=body, trust_env=False, timeout=60).json()["latency_ms"]
-        assert latency["queue"] >= 250
+        answers = []
+        asking = threading.Thread(target=lambda: answers.append(httpx.post(base + path, json=body, trust_env=False,
+                                                                           timeout=60)))
+        asking.start()
+        wait_until(lambda: executor._work_queue.qsize() == 1)  # the search waits for the thread
+        time.sleep(0.3)
+        gate.set()
+        asking.join(60)
+        latency = answers[0].json()["latency_ms"]
+        assert latency["queue"] >= 300
         # Each figure is rounded to the microsecond on its own: the sum may pass the total by a few.
         assert latency["total"] >= latency["queue"] + latency["encode"] + latency["retrieve"] - 0.002
