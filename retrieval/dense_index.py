@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
@@ -11,9 +12,11 @@ import faiss
 import numpy as np
 
 from models.checkpoint import resolve_device
+from retrieval.index_format import FileRecord, IndexFormatError
 
 log = logging.getLogger(__name__)
 PREFETCH_CHUNK = 1 << 20
+HASH_CHUNK = 1 << 22
 
 
 def gpu_count() -> int:
@@ -46,7 +49,8 @@ def to_gpu(index: faiss.Index, gpu: int, fp16: bool = False) -> faiss.Index:
     return placed
 
 
-def load_index(path: str | Path, device: str = "auto", *, mmap: bool = False, fp16: bool = False) -> faiss.Index:
+def load_index(path: str | Path, device: str = "auto", *, mmap: bool = False, fp16: bool = False,
+               expected: FileRecord | None = None) -> faiss.Index:
     """Read an index file and place it as `device` says (models.checkpoint.resolve_device): `cpu` on the
     CPU, `cuda:N` on GPU N alone, `cuda` sharded over every GPU, `auto` like `cuda` where faiss sees
     GPUs and torch does too, else on the CPU.
@@ -57,7 +61,10 @@ def load_index(path: str | Path, device: str = "auto", *, mmap: bool = False, fp
     is safe). A background thread then reads the file once in order (`prefetch`), where it fits the
     available memory, so the first searches do not fault the vectors in a page-cluster at a time.
     Ignored on a GPU, whose copy reads every vector anyway. `fp16`: vectors stored as fp16
-    on the GPU (see shard_over_gpus); ignored on the CPU."""
+    on the GPU (see shard_over_gpus); ignored on the CPU.
+
+    `expected`: the manifest's record of the file; the index is then checked against it from the bytes
+    FAISS loads, IndexFormatError where they differ (see read_verified)."""
     resolved = resolve_device(device)
     on_gpu = resolved.type != "cpu"
     if on_gpu and gpu_count() == 0:
@@ -66,12 +73,63 @@ def load_index(path: str | Path, device: str = "auto", *, mmap: bool = False, fp
         on_gpu = False  # torch sees a GPU but this faiss build cannot use it
     # IO_FLAG_MMAP_IFC maps the codes of IndexFlatCodes (IndexFlatIP included); IO_FLAG_MMAP maps only
     # IVF inverted lists and reads a flat index whole (measured with faiss 1.15: RSS grew by the vectors).
-    index = faiss.read_index(str(path), faiss.IO_FLAG_MMAP_IFC if mmap and not on_gpu else 0)
+    flags = faiss.IO_FLAG_MMAP_IFC if mmap and not on_gpu else 0
+    index = faiss.read_index(str(path), flags) if expected is None else read_verified(Path(path), flags, expected)
     if not on_gpu:
         if mmap:
             threading.Thread(target=prefetch, args=(Path(path),), name="index-prefetch", daemon=True).start()
         return index
     return shard_over_gpus(index, fp16) if resolved.index is None else to_gpu(index, resolved.index, fp16)
+
+
+def read_verified(path: Path, flags: int, expected: FileRecord) -> faiss.Index:
+    """The index in `path`, read with FAISS `flags`, from bytes whose size and sha256 are `expected`'s;
+    IndexFormatError otherwise (the index read is dropped). The file is opened once and checked through
+    that one open file, so neither a rewrite in place nor a rename over `path` can slip other bytes in.
+
+    Read (flags 0): FAISS reads through a reader that hashes each block it hands over, then the file's
+    rest is hashed: one pass, and no copy of the file beside the index in memory.
+    Mapped (IO_FLAG_MMAP_IFC): FAISS maps the open file (/proc/self/fd/N, the inode hashed), which is
+    then hashed whole, so the vectors served are those verified at that moment; a file rewritten in place
+    later changes what is served, as for any mapped file (the index writer replaces files by rename).
+    Where /proc/self/fd is missing (not Linux), FAISS maps `path` itself: a rename over it between the
+    two opens is not caught."""
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        if flags & faiss.IO_FLAG_MMAP_IFC:
+            same_file = Path(f"/proc/self/fd/{handle.fileno()}")
+            source = str(same_file if same_file.exists() else path)
+        else:
+            def hashed_read(size: int) -> bytes:
+                block = handle.read(size)
+                digest.update(block)
+                return block
+
+            source = faiss.PyCallbackIOReader(hashed_read)
+        try:
+            index = faiss.read_index(source, flags)
+        except Exception as error:  # bytes other than the manifest's explain a parse error better than FAISS
+            _check_rest(path, handle, digest, expected, error)
+            raise
+        _check_rest(path, handle, digest, expected)
+    return index
+
+
+def _check_rest(path: Path, handle, digest, expected: FileRecord, cause: Exception | None = None) -> None:
+    """Hash what is left of `handle` into `digest` (at most one byte past the recorded size, so a file
+    growing meanwhile ends it) and raise IndexFormatError unless the whole is the `expected` file."""
+    left = expected.bytes + 1 - handle.tell()  # 1 where FAISS read it all: no block beside the index
+    buffer = memoryview(bytearray(min(HASH_CHUNK, max(left, 1))))
+    while (position := handle.tell()) <= expected.bytes:
+        count = handle.readinto(buffer[:expected.bytes + 1 - position])
+        if not count:
+            break
+        digest.update(buffer[:count])
+    size = handle.tell()
+    if size != expected.bytes:
+        raise IndexFormatError(f"{path}: {size} bytes read, manifest says {expected.bytes}") from cause
+    if digest.hexdigest() != expected.sha256:
+        raise IndexFormatError(f"{path}: sha256 differs from the manifest's") from cause
 
 
 GPU_MAX_K = 2048  # the most results FAISS's GPU flat search gives a query

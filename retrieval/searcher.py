@@ -115,7 +115,10 @@ class Searcher:
     each list's top `fusion_depth`).
     `mmap` memory-maps the vectors of an index kept on the CPU; `fp16` stores them as fp16 on a
     GPU (see dense_index.load_index); each is ignored where it does not apply. Both are kept as
-    attributes, so an index loaded to replace this one can be loaded alike."""
+    attributes, so an index loaded to replace this one can be loaded alike.
+    `verify_checksums`: the vectors served are the bytes of index.faiss the manifest records, checked
+    from what FAISS loads (dense_index.read_verified); the other files are hashed before they are opened
+    (index_format.read_manifest), so a rewrite in between is not caught there."""
 
     def __init__(
         self,
@@ -129,10 +132,11 @@ class Searcher:
     ) -> None:
         self.index_dir = Path(index_dir)
         self.mmap, self.fp16 = mmap, fp16
-        self.manifest = read_manifest(self.index_dir, verify_checksums=verify_checksums)
+        self.manifest = read_manifest(self.index_dir, verify_checksums=verify_checksums, hashed_on_load=(INDEX_FILE,))
         self.encoder = encoder if encoder is not None else encoder_for(self.manifest, device)
         check_encoder(self.manifest, self.encoder)
-        self.index = dense_index.load_index(self.index_dir / INDEX_FILE, device, mmap=mmap, fp16=fp16)
+        self.index = dense_index.load_index(self.index_dir / INDEX_FILE, device, mmap=mmap, fp16=fp16,
+                                            expected=self.manifest.files[INDEX_FILE] if verify_checksums else None)
         self.passages = PassageStore(self.index_dir / PASSAGES_FILE)
         check_rows(self.index_dir, self.manifest, self.index, self.passages)
         self.bm25 = Bm25Index(self.index_dir / BM25_DIR) if self.manifest.bm25 is not None else None

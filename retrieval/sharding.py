@@ -143,8 +143,9 @@ class ShardIndex:
     def __init__(self, index_dir: str | Path, *, device: str = "auto", verify_checksums: bool = True,
                  mmap: bool = False, fp16: bool = False) -> None:
         self.index_dir = Path(index_dir)
-        self.manifest = read_manifest(self.index_dir, verify_checksums=verify_checksums)
-        self.index = dense_index.load_index(self.index_dir / INDEX_FILE, device, mmap=mmap, fp16=fp16)
+        self.manifest = read_manifest(self.index_dir, verify_checksums=verify_checksums, hashed_on_load=(INDEX_FILE,))
+        self.index = dense_index.load_index(self.index_dir / INDEX_FILE, device, mmap=mmap, fp16=fp16,
+                                            expected=self.manifest.files[INDEX_FILE] if verify_checksums else None)
         self.passages = PassageStore(self.index_dir / PASSAGES_FILE)
         check_rows(self.index_dir, self.manifest, self.index, self.passages)
 

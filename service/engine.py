@@ -162,10 +162,11 @@ class SearchEngine:
         """`rerankers`: reranker folders (see models.reranker), at most one of each kind; `backend`:
         the query encoder's (default: the one the index was built with), which a monoBERT reranker
         runs on too; `mmap`, `fp16`: how the vectors are held (retrieval.dense_index.load_index)."""
-        manifest = read_manifest(index_dir, verify_checksums=verify_checksums)
+        manifest = read_manifest(index_dir)  # the Searcher verifies, from the bytes it loads
         encoder = encoder_for(manifest, device, query_max_tokens, backend)
         loaded = load_rerankers(rerankers, device, encoder.backend)
-        return cls(Searcher(index_dir, encoder, device=device, mmap=mmap, fp16=fp16), loaded, query_max_tokens, backend)
+        return cls(Searcher(index_dir, encoder, device=device, verify_checksums=verify_checksums, mmap=mmap, fp16=fp16),
+                   loaded, query_max_tokens, backend)
 
     @property
     def searcher(self) -> Searcher:
@@ -216,14 +217,18 @@ class SearchEngine:
         input type), as the index holds them: an index reloaded since tokenizes them afresh."""
         return self._searcher.encoder.encode_texts(texts, tokens, tokens[0].input_type)
 
-    def rescore(self, query: str, texts: Sequence[str], reranker: str | None = None) -> np.ndarray:
-        """One score per text by a configured reranker (a kind; default: the first): NotServable
-        where none is configured or that kind is not."""
+    def reranker(self, kind: str | None = None) -> Reranker:
+        """A configured reranker (a kind; default: the first): NotServable where none is configured or
+        that kind is not."""
         if not self.rerankers:
             raise NotServable("no reranker is configured on this service (set SEARCH_RERANKERS)")
-        if reranker is not None and reranker not in self.rerankers:
-            raise NotServable(f"model: {reranker!r} is not configured here; configured: {', '.join(self.rerankers)}")
-        return self.rerankers[reranker or self.default_reranker].score(query, list(texts))
+        if kind is not None and kind not in self.rerankers:
+            raise NotServable(f"model: {kind!r} is not configured here; configured: {', '.join(self.rerankers)}")
+        return self.rerankers[kind or self.default_reranker]
+
+    def rescore(self, query: str, texts: Sequence[str], reranker: str | None = None) -> np.ndarray:
+        """One score per text by a configured reranker (see `reranker`)."""
+        return self.reranker(reranker).score(query, list(texts))
 
     def search(self, query: str, k: int, **options) -> SearchResult:
         return self.search_batch([query], k, **options)[0]
@@ -284,18 +289,20 @@ class SearchEngine:
         current = self._searcher
         device = str(current.encoder.device)  # "cpu", "cuda" or "cuda:N": the device it was given
         try:
-            manifest = read_manifest(index_dir, verify_checksums=verify_checksums)
+            manifest = read_manifest(index_dir)  # the Searcher verifies, from the bytes it loads
             record, spec = manifest.encoder, current.encoder.spec
             # The token limits are the new index's own (SEARCH_QUERY_MAX_TOKENS still overriding the query's).
             same_limits = spec.passage_max_tokens == record.passage_max_tokens and (
                 self.query_max_tokens is not None or spec.query_max_tokens == record.query_max_tokens)
             if same_limits and current.encoder.backend == (self.backend or record.backend):
                 try:
-                    return Searcher(index_dir, current.encoder, device=device, mmap=current.mmap, fp16=current.fp16)
+                    return Searcher(index_dir, current.encoder, device=device, verify_checksums=verify_checksums,
+                                    mmap=current.mmap, fp16=current.fp16)
                 except EncoderMismatch:  # the new index was built with another model: load that one
                     pass
             encoder = encoder_for(manifest, device, self.query_max_tokens, self.backend)
-            return Searcher(index_dir, encoder, device=device, mmap=current.mmap, fp16=current.fp16)
+            return Searcher(index_dir, encoder, device=device, verify_checksums=verify_checksums, mmap=current.mmap,
+                            fp16=current.fp16)
         except Exception as error:  # noqa: BLE001 - whatever failed, the old index must keep serving
             raise ReloadError(f"{index_dir}: {error}") from error
 
