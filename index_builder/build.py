@@ -16,6 +16,10 @@ the unsharded index like the jobs' output. One difference: a passage id repeated
 in two shards is a duplicate here (refused, or skipped in the later line's
 shard with --skip-bad), where separate jobs keep both and `merge` refuses them.
 The shards are written in a sibling `.NAME.shards/`, renamed into place whole.
+
+A build holds `--out`'s lock (`index_builder.out_lock`) throughout, reads no corpus line longer
+than `max_passage_bytes` into memory, and hashes the bytes it parses as it reads them: the corpus
+is checked at the end to be those bytes still, else no index is published.
 """
 
 from __future__ import annotations
@@ -33,11 +37,14 @@ from typing import BinaryIO, Iterator, Protocol, Sequence
 import numpy as np
 from tqdm import tqdm
 
+from index_builder import out_lock
+from index_builder.corpus_file import check_corpus_file, check_unchanged
+from index_builder.errors import BuildError
 from index_builder.shard import Shard
 from models.checkpoint import read_json
 from models.encoder import EncoderSpec
 from retrieval import index_writer
-from retrieval.corpus import BadLine, CorpusFormat, Passage, detect_format, read_corpus
+from retrieval.corpus import DEFAULT_MAX_PASSAGE_BYTES, BadLine, CorpusFormat, Passage, detect_format, read_corpus
 from retrieval.index_format import (
     PASSAGES_FILE,
     CorpusRecord,
@@ -69,10 +76,6 @@ class PassageEncoder(Protocol):
         ...
 
 
-class BuildError(Exception):
-    """Bad input or a conflicting earlier build; the CLI exits 2 with this message."""
-
-
 @dataclass
 class BuildOptions:
     corpus: Path
@@ -84,6 +87,7 @@ class BuildOptions:
     bm25: bool = False  # also build a BM25 index over the same passages
     shard: Shard | None = None  # keep only this shard's records (see index_builder.shard)
     shards: int | None = None  # write this many shard directories (shard_folder) instead of one index
+    max_passage_bytes: int = DEFAULT_MAX_PASSAGE_BYTES  # a longer corpus line (its line end aside) is a bad line
 
 
 @dataclass
@@ -142,9 +146,7 @@ def _work_dir(out: Path) -> Path:
 def _open_state(work: Path, identity: dict, restart: bool) -> _State:
     saved = read_json(work / STATE_FILE)
     if saved is not None and not restart:
-        # Turning --skip-bad on (as a bad line's message advises) may resume: without it, every chunk
-        # already committed was whole (a bad line stops the build), so no line was skipped.
-        if saved["identity"] != identity and {**saved["identity"], "skip_bad": True} == identity:
+        if _loosened(saved["identity"], identity):
             saved["identity"] = identity
         if saved["identity"] != identity:
             changed = sorted(k for k in identity.keys() | saved["identity"].keys()
@@ -160,6 +162,16 @@ def _open_state(work: Path, identity: dict, restart: bool) -> _State:
     state = _State(identity)
     state.save(work)
     return state
+
+
+def _loosened(saved: dict, identity: dict) -> bool:
+    """Whether `identity` only turns --skip-bad on or raises --max-passage-bytes over `saved`'s, as a bad
+    line's message advises: such a build resumes, since without --skip-bad every chunk already committed
+    was whole (a bad line stops the build), so no line was skipped and each is still accepted."""
+    loosened = ("skip_bad", "max_passage_bytes")
+    limits = [ident.get("max_passage_bytes", DEFAULT_MAX_PASSAGE_BYTES) for ident in (saved, identity)]
+    rest = [{k: v for k, v in ident.items() if k not in loosened} for ident in (saved, identity)]
+    return not saved["skip_bad"] and limits[1] >= limits[0] and rest[0] == rest[1]
 
 
 def _check_duplicates(connection: sqlite3.Connection, passages: list[Passage]) -> list[BadLine]:
@@ -195,14 +207,21 @@ class _Reporter:
 
 
 def build_index(options: BuildOptions, encoder: PassageEncoder) -> BuildReport:
-    """Build (or resume building) `options.out` from `options.corpus` with `encoder`."""
-    corpus, out = options.corpus, options.out
-    if not corpus.is_file():
-        raise BuildError(f"{corpus}: corpus file not found")
+    """Build (or resume building) `options.out` from `options.corpus` with `encoder`. BuildError for bad
+    input, a corpus that changed while it was read, or an `out` another build or merge is writing."""
+    check_corpus_file(options.corpus)
     if options.chunk_size < 1:
         raise BuildError(f"--chunk-size must be at least 1, got {options.chunk_size}")
+    if options.max_passage_bytes < 1:
+        raise BuildError(f"--max-passage-bytes must be at least 1, got {options.max_passage_bytes}")
     if options.shards is not None and (options.shards < 1 or options.shard is not None):
         raise BuildError("--shards N needs N >= 1 and no --shard (it writes every shard itself)")
+    with out_lock.hold(options.out, "build"):
+        return _build(options, encoder)
+
+
+def _build(options: BuildOptions, encoder: PassageEncoder) -> BuildReport:
+    corpus, out = options.corpus, options.out
     if out.exists() and not options.overwrite:
         raise BuildError(f"{out} already exists; pass --overwrite to replace it")
     index_writer.check_replaceable(out)
@@ -222,12 +241,15 @@ def build_index(options: BuildOptions, encoder: PassageEncoder) -> BuildReport:
         identity["shard"] = str(options.shard)
     if options.shards is not None:
         identity["shards"] = options.shards
+    if options.max_passage_bytes != DEFAULT_MAX_PASSAGE_BYTES:  # only then, as for --shard
+        identity["max_passage_bytes"] = options.max_passage_bytes
     work = _work_dir(out)
     state = _open_state(work, identity, options.restart)
     resumed_chunks = len(state.chunks)
     last = state.chunks[-1] if state.chunks else {"end_offset": 0, "end_line": 0, "sha256": None, "records": 0}
     digest = hashlib.sha256()
     with corpus.open("rb") as handle:
+        opened = os.fstat(handle.fileno())  # what the end checks the corpus against
         left = last["end_offset"]
         while left:  # the prefix the interrupted build read, a block at a time (the corpus may be large)
             block = handle.read(min(left, HASH_BLOCK))
@@ -243,10 +265,10 @@ def build_index(options: BuildOptions, encoder: PassageEncoder) -> BuildReport:
         report = _Reporter(corpus, options.skip_bad)
         started = time.perf_counter()
         encoded = 0
-        size = max(corpus.stat().st_size, 1)
+        size = max(opened.st_size, 1)
         with tqdm(desc="encoding", unit=" passages", initial=state.rows) as progress:
             chunks = _read_chunks(handle, fmt, last["end_offset"], last["end_line"], digest, options.chunk_size,
-                                  options.shard, last.get("records", 0))
+                                  options.max_passage_bytes, options.shard, last.get("records", 0))
             for chunk in chunks:
                 bad = sorted(chunk.bad + _check_duplicates(connection, chunk.passages), key=lambda b: b.line)
                 for line in bad:
@@ -258,6 +280,7 @@ def build_index(options: BuildOptions, encoder: PassageEncoder) -> BuildReport:
                 encoded += len(passages)
                 progress.set_postfix(read=f"{100 * chunk.end_offset / size:.0f}%")
         connection.close()
+    check_unchanged(corpus, opened, digest.hexdigest(), work)
     if state.rows == 0 and options.shard is None:  # a shard of a tiny corpus may rightly be empty
         raise BuildError(f"{corpus}: no passages to index")
     encoder_record = EncoderRecord(path=encoder.source, backend=encoder.backend, export_sha256=encoder.export_sha256,
@@ -287,18 +310,17 @@ def build_index(options: BuildOptions, encoder: PassageEncoder) -> BuildReport:
 
 
 def _read_chunks(
-    handle: BinaryIO, fmt: CorpusFormat, offset: int, line: int, digest, chunk_size: int,
+    handle: BinaryIO, fmt: CorpusFormat, offset: int, line: int, digest, chunk_size: int, max_bytes: int,
     shard: Shard | None = None, records: int = 0,
 ) -> Iterator[_Chunk]:
     """Group the corpus from `offset` into chunks of `chunk_size` well-formed passages (of `shard`'s
-    records only; `records` counts those before `offset`)."""
+    records only; `records` counts those before `offset`), feeding `digest` every byte read."""
     passages: list[Passage] = []
     bad: list[BadLine] = []
     positions: dict[int, int] = {}
-    for item, raw in read_corpus(handle, fmt, first_line=line + 1):
-        offset += len(raw)
+    for item, size in read_corpus(handle, fmt, first_line=line + 1, max_bytes=max_bytes, digest=digest):
+        offset += size
         line += 1
-        digest.update(raw)
         if item is not None:
             records += 1
             if shard is not None and not shard.keeps(records - 1):

@@ -8,7 +8,9 @@ import sys
 import time
 from pathlib import Path
 
+from index_builder import out_lock
 from index_builder.build import BuildError, BuildOptions, build_index
+from index_builder.corpus_file import check_corpus_file
 from index_builder.evaluate import (
     CONSISTENCY_DEPTHS,
     EVAL_MODES,
@@ -25,6 +27,7 @@ from index_builder.smart import convert_cranfield
 from models.backends import BACKENDS
 from models.encoder import BiEncoder
 from models.reranker import load_reranker
+from retrieval.corpus import DEFAULT_MAX_PASSAGE_BYTES
 from retrieval.index_format import IndexFormatError, read_manifest
 from retrieval.readers import InputFileError, Run, read_qrels, read_queries, read_run, write_run
 from retrieval.searcher import MAX_K, EncoderMismatch, Searcher, encoder_for
@@ -73,6 +76,10 @@ def _parser() -> argparse.ArgumentParser:
     build.add_argument("--passage-prefix", metavar="TEXT",
                        help="put before every passage, e.g. 'passage: ' (default and '' as for --query-prefix)")
     build.add_argument("--skip-bad", action="store_true", help="skip and count malformed lines instead of stopping")
+    build.add_argument("--max-passage-bytes", type=_positive, default=DEFAULT_MAX_PASSAGE_BYTES, metavar="N",
+                       help="the longest corpus line, in bytes of the raw line (a TSV line or JSONL record, its line "
+                       "end aside); a longer one is a bad line (exit 2, or skipped with --skip-bad), read past "
+                       f"without being held in memory (default {DEFAULT_MAX_PASSAGE_BYTES} = 1 MiB)")
     build.add_argument("--overwrite", action="store_true", help="replace an existing --out (atomically)")
     build.add_argument("--restart", action="store_true", help="discard an interrupted build instead of resuming")
     build.add_argument("--backend", choices=BACKENDS, default="torch",
@@ -162,8 +169,15 @@ def _build(args: argparse.Namespace) -> None:
         return
     options = BuildOptions(
         args.corpus, args.out, args.chunk_size, args.skip_bad, args.overwrite, args.restart, bm25=args.bm25,
-        shard=args.shard, shards=args.shards,
+        shard=args.shard, shards=args.shards, max_passage_bytes=args.max_passage_bytes,
     )
+    # build_index checks both again; here they fail before a model loads.
+    check_corpus_file(args.corpus)
+    with out_lock.hold(args.out, "build"):
+        _build_locked(args, options)
+
+
+def _build_locked(args: argparse.Namespace, options: BuildOptions) -> None:
     encoder_options = dict(
         batch_size=args.batch_size,
         query_max_tokens=args.query_max_tokens,

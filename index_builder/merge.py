@@ -4,7 +4,8 @@ Each shard holds its rows in corpus line order (a build streams the file), so a
 k-way merge on the corpus line stored in `passages.sqlite` restores the order
 an unsharded build stores them in: the merged index equals it row for row.
 The merge runs in a sibling folder `.NAME.merging/` that is renamed into place
-at the end, like a build, so `--out` is always a whole index. Shards built
+at the end, like a build, so `--out` is always a whole index, and it holds
+`--out`'s lock as a build does (`index_builder.out_lock`). Shards built
 with --bm25 give a merged index whose BM25 is rebuilt over all the passages
 (its statistics are corpus-wide, so shard BM25 indexes cannot simply be joined).
 """
@@ -23,7 +24,8 @@ import faiss
 import numpy as np
 from tqdm import tqdm
 
-from index_builder.build import BuildError
+from index_builder import out_lock
+from index_builder.errors import BuildError
 from retrieval import index_writer
 from retrieval.index_format import INDEX_FILE, PASSAGES_FILE, Manifest, read_manifest
 from retrieval.sharding import check_shard_set
@@ -47,7 +49,13 @@ class MergeReport:
 
 
 def merge_shards(directories: Sequence[Path], out: Path, overwrite: bool = False) -> MergeReport:
-    """Merge shard index directories (any order) into `out`; BuildError says why they cannot be merged."""
+    """Merge shard index directories (any order) into `out`; BuildError says why they cannot be merged,
+    or that another build or merge is writing `out`."""
+    with out_lock.hold(out, "merge"):
+        return _merge(directories, out, overwrite)
+
+
+def _merge(directories: Sequence[Path], out: Path, overwrite: bool) -> MergeReport:
     started = time.perf_counter()
     if out.exists() and not overwrite:
         raise BuildError(f"{out} already exists; pass --overwrite to replace it")

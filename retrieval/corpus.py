@@ -1,8 +1,10 @@
 """Streaming readers for passage collections: TSV `id<TAB>text` and JSONL (`id`/`_id`, optional `title`, `text`).
 
-Lines are read one at a time in binary, so a collection of any size streams in
-constant memory and every record carries its line number and the byte offset
-just past it (an interrupted build resumes from there).
+Lines are read one at a time in binary, each at most `max_bytes` long (a longer
+line is a bad line, read past in blocks and never held), so a collection of any
+size, with lines of any length, streams in bounded memory; every record comes
+with its line number and its size in bytes (an interrupted build resumes at the
+byte just past a record).
 """
 
 from __future__ import annotations
@@ -10,10 +12,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Iterator, Literal
+from typing import BinaryIO, Iterator, Literal, Protocol
 
 CorpusFormat = Literal["tsv", "jsonl"]
 BOM = b"\xef\xbb\xbf"
+DEFAULT_MAX_PASSAGE_BYTES = 1 << 20  # a corpus line (TSV line or JSONL record) longer than this is a bad line
+READ_BLOCK = 1 << 16  # how much of a line over the limit is read at a time while it is skipped
 
 
 @dataclass(frozen=True)
@@ -37,9 +41,12 @@ def detect_format(path: Path) -> CorpusFormat:
     if suffix in (".jsonl", ".json"):
         return "jsonl"
     with path.open("rb") as handle:
-        for raw in handle:
-            if raw.strip():
-                return "jsonl" if raw.removeprefix(BOM).lstrip().startswith(b"{") else "tsv"
+        block = handle.read(READ_BLOCK).removeprefix(BOM)  # a block at a time: the first line may be huge
+        while block:
+            start = block.lstrip()
+            if start:
+                return "jsonl" if start.startswith(b"{") else "tsv"
+            block = handle.read(READ_BLOCK)
     return "tsv"
 
 
@@ -84,22 +91,56 @@ def _parse_jsonl(text: str, line: int) -> Passage | BadLine:
     return Passage(str(pid).strip(), body, line)
 
 
+class Digest(Protocol):
+    def update(self, data: bytes, /) -> None: ...
+
+
+def _lines(handle: BinaryIO, max_bytes: int, digest: Digest | None) -> Iterator[tuple[bytes | None, int, int]]:
+    """(line, bytes read for it, its length without its line end) for each line from the handle's
+    position; the line is None when that length is over `max_bytes`, and then it was read past in
+    blocks, never held whole. `digest` gets every byte read."""
+    while raw := handle.readline(max_bytes + 2):  # + 2: room for a line end ("\r\n") after max_bytes
+        if digest is not None:
+            digest.update(raw)
+        if _without_end(raw) <= max_bytes:
+            yield raw, len(raw), _without_end(raw)
+            continue
+        size, tail = len(raw), raw[-2:]  # the tail: a "\r\n" may span two pieces
+        while not raw.endswith(b"\n") and (raw := handle.readline(READ_BLOCK)):
+            if digest is not None:
+                digest.update(raw)
+            size, tail = size + len(raw), (tail + raw)[-2:]
+        yield None, size, size - (len(tail) - _without_end(tail))
+
+
+def _without_end(raw: bytes) -> int:
+    """The length of a line (or of its last bytes) without its line end."""
+    return len(raw) - (2 if raw.endswith(b"\r\n") else 1 if raw.endswith(b"\n") else 0)
+
+
 def read_corpus(
-    handle: BinaryIO, fmt: CorpusFormat, *, first_line: int = 1
-) -> Iterator[tuple[Passage | BadLine | None, bytes]]:
-    """(record, the line's raw bytes) for each line from the handle's position; None for a blank line or header."""
+    handle: BinaryIO, fmt: CorpusFormat, *, first_line: int = 1, max_bytes: int = DEFAULT_MAX_PASSAGE_BYTES,
+    digest: Digest | None = None,
+) -> Iterator[tuple[Passage | BadLine | None, int]]:
+    """(record, the line's size in bytes) for each line from the handle's position; None for a blank line
+    or header. A line longer than `max_bytes` bytes (its line end aside) is a BadLine, read without
+    being held. `digest` (a hashlib object) gets every byte read, line ends included."""
     parse = _parse_tsv if fmt == "tsv" else _parse_jsonl
-    for line, raw in enumerate(handle, start=first_line):
+    for line, (raw, size, length) in enumerate(_lines(handle, max_bytes, digest), start=first_line):
+        if raw is None:
+            yield BadLine(line, f"{length} bytes, over the limit of {max_bytes} bytes a passage's line may have "
+                                "(--max-passage-bytes)"), size
+            continue
         try:
             text = raw.decode("utf-8").rstrip("\r\n")
         except UnicodeDecodeError:
-            yield BadLine(line, "not UTF-8"), raw
+            yield BadLine(line, "not UTF-8"), size
             continue
         if line == 1:
             text = text.removeprefix("\ufeff")  # a UTF-8 byte order mark is no part of the first id
         if "\r" in text:
             # Lines end at LF (or CRLF) only: a CR inside a line is most likely a file with old Mac
             # (CR-only) line endings, whose records would silently run together.
-            yield BadLine(line, "carriage return inside a line: CR-only line endings? convert them to LF"), raw
+            yield BadLine(line, "carriage return inside a line: CR-only line endings? convert them to LF"), size
             continue
-        yield (parse(text, line) if text.strip() else None), raw
+        yield (parse(text, line) if text.strip() else None), size
