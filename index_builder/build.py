@@ -38,7 +38,7 @@ import numpy as np
 from tqdm import tqdm
 
 from index_builder import out_lock
-from index_builder.corpus_file import check_corpus_file, check_unchanged
+from index_builder.corpus_file import check_corpus_file, check_unchanged, count_lines
 from index_builder.errors import BuildError
 from index_builder.shard import Shard
 from models.checkpoint import read_json
@@ -266,7 +266,10 @@ def _build(options: BuildOptions, encoder: PassageEncoder) -> BuildReport:
         started = time.perf_counter()
         encoded = 0
         size = max(opened.st_size, 1)
-        with tqdm(desc="encoding", unit=" passages", initial=state.rows) as progress:
+        records = count_lines(corpus)
+        if options.shard is not None:
+            records = len(range(options.shard.index, records, options.shard.count))
+        with tqdm(desc="encoding", unit=" passages", initial=state.rows, total=records) as progress:
             chunks = _read_chunks(handle, fmt, last["end_offset"], last["end_line"], digest, options.chunk_size,
                                   options.max_passage_bytes, options.shard, last.get("records", 0))
             for chunk in chunks:
@@ -279,6 +282,8 @@ def _build(options: BuildOptions, encoder: PassageEncoder) -> BuildReport:
                 _commit_chunk(work, state, connection, encoder, passages, chunk, len(bad), progress, split)
                 encoded += len(passages)
                 progress.set_postfix(read=f"{100 * chunk.end_offset / size:.0f}%")
+            progress.total = progress.n  # blank lines, a header and bad lines are no passages
+            progress.refresh()
         connection.close()
     check_unchanged(corpus, opened, digest.hexdigest(), work)
     if state.rows == 0 and options.shard is None:  # a shard of a tiny corpus may rightly be empty

@@ -28,25 +28,41 @@ def limit_malloc_arenas(arenas: int = 2) -> None:
         pass
 
 
+DESCRIPTION = ("Serve SEARCH_INDEX_DIR with uvicorn; with --ray, serve the shards of one build (--shards N, or "
+               "--shard i/N jobs) on Ray Serve. Every other setting is a SEARCH_* variable.")
+
+
+def _ray_parser() -> argparse.ArgumentParser:
+    """The plain parser without -h, which only says whether --ray is given (its --help is then the Ray one)."""
+    parser = argparse.ArgumentParser(prog="python -m service", add_help=False, description=DESCRIPTION)
+    parser.add_argument("--ray", nargs="?", const="", metavar="ADDRESS",
+                        help="serve --shards on Ray Serve (python -m service --ray --help for its options)")
+    return parser
+
+
+def build_parser(ray: bool = False) -> argparse.ArgumentParser:
+    """The flags of `python -m service`, or with `ray` those of `python -m service --ray` (imports Ray)."""
+    if ray:
+        from service import sharded
+
+        parser = argparse.ArgumentParser(prog="python -m service --ray", description=DESCRIPTION)
+        sharded.add_arguments(parser)
+        return parser
+    parser = _ray_parser()
+    parser.add_argument("-h", "--help", action="help", help="show this help message and exit")
+    return parser
+
+
 def main(argv: list[str] | None = None, *, reexec: bool = False) -> int:
     """`reexec`: may this process be executed again, with jemalloc preloaded (SEARCH_ALLOCATOR)? Only
     when it is `python -m service` or the `dense-search` script (`cli`), never a program calling main."""
-    parser = argparse.ArgumentParser(prog="python -m service", add_help=False, description=(
-        "Serve SEARCH_INDEX_DIR with uvicorn; with --ray, serve the shards of one build (--shards N, or --shard i/N "
-        "jobs) on Ray Serve. "
-        "Every other setting is a SEARCH_* variable."))
-    parser.add_argument("--ray", nargs="?", const="", metavar="ADDRESS",
-                        help="serve --shards on Ray Serve (python -m service --ray --help for its options)")
-    if parser.parse_known_args(argv)[0].ray is not None:  # Ray is imported only here: the plain service never loads it
-        from service import sharded
-
-        parser = argparse.ArgumentParser(prog="python -m service --ray", description=parser.description)
-        sharded.add_arguments(parser)
-    else:
-        parser.add_argument("-h", "--help", action="help", help="show this help message and exit")
+    # Ray is imported only with --ray: the plain service never loads it.
+    parser = build_parser(ray=_ray_parser().parse_known_args(argv)[0].ray is not None)
     args = parser.parse_args(argv)
     limit_malloc_arenas()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # FAISS logs each optimised build it tries and cannot load (AVX-512, ...) at INFO: normal, and alarming.
+    logging.getLogger("faiss.loader").setLevel(logging.WARNING)
     try:
         settings = ServiceSettings()
     except ValidationError as error:  # one line per bad setting, named as its variable
@@ -55,6 +71,8 @@ def main(argv: list[str] | None = None, *, reexec: bool = False) -> int:
             print(f"error: {name}: {problem['msg'].removeprefix('Value error, ')}", file=sys.stderr)
         return 2
     if args.ray is not None:
+        from service import sharded
+
         return sharded.serve_sharded(args, settings)
     # Before the service's imports (torch, FAISS, uvicorn): executed again with jemalloc, they would load twice.
     try:

@@ -97,3 +97,28 @@ class Monitor:
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class RequestCounter:
+    """ASGI middleware: counts every response by route template and status, refused ones included."""
+
+    def __init__(self, app, monitor: Monitor, paths: set[str]) -> None:
+        self.app, self.monitor, self.paths = app, monitor, paths
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status = 500
+
+        async def watched_send(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watched_send)
+        finally:
+            route = scope.get("route")
+            path = route.path if route is not None else scope["path"]
+            self.monitor.observe_request(path if path in self.paths else "unmatched", status)

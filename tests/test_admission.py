@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import http.client
+import inspect
 import json
 import logging
 import socket
@@ -383,3 +384,17 @@ def test_latency_counts_the_wait_for_the_model_thread_on_paths_that_do_not_micro
         assert latency["queue"] >= 300
         # Each figure is rounded to the microsecond on its own: the sum may pass the total by a few.
         assert latency["total"] >= latency["queue"] + latency["encode"] + latency["retrieve"] - 0.002
+
+
+def test_the_uvicorn_hooks_the_protocol_extends_are_there_with_the_arguments_it_passes():
+    # service/protocol.py overrides private methods of uvicorn's protocol; pyproject.toml pins uvicorn to the
+    # versions tested. A uvicorn that renames or reshapes one fails here by name, not as a silent bypass.
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    expected = {"_start_asgi_task": ["self", "cycle", "app"], "on_message_begin": ["self"],
+                "on_header": ["self", "name", "value"], "on_headers_complete": ["self"],
+                "on_response_complete": ["self"], "data_received": ["self", "data"], "pause_writing": ["self"],
+                "resume_writing": ["self"], "connection_made": ["self", "transport"],
+                "connection_lost": ["self", "exc"]}
+    for name, parameters in expected.items():
+        assert list(inspect.signature(getattr(HttpToolsProtocol, name)).parameters) == parameters, name

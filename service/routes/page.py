@@ -12,8 +12,9 @@ from fastapi.staticfiles import StaticFiles
 
 from service.settings import ServiceSettings
 
-PAGE = Path(__file__).parent / "page.html"  # a template, so not among the static files
-STATIC = Path(__file__).parent / "static"
+SERVICE = Path(__file__).resolve().parents[1]
+PAGE = SERVICE / "page.html"  # a template, so not among the static files
+STATIC = SERVICE / "static"
 # Scripts, styles and fetches from this origin only; no frames.
 SECURITY_HEADERS = {"content-security-policy": "default-src 'self'; frame-ancestors 'none'",
                     "x-content-type-options": "nosniff"}

@@ -1,0 +1,64 @@
+"""/search and /search/batch: a query (or a client's batch) checked into a plan, run by the engine."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request, Response
+
+from service import limits
+from service.engine import SearchEngine, SearchPlan, SearchResult
+from service.errors import OverLimit
+from service.routes.access import Access
+from service.routes.answers import GONE, json_answer, unless_gone
+from service.runtime import Runtime
+from service.schemas import BatchSearchRequest, BatchSearchResponse, SearchRequest, SearchResponse
+from service.settings import ServiceSettings
+
+
+def plan(settings: ServiceSettings, engine: SearchEngine, request: SearchRequest | BatchSearchRequest) -> SearchPlan:
+    """The request checked once, into the plan the engine runs (OverLimit: 422, NotServable: 400)."""
+    limits.check_k(settings, request.k)
+    if request.rerank and request.depth is None and request.k > settings.max_rerank_depth:
+        raise OverLimit(("k",), f"k={request.k} is over the max_rerank_depth limit of {settings.max_rerank_depth} "
+                                "(SEARCH_MAX_RERANK_DEPTH): a reranked request rescores at least k passages", request.k)
+    default = max(min(settings.rerank_depth, settings.max_rerank_depth), request.k)  # k <= the limit here
+    depth = (request.depth or default) if request.rerank else None
+    return engine.plan(request.k, rerank_depth=depth, reranker=request.reranker if request.rerank else None,
+                       max_rerank_depth=settings.max_rerank_depth, allow_partial=request.allow_partial,
+                       **request.retrieval())
+
+
+def _shards(result: SearchResult) -> dict:
+    """The `shards` field of a sharded engine's answer; nothing for one index, whose answers keep their shape."""
+    return {"shards": result.shards} if result.shards is not None else {}
+
+
+def router(runtime: Runtime, access: Access) -> APIRouter:
+    settings = access.settings
+    routes = APIRouter(dependencies=access.protected)
+
+    @routes.post("/search", response_model=SearchResponse,
+                 responses=access.responses({400: "rerank without a reranker, or a mode the index lacks"}, search=True))
+    async def search(request: SearchRequest, http: Request) -> Response:
+        limits.check_query(settings, request.query)
+        engine = runtime.ready_engine()
+        tokens = engine.tokenize(request.query, request.truncate)
+        result = await unless_gone(http, runtime.search(request.query, plan(settings, engine, request), tokens))
+        if result is None:
+            return Response(status_code=GONE)
+        return json_answer({"query": request.query, "results": result.hits, "score_kind": result.score_kind,
+                            "latency_ms": result.timings.as_dict(), **_shards(result)})
+
+    @routes.post("/search/batch", response_model=BatchSearchResponse,
+                 responses=access.responses({400: "a mode the index lacks"}, search=True))
+    async def search_batch(request: BatchSearchRequest) -> Response:
+        limits.check_batch(settings, request.queries)
+        engine = runtime.ready_engine()
+        tokens = [engine.tokenize(query, request.truncate, ("queries", position))
+                  for position, query in enumerate(request.queries)]
+        limits.check_batch_tokens(settings, sum(len(query.ids) for query in tokens))
+        results = await runtime.search_batch(request.queries, plan(settings, engine, request), tokens)
+        return json_answer({"results": [{"query": r.query, "results": r.hits} for r in results],
+                            "score_kind": results[0].score_kind, "latency_ms": results[0].timings.as_dict(),
+                            **_shards(results[0])})
+
+    return routes

@@ -1,0 +1,49 @@
+"""The OpenAPI spec as this service accepts requests: FastAPI's, with the limits that are settings."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI
+
+from models.reranker import reranker_kind
+from service.runtime import Runtime
+from service.settings import ServiceSettings
+
+
+def spec_with_limits(app: FastAPI, spec, settings: ServiceSettings, runtime: Runtime) -> dict:
+    """FastAPI's spec (`spec()`), with the limits that are settings written into the request schemas,
+    and the served encoder's dimension once an index is in, so that every request the spec allows is
+    one this service accepts."""
+    if app.openapi_schema is None:
+        schemas = spec()["components"]["schemas"]
+        for name in ("SearchRequest", "BatchSearchRequest"):
+            fields = schemas[name]["properties"]
+            fields["k"]["maximum"] = settings.max_k
+            if not settings.rerankers:
+                fields["rerank"] = {"const": False, "default": False, "description": "no reranker is configured"}
+            fields["depth"]["anyOf"][0]["maximum"] = settings.max_rerank_depth
+        schemas["SearchRequest"]["properties"]["query"]["maxLength"] = settings.max_query_chars
+        queries = schemas["BatchSearchRequest"]["properties"]["queries"]
+        queries["maxItems"] = settings.max_batch_queries
+        queries["items"]["maxLength"] = settings.max_query_chars
+        one, many = schemas["EmbeddingsRequest"]["properties"]["input"]["anyOf"]
+        one["maxLength"] = many["items"]["maxLength"] = settings.max_query_chars
+        many.update(minItems=1, maxItems=settings.max_batch_queries)
+        if "RerankRequest" in schemas:  # in the spec only with a reranker configured
+            fields = schemas["RerankRequest"]["properties"]
+            # A reranker the service has, or none for the default: a kind it lacks is a 400.
+            fields["model"] = {"anyOf": [{"type": "string", "enum": [reranker_kind(f) for f in settings.rerankers]},
+                                         {"type": "null"}], "default": None, "description": "a configured reranker's kind"}
+            fields["query"]["maxLength"] = settings.max_query_chars
+            fields["texts"].update(maxItems=settings.max_rerank_depth)
+            fields["texts"]["items"]["maxLength"] = settings.max_query_chars
+            fields["documents"].update(maxItems=settings.max_rerank_depth)
+            text, document = fields["documents"]["items"]["anyOf"]
+            text["maxLength"] = schemas["RerankDocument"]["properties"]["text"]["maxLength"] = settings.max_query_chars
+    if runtime.engine is not None:  # read anew: a reload may change it
+        dimension = runtime.engine.searcher.manifest.dimension
+        app.openapi_schema["components"]["schemas"]["EmbeddingsRequest"]["properties"]["dimensions"] = {
+            "anyOf": [{"const": dimension}, {"type": "null"}], "default": None,
+            "description": "OpenAI's: only the encoder's own dimension is served (the vectors are not shortened)"}
+    return app.openapi_schema
+
+
