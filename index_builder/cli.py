@@ -52,7 +52,7 @@ def _shard(text: str) -> Shard:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m index_builder", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -60,7 +60,7 @@ def _parser() -> argparse.ArgumentParser:
     build.add_argument("--corpus", type=Path, required=True, help="TSV id<TAB>text, or JSONL {id|_id, [title], text}")
     build.add_argument("--out", type=Path, required=True, help="index directory to create")
     build.add_argument("--model", type=Path, help="Hugging Face checkpoint directory (default: packaged MiniLM)")
-    build.add_argument("--batch-size", type=_positive, default=64)
+    build.add_argument("--batch-size", type=_positive, default=64, help="passages per forward pass")
     build.add_argument("--chunk-size", type=_positive, default=2048, help="passages per resumable chunk")
     build.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     build.add_argument("--query-max-tokens", type=_positive,
@@ -108,14 +108,14 @@ def _parser() -> argparse.ArgumentParser:
     merge.add_argument("--overwrite", action="store_true", help="replace an existing --out (atomically)")
 
     evaluate = commands.add_parser("eval", help="run queries through an index and score them against qrels")
-    evaluate.add_argument("--index", type=Path, required=True)
+    evaluate.add_argument("--index", type=Path, required=True, help="index directory to search")
     evaluate.add_argument("--queries", type=Path, required=True, help="TSV qid<TAB>query or BEIR JSONL")
     evaluate.add_argument("--qrels", type=Path, required=True, help="TREC qrels or BEIR TSV")
     evaluate.add_argument("--modes", nargs="+", choices=list(EVAL_MODES),
                           help="retrieval set-ups to compare (default: all the index supports)")
     evaluate.add_argument("--runs-dir", type=Path, help="write one TREC run file per mode here (MODE.run)")
     evaluate.add_argument("--compare", type=Path, help="a second run (e.g. BM25) for the consistency factor C(f,n)")
-    evaluate.add_argument("--k", type=_positive, default=MAX_K)
+    evaluate.add_argument("--k", type=_positive, default=MAX_K, help="results scored per query")
     evaluate.add_argument("--rerank", type=Path, nargs="+", metavar="DIR",
                           help="reranker folders (monoBERT, co-attention, generative, or a Hugging Face "
                           "sequence-classification folder with one logit); each adds a row per mode: MODE+DIRNAME "
@@ -123,13 +123,13 @@ def _parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--depth", type=_positive, default=100,
                           help="with --rerank: passages of each mode's list the reranker rescores (default 100)")
     evaluate.add_argument("--query-max-tokens", type=_positive, help="override the index's query token limit")
-    evaluate.add_argument("--device", default="auto")
+    evaluate.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     evaluate.add_argument("--backend", choices=BACKENDS,
                           help="encode the queries with this backend (default: the one the index was built with)")
 
     cranfield = commands.add_parser("convert-cranfield", help="SMART-format Cranfield to corpus/queries/qrels files")
     cranfield.add_argument("--data", type=Path, required=True, help="folder with cran.all.1400, cran.qry, cranqrel")
-    cranfield.add_argument("--out", type=Path, required=True)
+    cranfield.add_argument("--out", type=Path, required=True, help="folder for the corpus, queries and qrels files")
     return parser
 
 
@@ -258,7 +258,7 @@ def _eval(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     try:
         if args.command == "build":
             _build(args)

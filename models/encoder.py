@@ -119,9 +119,9 @@ def single_text_tokenizer(tokenizer, max_length: int | None = None) -> Tokenizer
     truncation (`max_length`: cut there as the tokenizer's own `truncation=True, max_length=` cuts); None
     for a tokenizer without a backend that can be copied (a slow one, a custom Python pre-tokenizer).
     The tokenizer's own call hands even one text to `encode_batch` and its rayon pool, which on a busy
-    host waits for cores a forward pass holds: with one running beside it, 57 us at p50 but 1.4 to 4 ms
-    at p99, against a steady 22 to 40 us for the backend's `encode`. A copy, because the tokenizer sets
-    truncation and padding on its own backend at every call, from whichever thread calls it."""
+    host waits for cores a forward pass holds, so its tail latency is many times that of the backend's
+    `encode`, which stays steady (see docs/benchmarks.md, bench/overload.py). A copy, because the
+    tokenizer sets truncation and padding on its own backend at every call, from whichever thread calls it."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
         return None
@@ -167,8 +167,7 @@ class BiEncoder:
         self.source = str(self.path.resolve()) if path is not None else None
         name = DEFAULT_MODEL_NAME if path is None else self.path.name
         self.tokenizer, self.model, self.device = load_pretrained(self.path, AutoModel, device=device, fp16=fp16)
-        # On the CPU, 32 short texts per pass encode faster than 64 (measured on 2 cores: 512 demo
-        # queries from 16 clients, 110 texts/s at 64, 178 to 190 at 32, 183 at 16; bench/peers.py).
+        # On the CPU, 32 short texts per pass encode faster than 64 (see docs/benchmarks.md, bench/peers.py).
         self.batch_size = batch_size or (64 if self.device.type == "cuda" else 32)
         # Batch widths rounded up on a GPU: its attention kernels are planned once per shape, and
         # length-sorted batches would otherwise bring a new shape (and plan) almost every batch.

@@ -1,8 +1,8 @@
 """ONNX Runtime under an encoder's or a cross-encoder's transformer, on the CPU, where it runs a
-short query 2-3x faster than torch eager. The same weights, exported once by torch's exporter and
-cached by their checksum; `onnx-int8` also quantises the linear layers' weights to int8 (ONNX
-Runtime's dynamic quantisation). Tokenisation, pooling, normalisation and heads stay with the caller,
-so every backend feeds and reads the transformer the same way."""
+short query faster than torch eager (see docs/benchmarks.md, bench/backends.py). The same weights,
+exported once by torch's exporter and cached by their checksum; `onnx-int8` also quantises the linear
+layers' weights to int8 (ONNX Runtime's dynamic quantisation). Tokenisation, pooling, normalisation
+and heads stay with the caller, so every backend feeds and reads the transformer the same way."""
 
 from __future__ import annotations
 
@@ -79,8 +79,8 @@ def exported(model: torch.nn.Module, weights_sha256: str, backend: Backend, outp
         from onnxruntime.quantization import QuantType, quantize_dynamic
 
         with tempfile.TemporaryDirectory(dir=folder) as scratch:
-            # Per-channel scales, matrix products only, 7-bit weights: the embedding keeps a cosine of
-            # 0.98-0.996 to fp32 on test queries, against 0.90-0.97 with per-tensor scales (the default).
+            # Per-channel scales, matrix products only, 7-bit weights: the embedding stays far closer to fp32
+            # than with per-tensor scales (the default); see docs/benchmarks.md, bench/backends.py.
             quiet = logging.getLogger().level
             logging.getLogger().setLevel(logging.ERROR)  # it advises a pre-processing pass on the root logger
             try:

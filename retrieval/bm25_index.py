@@ -14,9 +14,8 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 # bm25s runs a JAX top-k at import when JAX is installed; on a host with jax[cuda] that starts
-# JAX on the GPU, which takes 75% of its memory in every process (seen on an H100: a second
-# service process then failed to initialise FAISS on the GPU). BM25 here needs JAX on the CPU
-# at most; an explicit JAX_PLATFORMS still wins.
+# JAX on the GPU, which takes 75% of its memory in every process, leaving too little for FAISS in a
+# second one. BM25 here needs JAX on the CPU at most; an explicit JAX_PLATFORMS still wins.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import bm25s  # noqa: E402

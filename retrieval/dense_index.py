@@ -72,7 +72,7 @@ def load_index(path: str | Path, device: str = "auto", *, mmap: bool = False, fp
             raise RuntimeError(f"device {device!r} asked for, but faiss sees no GPU (faiss-cpu build or no device)")
         on_gpu = False  # torch sees a GPU but this faiss build cannot use it
     # IO_FLAG_MMAP_IFC maps the codes of IndexFlatCodes (IndexFlatIP included); IO_FLAG_MMAP maps only
-    # IVF inverted lists and reads a flat index whole (measured with faiss 1.15: RSS grew by the vectors).
+    # IVF inverted lists and reads a flat index whole.
     flags = faiss.IO_FLAG_MMAP_IFC if mmap and not on_gpu else 0
     index = faiss.read_index(str(path), flags) if expected is None else read_verified(Path(path), flags, expected)
     if not on_gpu:
@@ -186,8 +186,8 @@ def _available_bytes() -> int:
 
 def prefetch(path: Path) -> bool:
     """Read `path` once, in order, into the page cache, where it fits the available memory; whether it
-    did. A mapped index's first search otherwise faults its pages in small read-around clusters:
-    measured on this project's 2-core VM, 108 s for 7.3 GiB cold against 21 s for reading it whole."""
+    did. A mapped index's first search otherwise faults its pages in small read-around clusters, several
+    times slower than one read in order (see docs/benchmarks.md, bench/scale.py)."""
     try:
         size = path.stat().st_size
         if size > _available_bytes():

@@ -17,11 +17,10 @@ M_ARENA_MAX = -8  # glibc's mallopt parameter
 
 def limit_malloc_arenas(arenas: int = 2) -> None:
     """glibc gives each thread that allocates its own malloc arena, up to 8 per core, and freed memory
-    stays in them: under steady load (event loop, model thread, FAISS and OpenMP threads) RSS crept up
-    by 270 MiB in two minutes and had not levelled off; with two arenas it grows far less
-    (bench/overload.py's soak; what remains is the heap fragmenting, memory in use staying flat, which
-    jemalloc avoids: service/allocator.py). The same as MALLOC_ARENA_MAX=2; under jemalloc it sets what
-    nobody uses, and off glibc nothing happens."""
+    stays in them: under steady load (event loop, model thread, FAISS and OpenMP threads) RSS creeps up;
+    with two arenas it grows far less (see docs/benchmarks.md, bench/overload.py; what remains is the
+    heap fragmenting, which jemalloc avoids: service/allocator.py). The same as MALLOC_ARENA_MAX=2;
+    under jemalloc it sets what nobody uses, and off glibc nothing happens."""
     try:
         ctypes.CDLL("libc.so.6").mallopt(M_ARENA_MAX, arenas)
     except (OSError, AttributeError):

@@ -1,12 +1,11 @@
 """jemalloc in place of the C library's malloc for `python -m service`, where the system has it.
 
-Why: under steady load glibc's heap fragments. In bench/overload.py's soak, memory in use stays flat
-while the heap keeps more and more free chunks, so RSS grows (636 to 737 and 721 to 820 MiB in two
-minutes, two runs); with jemalloc it stays flat, at the same throughput (README, "Benchmarks"). An
-allocator must be in place before anything allocates, so the process executes itself again with
-jemalloc preloaded: same pid, same command line, one interpreter start more. The replicas of
-`python -m service --ray` are processes Ray starts: they get the preload in their environment
-(`worker_env`)."""
+Why: under steady load glibc's heap fragments: memory in use stays flat while the heap keeps more and
+more free chunks, so RSS grows; with jemalloc it stays flat, at the same throughput (see
+docs/benchmarks.md, bench/overload.py). An allocator must be in place before anything allocates, so
+the process executes itself again with jemalloc preloaded: same pid, same command line, one
+interpreter start more. The replicas of `python -m service --ray` are processes Ray starts: they get
+the preload in their environment (`worker_env`)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The service's HTTP protocol: uvicorn's, with the limits uvicorn lacks, enforced as bytes arrive.
 
 - A request head over `max_head_bytes` or `max_headers` lines is answered 431 and its connection closed,
-  before more of it is kept (httptools' parser has no cap: 100 MB of headers were held whole).
+  before more of it is kept (httptools' parser has no cap: it would hold a head of any size whole).
 - A connection that has not sent a whole request head within the read timeout is closed, so half-sent
   requests cannot hold connections forever (the body's timeout is in `limits.BodyLimits`); one whose
   client stops reading its answer is aborted after the write timeout, so unread answers cannot pin memory.
@@ -47,13 +47,13 @@ def timeout_protocol(read_timeout_s: float, write_timeout_s: float, occupancy: O
     `read_timeout_s` of the connection opening or of the previous response (idle keep-alive connections
     are closed sooner, by uvicorn's own keep-alive timeout), and aborting one whose client has read
     nothing of a response for `write_timeout_s`: the kernel's send buffer is full and asyncio's holds
-    the rest of the body (a 20 MB batch answer, for one), freed only when the connection goes.
+    the rest of the body (a batch answer at k = 1000 runs to megabytes), freed only when the connection goes.
 
     With `occupancy`, a search POST whose head arrives when the service is full is answered 429 by
     the protocol itself, with one write and before any of the app runs: no task, no middleware, no
     route (uvicorn answers its own limit_concurrency 503 the same way, with a stand-in app). A refusal
-    then costs the event loop 35 to 50 us (measured here) against 90 to 170 through the app, and in a
-    wave of a thousand requests each one waits for every refusal before it. A request let in is
+    then costs the event loop a fraction of one through the app, and in a wave of refusals each one
+    waits for every refusal before it (see docs/benchmarks.md, bench/overload.py). A request let in is
     counted in at once, not when its task first runs, or a burst of heads would all find room. The
     app's `Admission` counts and refuses where no protocol did (h11, whose protocol does not start
     requests through `_start_asgi_task`; an app served some other way).

@@ -30,6 +30,7 @@ from service.tracing import Stage, Tracing
 log = logging.getLogger("service")
 # A /rerank's share of the model thread before waiting batches get theirs: 16 full monoBERT pairs.
 RERANK_SLICE_TOKENS = 8192
+STATS_WINDOW = 1000  # requests /stats takes its percentiles over; /metrics' histograms count every one
 
 
 def _lower_priority(increment: int) -> None:
@@ -67,7 +68,7 @@ class Runtime:
         # (threads start only when used: a service over one index never starts one).
         self.waiter = ThreadPoolExecutor(max_workers=min(32, settings.max_concurrent_requests),
                                          thread_name_prefix="shard-wait")
-        self.monitor = Monitor(settings.stats_window)
+        self.monitor = Monitor(STATS_WINDOW)
         self.batcher = MicroBatcher(
             self._run, self.executor, settings.microbatch_window_ms / 1000, settings.microbatch_max,
             on_batch=self.monitor.observe_batch, max_tokens=settings.max_batch_tokens,
@@ -80,7 +81,7 @@ class Runtime:
         self.reload_lock = asyncio.Lock()
         if engine is not None:
             # On the model thread: torch's OpenMP workers spin after each call, and two threads that
-            # both run torch fight over the cores (measured: 12 ms per query on one thread, 30 ms on two).
+            # both run torch fight over the cores, each slower than one alone.
             self.executor.submit(engine.warm_up).result()
             self._settle()
 
@@ -196,10 +197,9 @@ class Runtime:
     def _settle(self, reloaded: bool = False) -> None:
         """With SEARCH_GC_FREEZE, everything alive once an index is in (model, tokenizer, index, imports)
         leaves the cyclic collector's generations: under load a full collection would otherwise walk
-        its ~400,000 objects, 0.25 s here with the GIL held, and every request waits (bench/overload.py,
-        1,000 clients: /health p99 233 -> 41 ms, 429 p99 359 -> 82 ms). After a reload, unfrozen first,
-        so what the replaced index held in reference cycles is collected rather than kept frozen; on a
-        first load only what is not frozen yet is walked."""
+        every one of them with the GIL held, and every request waits (see docs/benchmarks.md,
+        bench/overload.py). After a reload, unfrozen first, so what the replaced index held in reference
+        cycles is collected rather than kept frozen; on a first load only what is not frozen yet is walked."""
         if self.settings.gc_freeze:
             if reloaded:
                 gc.unfreeze()

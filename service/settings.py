@@ -15,109 +15,121 @@ from models.backends import Backend
 class ServiceSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="SEARCH_", extra="ignore")
 
-    index_dir: Path = Field(Path("indexes/demo"), description="index directory served at start-up")
-    index_root: Path | None = Field(None, description="folder /admin/reload may load from (default: index_dir's parent)")
-    device: str = Field("auto", description="auto, cpu, cuda or cuda:N, for the encoder and FAISS")
-    backend: Backend | None = Field(
-        None, description="the query encoder's: torch, or ONNX Runtime on the CPU (onnx; onnx-int8: int8 weights), "
-        "exported once into $XDG_CACHE_HOME/dense-search/onnx; default: the one the index was built with",
+    index_dir: Path = Field(Path("indexes/demo"), description="Index directory served at start-up.")
+    index_root: Path | None = Field(
+        None, description="The only folder /admin/reload may load an index from; unset: index_dir's parent.",
     )
-    query_max_tokens: int | None = Field(None, ge=1, description="override the index's query token limit")
-    verify_checksums: bool = Field(True, description="check the index files' sha256 against the manifest on load")
+    device: str = Field("auto", description="Where the encoder and FAISS run: auto, cpu, cuda or cuda:N.")
+    backend: Backend | None = Field(
+        None, description="The query encoder's backend: torch, or ONNX Runtime on the CPU (onnx; onnx-int8: int8 "
+        "weights), exported once into $XDG_CACHE_HOME/dense-search/onnx; unset: the one the index was built with.",
+    )
+    query_max_tokens: int | None = Field(
+        None, ge=1, description="Query token limit in place of the index's own; unset: the index's.",
+    )
+    verify_checksums: bool = Field(
+        True, description="Check the index files' sha256 against the manifest on load and on reload.",
+    )
     index_mmap: bool = Field(
-        False, description="on the CPU, memory-map the index's vectors instead of reading them into the process: "
-        "start-up reads no vectors (verify_checksums still reads the file once, into the page cache) and replicas "
-        "on one host share them through the page cache; ignored on a GPU",
+        False, description="On the CPU, memory-map the index's vectors instead of reading them into the process, "
+        "so replicas on one host share them through the page cache; ignored on a GPU.",
     )
     gpu_fp16: bool = Field(
-        False, description="on a GPU, store the index's vectors as fp16: half the GPU memory, scores within about "
-        "1e-4 of fp32 and nDCG@10 unchanged on Cranfield and SciFact (bench/fp16.py); ignored on the CPU",
+        False, description="On a GPU, store the index's vectors as fp16, in half the GPU memory; ignored on the CPU.",
     )
     rerankers: list[Path] = Field(
         default_factory=list,
-        description="reranker folders as a JSON list, at most one per kind (monobert, coattention, generative); "
-        "the first is the default; empty: no reranking",
+        description="Reranker folders as a JSON list, at most one per kind (monobert, coattention, generative), "
+        "the first being the default; empty: no reranking.",
     )
-    rerank_depth: int = Field(100, ge=1, le=1000, description="passages rescored when a request gives no depth (at most max_rerank_depth)")
-    max_rerank_depth: int = Field(1000, ge=1, le=1000, description="largest depth a request may ask for")
+    rerank_depth: int = Field(
+        100, ge=1, le=1000, description="Passages rescored when a request gives no depth (at most max_rerank_depth).",
+    )
+    max_rerank_depth: int = Field(1000, ge=1, le=1000, description="Largest depth a request may ask for.")
 
     max_query_chars: int = Field(
-        20_000, ge=1, description="longest query accepted, in characters: an abuse guard only, since tokens "
-        "past the query token limit are cut anyway (or refused with truncate: false)",
+        20_000, ge=1, description="Longest query accepted, in characters: an abuse guard only, since tokens past "
+        "the query token limit are cut anyway (or refused with truncate: false).",
     )
-    max_k: int = Field(1000, ge=1, le=1000, description="largest k accepted")
-    max_batch_queries: int = Field(64, ge=1, description="most queries in one /search/batch request")
+    max_k: int = Field(1000, ge=1, le=1000, description="Largest k accepted.")
+    max_batch_queries: int = Field(64, ge=1, description="Most queries in one /search/batch request.")
     max_body_bytes: int | None = Field(
-        None, ge=1, description="largest request body accepted, in bytes (default: a full batch of maximal "
-        "queries, each character written as a 6-byte JSON escape, plus 64 KiB)",
+        None, ge=1, description="Largest request body accepted, in bytes; unset: a full batch of maximal queries, "
+        "max_batch_queries x max_query_chars x 6 (each character a JSON escape) plus 64 KiB.",
     )
     max_head_bytes: int = Field(
-        32_768, ge=1024, description="largest request head (request line and headers) accepted, in bytes; past it, "
-        "431 and the connection closed",
+        32_768, ge=1024, description="Largest request head (request line and headers) accepted, in bytes; past it, "
+        "431 and the connection closed.",
     )
-    max_headers: int = Field(100, ge=1, description="most header lines in one request; past it, 431 and the connection closed")
+    max_headers: int = Field(
+        100, ge=1, description="Most header lines in one request; past it, 431 and the connection closed.",
+    )
     max_rerank_tokens: int = Field(
-        65_536, ge=1, description="most tokens one /rerank request may make its reranker read (query and passage "
-        "of every pair, after the reranker's own truncation); over it, 422",
+        65_536, ge=1, description="Most tokens one /rerank request may make its reranker read (query and passage "
+        "of every pair, after the reranker's own truncation); over it, 422.",
     )
-    api_key: SecretStr | None = Field(None, description="bearer key for every route but /health and /ready")
-    open_docs: bool = Field(False, description="with a key: serve /docs, /redoc and /openapi.json without it")
+    api_key: SecretStr | None = Field(
+        None, description="Bearer key required on every route but /health and /ready; unset: no key is asked for.",
+    )
+    open_docs: bool = Field(False, description="With a key, serve /docs, /redoc and /openapi.json without it.")
 
     max_concurrent_requests: int = Field(
-        512, ge=1, description="search requests in the service at once (queued or running); past it, 429 at once "
-        "with Retry-After (text-embeddings-inference's max_concurrent_requests)",
+        512, ge=1, description="Search requests in the service at once, queued or running; past it, 429 at once "
+        "with Retry-After (text-embeddings-inference's max_concurrent_requests).",
     )
-    retry_after_s: int = Field(1, ge=0, description="the Retry-After of a 429, in seconds")
+    retry_after_s: int = Field(1, ge=0, description="The Retry-After of a 429, in seconds.")
     max_batch_tokens: int = Field(
-        16_384, ge=1, description="most query tokens in one forward pass: a micro-batch stops short of it, and a "
-        "/search/batch over it is refused (text-embeddings-inference's max_batch_tokens)",
+        16_384, ge=1, description="Most query tokens in one forward pass: a micro-batch stops short of it, and a "
+        "/search/batch over it is refused (text-embeddings-inference's max_batch_tokens).",
     )
     read_timeout_s: float = Field(
-        10.0, gt=0, description="longest wait for a request's head, and for each part of its body (408)",
+        10.0, gt=0, description="Longest wait, in seconds, for a request's head and for each part of its body (408).",
     )
     write_timeout_s: float = Field(
-        30.0, gt=0, description="longest a client may read nothing of its answer once the send buffers are "
-        "full; then the connection is aborted, so unread answers do not pin memory",
+        30.0, gt=0, description="Longest a client may read nothing of its answer once the send buffers are full, "
+        "in seconds, before its connection is aborted so that unread answers do not pin memory.",
     )
 
-    microbatch: bool = Field(True, description="fuse concurrent /search requests into one forward pass")
+    microbatch: bool = Field(True, description="Fuse concurrent /search requests into one forward pass.")
     microbatch_window_ms: float = Field(
-        2.0, ge=0, description="how long a lone request waits for others to join, while traffic overlaps"
+        2.0, ge=0, description="How long a lone request waits for others to join, in milliseconds, while traffic "
+        "overlaps.",
     )
-    microbatch_max: int = Field(64, ge=1, description="most requests fused into one batch")
-    stats_window: int = Field(1000, ge=1, description="requests kept for /stats percentiles")
+    microbatch_max: int = Field(64, ge=1, description="Most requests fused into one batch.")
     gc_freeze: bool = Field(
-        True, description="once an index is loaded (and after each reload), keep every object alive then out of "
-        "Python's cyclic garbage collections (gc.freeze): a full one otherwise walks the model's 400,000 objects, "
-        "a quarter of a second with the GIL held, stalling every request under load",
+        True, description="Once an index is loaded (and after each reload), exempt every object then alive from "
+        "Python's cyclic garbage collection (gc.freeze), so that a full collection does not walk the model's "
+        "objects with the GIL held while requests wait.",
     )
     model_thread_nice: int = Field(
-        10, ge=0, le=19, description="added to the nice value of the thread that runs the model, and of the OpenMP "
-        "workers it starts (Linux, up to 19; the event loop keeps the process's own): on a busy host a forward pass "
-        "then yields the cores to the loop, so accepting, refusing and answering requests does not wait for them",
+        10, ge=0, le=19, description="Added to the nice value (Linux, up to 19) of the thread that runs the model "
+        "and of the OpenMP workers it starts, so that on a busy host a forward pass yields the cores to the event "
+        "loop accepting, refusing and answering requests.",
     )
     shard_timeout_s: float = Field(
-        10.0, gt=0, description="sharded serving (--ray): how long a search waits for every shard; a shard that has "
-        "not answered by then fails the request with 503 naming it (or is listed as missing with allow_partial)",
+        10.0, gt=0, description="Sharded serving (--ray) only: how long, in seconds, a search waits for every "
+        "shard before failing with 503 naming the one that did not answer (or listing it as missing with "
+        "allow_partial).",
     )
 
     access_log: bool = Field(
-        False, description="log a line per request (uvicorn's access log); off by default because under load it "
-        "costs about a tenth of the event loop's time, and /metrics already counts requests by route and status",
+        False, description="Log a line per request (uvicorn's access log); off by default, since /metrics already "
+        "counts requests by route and status.",
     )
     otlp_endpoint: str | None = Field(
-        None, description="OTLP/HTTP traces URL (e.g. http://collector:4318/v1/traces; a bare http://host:4318 gets "
-        "/v1/traces): a span per request, with queue, encode, retrieve and rerank under it; unset: no tracing",
+        None, description="OTLP/HTTP URL to export a span per request to, with queue, encode, retrieve and rerank "
+        "under it (e.g. http://collector:4318/v1/traces; a bare http://host:4318 gets /v1/traces); unset: no "
+        "tracing.",
     )
-    service_name: str = Field("dense-search", min_length=1, description="service.name of the exported spans")
+    service_name: str = Field("dense-search", min_length=1, description="service.name of the exported spans.")
     allocator: Literal["auto", "jemalloc", "system"] = Field(
-        "auto", description="malloc of `python -m service`: jemalloc (the process starts again with it preloaded: "
-        "glibc's heap fragments under steady load and RSS grows), system (the C library's, or what LD_PRELOAD "
-        "gives), or auto: jemalloc where it is installed (libjemalloc2) and LD_PRELOAD names nothing, else system; "
-        "with --ray, of the ingress and shard replicas too",
+        "auto", description="The malloc of `python -m service`, and with --ray of its ingress and shard replicas: "
+        "jemalloc (the process starts again with it preloaded, since glibc's heap fragments under steady load), "
+        "system (the C library's, or what LD_PRELOAD gives), or auto (jemalloc where libjemalloc2 is installed "
+        "and LD_PRELOAD names nothing, else system).",
     )
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=1, le=65535)
+    host: str = Field("127.0.0.1", description="Address the service listens on.")
+    port: int = Field(8000, ge=1, le=65535, description="Port the service listens on.")
 
     @field_validator("api_key")
     @classmethod

@@ -52,9 +52,9 @@ class ShardDeployment:
 
     async def search(self, vectors: np.ndarray, k: int, build: str | None = None):
         # On the replica's event loop, not Serve's thread pool for sync methods: one thread hop less a
-        # call (three shards' retrieve 7.6 against 9.9 ms on the 2-core machine), and one search at a
-        # time per replica, which FAISS parallelises itself. Serve's own work on this loop (health
-        # checks, queue-length probes) waits for a search in progress.
+        # call (see docs/benchmarks.md, bench/cluster.py), and one search at a time per replica, which
+        # FAISS parallelises itself. Serve's own work on this loop (health checks, queue-length probes)
+        # waits for a search in progress.
         return self.index.search(vectors, k, build)
 
 
@@ -106,12 +106,11 @@ class SearchIngress:
 # Ray Serve's high-throughput mode (Ray's guide "Enable High Throughput on Ray Serve"): HAProxy (shipped
 # with ray[serve] on Linux) forwards HTTP straight to the ingress replica's own server in place of Serve's
 # Python proxy, and the ingress calls the shards over gRPC. The router keeps its own loop, since the engine
-# calls the shard handles from its model thread. On bench/cluster.py's one client: p50 2.3x the plain
-# service's with Serve's defaults, 1.5x with these (README, "Benchmarks"). They go into the runtime_env
-# of the job that starts Serve, whose controller, proxies and replicas all inherit it (a Serve already
-# running on a cluster keeps the mode it started in: under `serve run` and KubeRay, set them in the
-# cluster's environment). Setting one where `python -m service --ray` runs overrides it
-# (RAY_SERVE_ENABLE_HA_PROXY=0: Serve's Python proxy).
+# calls the shard handles from its model thread. It cuts much of what Serve's defaults add to a search
+# (see docs/benchmarks.md, bench/cluster.py). They go into the runtime_env of the job that starts Serve,
+# whose controller, proxies and replicas all inherit it (a Serve already running on a cluster keeps the
+# mode it started in: under `serve run` and KubeRay, set them in the cluster's environment). Setting one
+# where `python -m service --ray` runs overrides it (RAY_SERVE_ENABLE_HA_PROXY=0: Serve's Python proxy).
 SERVE_ENV = {
     "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
     "RAY_SERVE_ENABLE_HA_PROXY": "1",
@@ -126,14 +125,14 @@ def client_timeout_env(settings: ServiceSettings) -> dict[str, str]:
     head or body) or read nothing (of its answer) before HAProxy closes the connection (408 while the
     request is unfinished). The plain service bounds these with SEARCH_READ_TIMEOUT_S and
     SEARCH_WRITE_TIMEOUT_S; HAProxy has one limit for both ways, so it takes the longer (Ray's default:
-    an hour, which let half-sent requests hold connections)."""
+    an hour, which lets half-sent requests hold connections)."""
     return {"RAY_SERVE_HAPROXY_TIMEOUT_CLIENT_S": str(math.ceil(max(settings.read_timeout_s, settings.write_timeout_s)))}
 
 
 # On a Ray started here the one load balancer in front of the ingress is this machine's HAProxy, which Serve
 # itself updates (and which retries a refused connection): Ray's drain period, there for cloud load
 # balancers to deregister a stopping ingress replica (30 s), would only hold every stop (Ctrl-C, SIGTERM)
-# that long. Measured: a stop in 5 s against 33.
+# that long.
 LOCAL_SERVE_ENV = {"RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2"}
 
 
@@ -182,7 +181,7 @@ def build_application(shard_dirs: Sequence[str | Path], settings: ServiceSetting
     malloc = allocator.worker_env(settings.allocator)
     log.info("replicas' malloc: %s", ", ".join(f"{name}={value}" for name, value in malloc.items()))
     # Serve logs a line per request and per shard call unless told not to; SEARCH_ACCESS_LOG decides, as it
-    # does for uvicorn's (off by default: measured there at about a tenth of the event loop under load).
+    # does for uvicorn's (off by default: under load it takes a share of the event loop that serving needs).
     logging_config = {"enable_access_log": settings.access_log}
     shards = []
     for name, directory in zip(names, shard_dirs):
@@ -369,7 +368,7 @@ def _deploy(application) -> list[str]:
 
 def _stop_on_sigterm() -> None:
     """SIGTERM (`kill`, `docker stop`, Kubernetes) stops as Ctrl-C does (_stop), and the command exits 0.
-    Ray's own handler ended the process at once, before Serve could stop what it runs."""
+    Ray's own handler would end the process at once, before Serve could stop what it runs."""
     def interrupt(signum, frame):
         raise KeyboardInterrupt
 

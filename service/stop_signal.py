@@ -2,9 +2,9 @@
 command owns (StopSignal), which each replica watches from its start (`watch`) and the command sets
 (`drain_ingress`). Each replica then takes no new search and answers those it holds while the shards
 still answer them (Serve deletes the shards with the ingress, under searches in flight). A call through
-Serve's deployment handle would reach only the replica Serve's router picks, the idler: with two ingress
-replicas and two batches in one, it missed the busy one in one run of two. Kept apart from
-service.sharded so that the actor's worker imports no model, FAISS or web framework."""
+Serve's deployment handle would reach only the replica Serve's router picks, the idler, and could miss
+the busy one. Kept apart from service.sharded so that the actor's worker imports no model, FAISS or web
+framework."""
 
 from __future__ import annotations
 

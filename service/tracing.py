@@ -135,7 +135,7 @@ class Tracing:
     def shutdown(self, timeout_s: float = SHUTDOWN_TIMEOUT_S) -> bool:
         """Export what is left and stop, if the provider is this object's own, waiting at most
         `timeout_s`: whether it finished. Past it the export goes on in a daemon thread, which the
-        process does not wait for at exit (a collector that never answers held the exit 30 s)."""
+        process does not wait for at exit (a collector that never answers would otherwise hold the exit)."""
         if not self._owned:
             return True
         exporting = threading.Thread(target=self.provider.shutdown, name="trace-shutdown", daemon=True)

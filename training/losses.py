@@ -60,8 +60,8 @@ def in_batch_softmax_loss(scores: torch.Tensor, positive: torch.Tensor, scale: f
 
     Other positives of the row are left out of the denominator, so a passage relevant to two queries
     is never pushed down for either. Unlike eq. 4's hinge, which stops pulling once every gap
-    reaches the margin (on SciFact, from about step 100: loss 0.0005), this keeps ranking the
-    hardest negatives below the positive. `scale` 20 is sentence-transformers'
+    reaches the margin (see docs/experiments/scifact.md), this keeps ranking the hardest negatives
+    below the positive. `scale` 20 is sentence-transformers'
     MultipleNegativesRankingLoss default, for cosine scores in [-1, 1]. Rows with no positive add 0.
     """
     if scores.shape != positive.shape:

@@ -54,14 +54,18 @@ def write_split(queries: Path, qrels: Path, out: Path, dev_share: float = 0.2, s
     return {part: len(ids) for part, ids in parts.items()}
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m training.split", description=__doc__.split("\n\n")[0])
     parser.add_argument("--queries", type=Path, required=True, help="TSV qid<TAB>text or BEIR JSONL")
     parser.add_argument("--qrels", type=Path, required=True, help="TREC qrels or BEIR TSV")
     parser.add_argument("--out", type=Path, required=True, help="folder for the split files")
     parser.add_argument("--dev-share", type=float, default=0.2, help="share of the queries held out (default 0.2)")
-    parser.add_argument("--seed", type=int, default=13)
-    args = parser.parse_args(argv)
+    parser.add_argument("--seed", type=int, default=13, help="seed of the shuffle (default 13)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         counts = write_split(args.queries, args.qrels, args.out, args.dev_share, args.seed)
     except (InputFileError, OSError) as error:

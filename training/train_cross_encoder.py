@@ -65,8 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--objective", choices=("pointwise", "group"), default="pointwise",
                         help="pointwise: eq. 1's cross-entropy on each pair (default); group: a softmax over each "
                         "positive and its negatives (localized contrastive estimation; use several --negatives)")
-    parser.add_argument("--query-max-tokens", type=int, default=64)
-    parser.add_argument("--max-tokens", type=int, default=512)
+    parser.add_argument("--query-max-tokens", type=int, default=64, help="query tokens kept of a pair (default 64)")
+    parser.add_argument("--max-tokens", type=int, default=512,
+                        help="tokens of a query-passage pair, special tokens included (default 512)")
     add_training_arguments(parser, lr=3e-6, batch_size=8, pairs="query, positive")
     return parser
 

@@ -82,13 +82,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--gguf-file", help="with --init: a GGUF file inside that folder to load")
     add_negatives_arguments(parser, None, "sampled negatives per positive (lul 5, rll 15)")
     parser.add_argument("--margin", type=float, default=1.0, help="rll: the hinge margin lambda of eq. 5 (default 1)")
-    parser.add_argument("--query-max-tokens", type=int, default=64)
-    parser.add_argument("--passage-max-tokens", type=int, default=256)
+    parser.add_argument("--query-max-tokens", type=int, default=64, help="query tokens kept (default 64)")
+    parser.add_argument("--passage-max-tokens", type=int, default=256, help="passage tokens kept (default 256)")
     scratch = parser.add_argument_group("--scratch model size")
     scratch.add_argument("--vocab-size", type=int, default=8000, help="BPE vocabulary learnt from the data")
     scratch.add_argument("--layers", type=int, default=4, help="layers (per side for seq2seq)")
-    scratch.add_argument("--width", type=int, default=256)
-    scratch.add_argument("--heads", type=int, default=4)
+    scratch.add_argument("--width", type=int, default=256, help="hidden size")
+    scratch.add_argument("--heads", type=int, default=4, help="attention heads per layer")
     add_training_arguments(parser, lr=5e-5, batch_size=8, pairs="query, positive")
     return parser
 

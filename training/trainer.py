@@ -105,12 +105,12 @@ def add_training_arguments(parser: argparse.ArgumentParser, *, lr: float, batch_
     group.add_argument(
         "--warmup-steps", type=int, default=None, help="linear warm-up steps (default 10%% of --max-steps)"
     )
-    group.add_argument("--weight-decay", type=float, default=0.01)
+    group.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay (default 0.01)")
     group.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping; 0 turns it off")
     group.add_argument("--save-every", type=int, default=500, help="checkpoint every N steps, and at the end")
     group.add_argument("--keep-checkpoints", type=int, default=2, help="newest checkpoints kept; 0 keeps all")
     group.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --output")
-    group.add_argument("--seed", type=int, default=13)
+    group.add_argument("--seed", type=int, default=13, help="seed of the batches, negatives and initialisation")
     group.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1 ...")
 
 
