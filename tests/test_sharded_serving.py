@@ -196,6 +196,25 @@ def test_haproxy_closes_a_connection_whose_request_stops_half_sent_after_the_rea
     assert RAY_CLIENT_TIMEOUT_S - 0.5 <= waited < RAY_CLIENT_TIMEOUT_S + 10
 
 
+def test_haproxy_refuses_a_request_head_past_its_buffer_and_serves_on(client, base_url):
+    # The Ray path's head limit is HAProxy's (tune.bufsize less its 1 KiB rewrite room), not SEARCH_MAX_HEAD_BYTES.
+    host, port = base_url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as sock:
+        sock.settimeout(30)
+        try:
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: search\r\nX-Pad: " + b"a" * (1 << 20) + b"\r\n\r\n")
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        answer = b""
+        try:
+            while chunk := sock.recv(4096):
+                answer += chunk
+        except ConnectionResetError:
+            pass
+    assert answer.startswith(b"HTTP/1.1 400"), answer[:200]
+    assert client.get("/health").status_code == 200
+
+
 def replica_name(deployment: str) -> str:
     names = [actor["name"] for actor in ray.util.list_named_actors(all_namespaces=True)
              if actor["namespace"] == "serve" and f"#{deployment}#" in actor["name"]]
