@@ -5,9 +5,10 @@
 
 1. head flood: `--heads` connections each sending up to `--head-mib` MiB of one header line to
    /health, all held open: the server's RSS before, at its highest (sampled every 50 ms) and after.
-2. unread answers: `--unread` clients each sending a /search/batch of 64 queries at k=1000 (hybrid)
-   and reading nothing, against SEARCH_MAX_CONCURRENT_REQUESTS=--cap: how many were answered 429 at
-   once, and the server's RSS before and once every request is in (the write timeout not yet passed).
+2. unread answers: `--unread` clients, one after another, each sending a /search/batch of 64 queries
+   at k=1000 (hybrid) and reading nothing once its answer has begun, against
+   SEARCH_MAX_CONCURRENT_REQUESTS=--cap (SEARCH_WRITE_TIMEOUT_S 600, past the run): how many were
+   answered 200 and 429, and the server's RSS before and with every answer unread.
 3. rerank stall: a monoBERT with the packaged MiniLM's weights (a random head: its cost is real, its
    scores meaningless); one /rerank of `--rerank-texts` texts of about `--rerank-tokens` tokens, with
    SEARCH_MAX_RERANK_TOKENS raised to let it in, while one client searches in a loop: the rerank's
@@ -72,18 +73,16 @@ def unread_answers(server: Server, clients: int) -> dict:
     body = json.dumps({"queries": QUERIES[:64], "k": 1000, "mode": "hybrid"}).encode()
     request = (b"POST /search/batch HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
                b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
-    before, socks = rss_mib(pid), []
-    for _ in range(clients):
+    before, socks, statuses = rss_mib(pid), [], []
+    for _ in range(clients):  # one after another, each once its answer has begun
         sock = socket.socket()
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         sock.connect(("127.0.0.1", server.port))
         sock.sendall(request)
-        socks.append(sock)
-    statuses = []
-    for sock in socks:
         sock.settimeout(120)
-        statuses.append(sock.recv(12)[9:12].decode())
-    time.sleep(5)  # every accepted batch searched and answered, none read
+        statuses.append(sock.recv(12, socket.MSG_PEEK)[9:12].decode())
+        socks.append(sock)
+    time.sleep(2)
     held = rss_mib(pid)
     for sock in socks:
         sock.close()
@@ -143,7 +142,8 @@ def main() -> None:
         with Server(args.index, args.device) as server:
             print("head flood:", head_flood(server, args.heads, args.head_mib), flush=True)
     if "unread" not in args.skip:
-        with Server(args.index, args.device, max_concurrent_requests=str(args.cap)) as server:
+        # A write timeout longer than the run: what unread answers pin before it frees them.
+        with Server(args.index, args.device, max_concurrent_requests=str(args.cap), write_timeout_s="600") as server:
             print("unread answers:", unread_answers(server, args.unread), flush=True)
     if "rerank" not in args.skip:
         text = " ".join(["the join of two paths"] * (args.rerank_tokens // 5))  # about 5 tokens a phrase
