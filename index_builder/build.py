@@ -38,6 +38,7 @@ import numpy as np
 from tqdm import tqdm
 
 from index_builder import out_lock
+from index_builder.ann import AnnOptions, AnnReport, add_in_place
 from index_builder.corpus_file import check_corpus_file, check_unchanged, count_lines
 from index_builder.errors import BuildError
 from index_builder.shard import Shard
@@ -88,6 +89,7 @@ class BuildOptions:
     shard: Shard | None = None  # keep only this shard's records (see index_builder.shard)
     shards: int | None = None  # write this many shard directories (shard_folder) instead of one index
     max_passage_bytes: int = DEFAULT_MAX_PASSAGE_BYTES  # a longer corpus line (its line end aside) is a bad line
+    ann: AnnOptions | None = None  # also a candidate structure (index_builder.ann), in each shard with `shards`
 
 
 @dataclass
@@ -99,6 +101,7 @@ class BuildReport:
     seconds: float
     resumed_chunks: int
     shards: int | None = None
+    ann: list[AnnReport] = field(default_factory=list)  # the candidate structures built (one per shard)
 
     @property
     def passages_per_second(self) -> float:
@@ -107,10 +110,11 @@ class BuildReport:
     def summary(self) -> str:
         resumed = f", resumed after {self.resumed_chunks} chunks" if self.resumed_chunks else ""
         split = f" in {self.shards} shards {self.out}/shard-{{0..{self.shards - 1}}}" if self.shards else ""
-        return (
+        return "\n".join([
             f"built {self.out}: {self.passages} passages{split} ({self.skipped} bad lines skipped{resumed}); "
-            f"encoded {self.encoded} in {self.seconds:.1f} s = {self.passages_per_second:.1f} passages/s"
-        )
+            f"encoded {self.encoded} in {self.seconds:.1f} s = {self.passages_per_second:.1f} passages/s",
+            *(report.summary() for report in self.ann),
+        ])
 
 
 @dataclass
@@ -298,10 +302,13 @@ def _build(options: BuildOptions, encoder: PassageEncoder) -> BuildReport:
         # even for a moment, and a crash before the last line leaves only the scratch to resume from.
         shards_dir = out.parent / f".{out.name}.shards"
         _finish_shards(work, shards_dir, state, encoder_record, corpus_record, options.bm25, options.shards)
+        ann = [add_in_place(shard_folder(shards_dir, i), options.ann, published=shard_folder(out, i))
+               for i in range(options.shards) if options.ann]
         index_writer.move_into_place(shards_dir, out)
         shutil.rmtree(work)
     else:
         _finish(work, state, encoder_record, corpus_record, options.bm25, options.shard)
+        ann = [add_in_place(work, options.ann, published=out)] if options.ann else []
         index_writer.move_into_place(work, out, scratch=(CHUNKS_DIR, STATE_FILE))
     return BuildReport(
         out=out,
@@ -311,6 +318,7 @@ def _build(options: BuildOptions, encoder: PassageEncoder) -> BuildReport:
         seconds=time.perf_counter() - started,
         resumed_chunks=resumed_chunks,
         shards=options.shards,
+        ann=ann,
     )
 
 

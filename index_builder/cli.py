@@ -1,4 +1,4 @@
-"""`python -m index_builder {build,merge,eval,convert-cranfield}`; bad input exits 2 with a one-line reason."""
+"""`python -m index_builder {build,merge,ann,eval,convert-cranfield}`; bad input exits 2 with a one-line reason."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from index_builder import out_lock
+from index_builder.ann import AnnOptions, add_structure
 from index_builder.build import BuildError, BuildOptions, build_index
 from index_builder.corpus_file import check_corpus_file
 from index_builder.evaluate import (
@@ -27,6 +28,7 @@ from index_builder.smart import convert_cranfield
 from models.backends import BACKENDS
 from models.encoder import BiEncoder
 from models.reranker import load_reranker
+from retrieval import candidates
 from retrieval.corpus import DEFAULT_MAX_PASSAGE_BYTES
 from retrieval.index_format import IndexFormatError, read_manifest
 from retrieval.readers import InputFileError, Run, read_qrels, read_queries, read_run, write_run
@@ -50,6 +52,40 @@ def _shard(text: str) -> Shard:
         return Shard.parse(text)
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 1, got {value:g}")
+    return value
+
+
+def _add_ann_flags(parser: argparse.ArgumentParser) -> None:
+    """The structure's parameters, shared by `ann` and `build --ann`."""
+    hnsw = candidates.HNSW_PARAMS
+    parser.add_argument("--m", type=_positive, metavar="M", help=f"hnsw: links per node (default {hnsw['M']})")
+    parser.add_argument("--ef-construction", type=_positive, metavar="N",
+                        help=f"hnsw: search width while building (default {hnsw['efConstruction']})")
+    parser.add_argument("--ef-search", type=_positive, metavar="N",
+                        help=f"hnsw: search width while searching (default {hnsw['efSearch']}); raises recall")
+    parser.add_argument("--candidates", type=_positive, metavar="N",
+                        help="candidates rescored exactly per query by default (hnsw: --ef-search; binary: "
+                        f"{candidates.SCAN_DEPTH['binary']}; int8: {candidates.SCAN_DEPTH['int8']}); raises recall")
+    parser.add_argument("--queries", type=Path, metavar="FILE",
+                        help="measure recall on these queries (TSV qid<TAB>query or BEIR JSONL) instead of "
+                        f"{candidates.RECALL_SAMPLE} held-out passages (each searched with itself excluded)")
+    parser.add_argument("--sample", type=_positive, default=candidates.RECALL_SAMPLE, metavar="N",
+                        help=f"held-out passages recall is measured on (default {candidates.RECALL_SAMPLE})")
+    parser.add_argument("--recall-threshold", type=_fraction, default=candidates.RECALL_THRESHOLD, metavar="R",
+                        help="warn when the measured recall@10 is under this, naming the flag that raises it "
+                        f"(default {candidates.RECALL_THRESHOLD})")
+
+
+def _ann_options(args: argparse.Namespace, kind: str) -> AnnOptions:
+    return AnnOptions(kind, m=args.m, ef_construction=args.ef_construction, ef_search=args.ef_search,
+                      candidates=args.candidates, queries=args.queries, sample=args.sample,
+                      recall_threshold=args.recall_threshold, device=args.device)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -85,6 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--backend", choices=BACKENDS, default="torch",
                        help="torch, or ONNX Runtime on the CPU (onnx; onnx-int8: int8 weights), recorded in the manifest")
     build.add_argument("--bm25", action="store_true", help="also build a BM25 index (bm25s) over the same passages")
+    build.add_argument("--ann", choices=candidates.KINDS, metavar="KIND",
+                       help="also build an approximate candidate structure (hnsw, binary or int8; see `ann`)")
     build.add_argument("--shard", type=_shard, metavar="i/N",
                        help="keep only records i, i+N, i+2N, ... (0-based) of the corpus; combine with `merge`")
     build.add_argument("--shards", type=_positive, metavar="N",
@@ -100,6 +138,16 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--gpus-per-worker", type=float, metavar="G",
                        help="with --ray: GPUs per actor, e.g. 0.5 for two per GPU; 0 for CPU actors "
                        "(default: 1 where the cluster has GPUs, else 0)")
+
+    _add_ann_flags(build)
+
+    ann = commands.add_parser("ann", help="add an approximate candidate structure to an index, with its recall")
+    ann.add_argument("--index", type=Path, required=True, help="index directory (replaced atomically)")
+    ann.add_argument("--kind", choices=candidates.KINDS, required=True,
+                     help="hnsw (a graph over the stored vectors), binary (sign bits, Hamming scan) or int8 "
+                     "(8-bit codes, scan); candidates are rescored exactly from the stored vectors")
+    ann.add_argument("--device", default="auto", help="where --queries are encoded: auto, cpu, cuda or cuda:N")
+    _add_ann_flags(ann)
 
     merge = commands.add_parser("merge", help="merge the indexes of `build --shard i/N` jobs into one index")
     merge.add_argument("--shards", type=Path, nargs="+", required=True,
@@ -135,6 +183,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _check_build_flags(args: argparse.Namespace) -> None:
     """BuildError (one line, exit 2) for flags that cannot work together, before anything is loaded."""
+    given = [flag for flag, value in (("--m", args.m), ("--ef-construction", args.ef_construction),
+                                      ("--ef-search", args.ef_search), ("--candidates", args.candidates),
+                                      ("--queries", args.queries)) if value is not None]
+    if args.ann is None and given:
+        raise BuildError(f"{', '.join(given)} need --ann KIND")
+    if args.ann is not None:
+        _ann_options(args, args.ann).params()
     if args.shard is not None and args.shards is not None:
         raise BuildError("--shard i/N builds one shard, --shards N all of them: pass one of the two")
     if args.ray is None:
@@ -170,6 +225,7 @@ def _build(args: argparse.Namespace) -> None:
     options = BuildOptions(
         args.corpus, args.out, args.chunk_size, args.skip_bad, args.overwrite, args.restart, bm25=args.bm25,
         shard=args.shard, shards=args.shards, max_passage_bytes=args.max_passage_bytes,
+        ann=_ann_options(args, args.ann) if args.ann else None,
     )
     # build_index checks both again; here they fail before a model loads.
     check_corpus_file(args.corpus)
@@ -264,6 +320,8 @@ def main(argv: list[str] | None = None) -> int:
             _build(args)
         elif args.command == "merge":
             print(merge_shards(expand_shard_dirs(args.shards), args.out, args.overwrite).summary())
+        elif args.command == "ann":
+            print(add_structure(args.index, _ann_options(args, args.kind)).summary())
         elif args.command == "eval":
             _eval(args)
         else:

@@ -49,6 +49,18 @@ def to_gpu(index: faiss.Index, gpu: int, fp16: bool = False) -> faiss.Index:
     return placed
 
 
+def stays_on_gpu(device: str) -> bool:
+    """Whether `load_index(..., device)` places the index on a GPU (False: it stays on the CPU);
+    RuntimeError for a GPU asked for by name that this faiss build cannot use."""
+    if resolve_device(device).type == "cpu":
+        return False
+    if gpu_count() == 0:
+        if device != "auto":
+            raise RuntimeError(f"device {device!r} asked for, but faiss sees no GPU (faiss-cpu build or no device)")
+        return False  # torch sees a GPU but this faiss build cannot use it
+    return True
+
+
 def load_index(path: str | Path, device: str = "auto", *, mmap: bool = False, fp16: bool = False,
                expected: FileRecord | None = None) -> faiss.Index:
     """Read an index file and place it as `device` says (models.checkpoint.resolve_device): `cpu` on the
@@ -66,11 +78,7 @@ def load_index(path: str | Path, device: str = "auto", *, mmap: bool = False, fp
     `expected`: the manifest's record of the file; the index is then checked against it from the bytes
     FAISS loads, IndexFormatError where they differ (see read_verified)."""
     resolved = resolve_device(device)
-    on_gpu = resolved.type != "cpu"
-    if on_gpu and gpu_count() == 0:
-        if device != "auto":
-            raise RuntimeError(f"device {device!r} asked for, but faiss sees no GPU (faiss-cpu build or no device)")
-        on_gpu = False  # torch sees a GPU but this faiss build cannot use it
+    on_gpu = stays_on_gpu(device)
     # IO_FLAG_MMAP_IFC maps the codes of IndexFlatCodes (IndexFlatIP included); IO_FLAG_MMAP maps only
     # IVF inverted lists and reads a flat index whole.
     flags = faiss.IO_FLAG_MMAP_IFC if mmap and not on_gpu else 0
@@ -82,8 +90,14 @@ def load_index(path: str | Path, device: str = "auto", *, mmap: bool = False, fp
     return shard_over_gpus(index, fp16) if resolved.index is None else to_gpu(index, resolved.index, fp16)
 
 
-def read_verified(path: Path, flags: int, expected: FileRecord) -> faiss.Index:
-    """The index in `path`, read with FAISS `flags`, from bytes whose size and sha256 are `expected`'s;
+def is_mapped(index: faiss.Index) -> bool:
+    """Whether a flat index's vectors are memory-mapped (IO_FLAG_MMAP_IFC) rather than held in the process."""
+    return isinstance(index, faiss.IndexFlatCodes) and not index.codes.is_owned
+
+
+def read_verified(path: Path, flags: int, expected: FileRecord, reader=faiss.read_index) -> faiss.Index:
+    """The index in `path`, read with FAISS `flags` by `reader` (faiss.read_index, or read_index_binary for a
+    binary index), from bytes whose size and sha256 are `expected`'s;
     IndexFormatError otherwise (the index read is dropped). The file is opened once and checked through
     that one open file, so neither a rewrite in place nor a rename over `path` can slip other bytes in.
 
@@ -107,7 +121,7 @@ def read_verified(path: Path, flags: int, expected: FileRecord) -> faiss.Index:
 
             source = faiss.PyCallbackIOReader(hashed_read)
         try:
-            index = faiss.read_index(source, flags)
+            index = reader(source, flags)
         except Exception as error:  # bytes other than the manifest's explain a parse error better than FAISS
             _check_rest(path, handle, digest, expected, error)
             raise
@@ -150,17 +164,17 @@ def search(index: faiss.Index, vectors: np.ndarray, k: int) -> tuple[np.ndarray,
         return index.search(vectors, k)
     if k >= total:  # every row is in: nothing to choose, only to order
         scores, rows = index.search(vectors, k)
-        return _ordered(scores, rows, k)
+        return ordered(scores, rows, k)
     cap = total if isinstance(index, faiss.IndexFlat) else min(total, GPU_MAX_K)
     fetch = min(k + 1, cap)
     scores, rows = index.search(vectors, fetch)
     while fetch < cap and np.any((scores[:, k] == scores[:, k - 1]) & (scores[:, -1] == scores[:, k - 1])):
         fetch = min(fetch * 2, cap)  # a tie runs past what was read: read on until it ends
         scores, rows = index.search(vectors, fetch)
-    return _ordered(scores, rows, k)
+    return ordered(scores, rows, k)
 
 
-def _ordered(scores: np.ndarray, rows: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+def ordered(scores: np.ndarray, rows: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     """The first k of each query's (score, row) pairs by score descending, then row ascending (-1 rows,
     scored -inf-like, last)."""
     order = np.lexsort((np.where(rows < 0, np.iinfo(np.int64).max, rows), -scores), axis=-1)[:, :k]

@@ -3,6 +3,8 @@
     DIR/manifest.json     what was built, with what encoder, and checksums
     DIR/index.faiss       a flat inner-product FAISS index, row i = passage row i
     DIR/passages.sqlite   row -> (id, text), read on demand (see passage_store)
+    DIR/candidates-KIND.faiss   optional: an approximate candidate structure over index.faiss's
+                          vectors (retrieval.candidates), listed in the manifest's `candidates`
 
 Readers go through this module; `retrieval.index_writer` writes it, the manifest
 last and atomically, so a directory with a manifest is a finished index.
@@ -73,6 +75,27 @@ class Bm25Record(BaseModel):
     stopwords: str
 
 
+class CandidateRecord(BaseModel):
+    """One approximate candidate structure (retrieval.candidates) and its recall card: recall@10 and
+    @100 of the approximate path (candidates, rescored exactly) against the exact flat search."""
+
+    kind: Literal["hnsw", "binary", "int8"]
+    file: str  # relative to the directory, also listed (with its checksum) in `files`
+    params: dict[str, int]  # hnsw: M, efConstruction, efSearch; binary and int8: none
+    depth: int  # candidates rescored per query by default (at least k), the depth recall was measured at
+    recall_at_10: float
+    recall_at_100: float
+    recall_queries: str  # "held-out passages" (stored vectors, each searched with itself excluded) or a file name
+    sample: int  # queries the recall was measured on
+    seconds: float  # building the structure, recall aside
+    library: str  # "faiss <version>"
+
+
+def candidates_file(kind: str) -> str:
+    """The file of an index's candidate structure of `kind`: one per kind."""
+    return f"candidates-{kind}.faiss"
+
+
 class Manifest(BaseModel):
     """The record of one index. Manifests written before `dimension` and `similarity` lived only in
     `encoder` also carry them at the top level; those copies are ignored on reading."""
@@ -85,6 +108,8 @@ class Manifest(BaseModel):
     files: dict[str, FileRecord]  # every file of the index, by path relative to the directory
     bm25: Bm25Record | None = None  # present when built with --bm25
     shard: str | None = None  # "i/N" for one job of a sharded build (index_builder.shard); None for a whole index
+    # Approximate candidate structures beside the exact vectors (`ann`, `build --ann`); none before they existed.
+    candidates: list[CandidateRecord] = []
     # sha256 of the manifest's own other fields (`manifest_digest`), so an edited manifest is refused;
     # None in manifests written before it existed, which load unchecked as before.
     manifest_sha256: str | None = None
@@ -105,8 +130,9 @@ def manifest_digest(fields: dict) -> str:
 
 
 def sealed(manifest: Manifest) -> dict:
-    """The manifest as written to disk: its fields and their digest."""
-    fields = manifest.model_dump(exclude={"manifest_sha256"})
+    """The manifest as written to disk: its fields and their digest. An index without candidate structures
+    is written without the field, as before it existed."""
+    fields = manifest.model_dump(exclude={"manifest_sha256"} | (set() if manifest.candidates else {"candidates"}))
     return {**fields, "manifest_sha256": manifest_digest(fields)}
 
 
@@ -154,6 +180,13 @@ def read_manifest(directory: str | Path, *, verify_checksums: bool = False,
     for name in (INDEX_FILE, PASSAGES_FILE):
         if name not in manifest.files:
             raise IndexFormatError(f"{directory}: {name} missing from the manifest")
+    kinds = [record.kind for record in manifest.candidates]
+    for record in manifest.candidates:
+        if record.file != candidates_file(record.kind) or record.file not in manifest.files:
+            raise IndexFormatError(f"{path}: candidate structure {record.kind!r} names {record.file!r}, not "
+                                   f"{candidates_file(record.kind)!r} listed in its files")
+        if kinds.count(record.kind) > 1:
+            raise IndexFormatError(f"{path}: two candidate structures of kind {record.kind!r}")
     for name, record in manifest.files.items():
         file = directory / name
         if not file.is_file():

@@ -2,7 +2,9 @@
 
 An index is written inside a work folder beside its destination (passages, then vectors, then
 BM25, then the manifest, which marks it finished) and moved into place by rename, so a reader
-of the destination sees the old index or the new one, never half of one.
+of the destination sees the old index or the new one, never half of one. A candidate structure
+(retrieval.candidates) is added to a finished index in its work folder, or in a new generation of
+a published one (`link_generation`: its files hard-linked, never rewritten), moved into place the same way.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import errno
 import os
 import shutil
 import sqlite3
+import time
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -19,16 +22,19 @@ from typing import Iterable, Sequence
 import faiss
 import numpy as np
 
-from retrieval import dense_index
+from retrieval import candidates, dense_index
 from retrieval.bm25_index import BM25_DIR, bm25_record, build_bm25
 from retrieval.index_format import (
     INDEX_FILE,
     MANIFEST_FILE,
     PASSAGES_FILE,
+    CandidateRecord,
     CorpusRecord,
     EncoderRecord,
     Manifest,
+    candidates_file,
     file_record,
+    read_manifest,
     sealed,
     write_json_atomic,
 )
@@ -113,6 +119,68 @@ def write_manifest(work: Path, *, encoder: EncoderRecord, corpus: CorpusRecord, 
         shard=shard,
     )
     write_json_atomic(work / MANIFEST_FILE, sealed(manifest))
+    return manifest
+
+
+def checkpoint_file(kind: str) -> str:
+    """Where a structure build in a work folder keeps its resumable progress (removed once it is written)."""
+    return candidates_file(kind) + ".partial"
+
+
+def write_candidates(work: Path, kind: str, params: dict[str, int] | None = None, *, depth: int | None = None,
+                     query_vectors: np.ndarray | None = None, queries: str = candidates.HELD_OUT,
+                     sample: int = candidates.RECALL_SAMPLE, progress: bool = True) -> CandidateRecord:
+    """Builds a `kind` structure over the finished index in `work` (see retrieval.candidates.build; resumed
+    from its checkpoint there), writes it as `candidates-KIND.faiss`, measures its recall card
+    (candidates.measure_recall: `query_vectors` named `queries`, else `sample` held-out passages), and
+    reseals the manifest listing it with its checksum, in place of a structure of the same kind."""
+    manifest = read_manifest(work)
+    flat = dense_index.load_index(work / INDEX_FILE, "cpu", mmap=True)
+    checkpoint = work / checkpoint_file(kind)
+    started = time.perf_counter()
+    structure = candidates.build(flat, kind, params, depth=depth, progress=progress, checkpoint=checkpoint,
+                                 identity=manifest.files[INDEX_FILE].sha256)
+    seconds = time.perf_counter() - started
+    name = candidates_file(kind)
+    tmp = work / (name + ".tmp")
+    candidates.write(structure, tmp)
+    os.replace(tmp, work / name)
+    card = candidates.measure_recall(structure, flat, query_vectors, queries=queries, sample=sample)
+    record = CandidateRecord(kind=kind, file=name, params=structure.params, depth=structure.depth,
+                             recall_at_10=round(card.recall_at_10, 4), recall_at_100=round(card.recall_at_100, 4),
+                             recall_queries=card.queries, sample=card.sample, seconds=round(seconds, 2),
+                             library=f"faiss {faiss.__version__}")
+    update = {"files": {**manifest.files, name: file_record(work / name)},
+              "candidates": [*(c for c in manifest.candidates if c.kind != kind), record]}
+    _fsync(work)
+    write_json_atomic(work / MANIFEST_FILE, sealed(manifest.model_copy(update=update)))
+    for path in (checkpoint, checkpoint.with_name(checkpoint.name + ".json")):
+        path.unlink(missing_ok=True)
+    return record
+
+
+def link_generation(out: Path, work: Path, keep: Sequence[str] = ()) -> Manifest:
+    """`work` made a new generation of the finished index at `out`: a hard link to each file its manifest
+    lists (a copy where the file system cannot link) and a copy of the manifest, to be changed there and
+    moved into place. The generations share those files, which no writer changes in place (each writes a
+    new file and renames it). What an earlier `work` holds is dropped but for `keep` (a build's checkpoint)."""
+    manifest = read_manifest(out)
+    work.mkdir(exist_ok=True)
+    for entry in work.iterdir():
+        if entry.name not in keep:
+            shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+    for name in manifest.files:
+        target = work / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(out / name, target)
+        except OSError:  # EXDEV, EPERM (a file system without hard links), EMLINK
+            shutil.copy2(out / name, target)
+            _fsync(target)
+    shutil.copy2(out / MANIFEST_FILE, work / MANIFEST_FILE)
+    _fsync(work / MANIFEST_FILE)
+    for folder in {(work / name).parent for name in manifest.files} | {work}:
+        _fsync(folder)
     return manifest
 
 

@@ -12,13 +12,21 @@ import numpy as np
 from models.backends import Backend
 from models.checkpoint import resolve_device
 from models.encoder import BiEncoder, Tokens
-from retrieval import dense_index
+from retrieval import candidates, dense_index
 from retrieval.bm25_index import BM25_DIR, Bm25Index
 from retrieval.fusion import interleave, reciprocal_rank_fusion
-from retrieval.index_format import INDEX_FILE, PASSAGES_FILE, IndexFormatError, Manifest, read_manifest
+from retrieval.index_format import (
+    INDEX_FILE,
+    PASSAGES_FILE,
+    IndexFormatError,
+    Manifest,
+    candidates_file,
+    read_manifest,
+)
 from retrieval.passage_store import PassageStore
 
 MAX_K = 1000
+MAX_CANDIDATES = candidates.MAX_CANDIDATES
 log = logging.getLogger("retrieval")
 Mode = Literal["dense", "bm25", "hybrid"]
 Fusion = Literal["interleave", "rrf"]
@@ -107,15 +115,20 @@ def dense_score_kind(manifest: Manifest) -> str:
 
 
 class Searcher:
-    """Encode -> exact inner-product search (and/or BM25, fused) -> passages, sorted by score.
+    """Encode -> inner-product search (and/or BM25, fused) -> passages, sorted by score.
 
     `mode` picks the retriever: "dense" (the bi-encoder), "bm25" (exact match, when the index
     was built with --bm25) or "hybrid" (both, combined by `fusion`: "interleave", paper 000
     eq. 6, with `lead` deciding which list goes first; or "rrf", reciprocal rank fusion over
     each list's top `fusion_depth`).
-    `mmap` memory-maps the vectors of an index kept on the CPU; `fp16` stores them as fp16 on a
-    GPU (see dense_index.load_index); each is ignored where it does not apply. Both are kept as
-    attributes, so an index loaded to replace this one can be loaded alike.
+    The dense list comes from the index's candidate structure where its manifest lists one and the
+    vectors stay on the CPU (the first listed; `structure` names another): `candidates` rows per query
+    proposed by it, then scored exactly from the stored vectors (retrieval.candidates.search), so every
+    score is the exact one; `exact` asks for the full scan instead. `answered_by` says which was used.
+    `mmap` memory-maps the vectors of an index kept on the CPU (None, the default: where a candidate
+    structure is used, so the process holds the structure, not the vectors); `fp16` stores them as fp16
+    on a GPU (see dense_index.load_index); each is ignored where it does not apply. Both are kept as
+    attributes, as given, so an index loaded to replace this one can be loaded alike.
     `verify_checksums`: the vectors served are the bytes of index.faiss the manifest records, checked
     from what FAISS loads (dense_index.read_verified); the other files are hashed before they are opened
     (index_format.read_manifest), so a rewrite in between is not caught there."""
@@ -127,18 +140,32 @@ class Searcher:
         *,
         device: str = "auto",
         verify_checksums: bool = False,
-        mmap: bool = False,
+        mmap: bool | None = None,
         fp16: bool = False,
     ) -> None:
         self.index_dir = Path(index_dir)
         self.mmap, self.fp16 = mmap, fp16
-        self.manifest = read_manifest(self.index_dir, verify_checksums=verify_checksums, hashed_on_load=(INDEX_FILE,))
+        try:
+            on_cpu = not dense_index.stays_on_gpu(device)
+        except RuntimeError:  # a GPU faiss cannot use: load_index says so, after the manifest's checks as before
+            on_cpu = True
+        # Structures used here are hashed as they are read (candidates.load); on a GPU, here.
+        structure_files = tuple(candidates_file(kind) for kind in candidates.KINDS) if on_cpu else ()
+        self.manifest = read_manifest(self.index_dir, verify_checksums=verify_checksums,
+                                      hashed_on_load=(INDEX_FILE, *structure_files))
         self.encoder = encoder if encoder is not None else encoder_for(self.manifest, device)
         check_encoder(self.manifest, self.encoder)
-        self.index = dense_index.load_index(self.index_dir / INDEX_FILE, device, mmap=mmap, fp16=fp16,
-                                            expected=self.manifest.files[INDEX_FILE] if verify_checksums else None)
+        records = self.manifest.candidates if on_cpu else []
+        mapped = mmap if mmap is not None else bool(records)
+        files = self.manifest.files
+        self.index = dense_index.load_index(self.index_dir / INDEX_FILE, device, mmap=mapped, fp16=fp16,
+                                            expected=files[INDEX_FILE] if verify_checksums else None)
         self.passages = PassageStore(self.index_dir / PASSAGES_FILE)
         check_rows(self.index_dir, self.manifest, self.index, self.passages)
+        # A GPU scans every vector faster than a CPU structure proposes candidates: structures serve the CPU only.
+        self.structures = {record.kind: candidates.load(self.index_dir / record.file, record, self.index,
+                                                        files[record.file] if verify_checksums else None)
+                           for record in records}
         self.bm25 = Bm25Index(self.index_dir / BM25_DIR) if self.manifest.bm25 is not None else None
 
     @property
@@ -149,18 +176,36 @@ class Searcher:
         return self.batch_search([query], k, **retrieval)[0]
 
     def batch_search(self, queries: Sequence[str], k: int = 10, **retrieval) -> list[list[Hit]]:
-        """One list of at most k hits per query; `retrieval`: mode, fusion, lead, fusion_depth."""
+        """One list of at most k hits per query; `retrieval`: mode, fusion, lead, fusion_depth, exact,
+        candidates, structure (see `rank`)."""
         self.check(k, **retrieval)
         vectors = self.encode(queries) if retrieval.get("mode", "dense") != "bm25" else None
         return self.hits(self.rank(queries, vectors, k, **retrieval))
 
-    def check(self, k: int, mode: str = "dense", fusion: str = "interleave", lead: str = "dense", **_) -> None:
+    def check(self, k: int, mode: str = "dense", fusion: str = "interleave", lead: str = "dense",
+              candidates: int | None = None, structure: str | None = None, **_) -> None:
         """ValueError (NoBm25Index for a missing BM25) unless this index can serve the request."""
         validate_k(k)
         if mode not in MODES or fusion not in FUSIONS or lead not in ("dense", "bm25"):
             raise ValueError(f"mode must be one of {MODES}, fusion one of {FUSIONS}, lead dense or bm25")
         if mode != "dense" and self.bm25 is None:
             raise NoBm25Index(f"mode {mode!r} needs a BM25 index; {self.index_dir} was built without --bm25")
+        if candidates is not None and not 1 <= candidates <= MAX_CANDIDATES:
+            raise ValueError(f"candidates must be between 1 and {MAX_CANDIDATES}, got {candidates}")
+        if structure is not None and structure not in self.structures:
+            loaded = ", ".join(self.structures) or "none"
+            raise ValueError(f"structure {structure!r} is not loaded for {self.index_dir} (loaded: {loaded})")
+
+    def answered_by(self, exact: bool = False, structure: str | None = None, mode: str = "dense", **_) -> str:
+        """How a request with these options (those of `rank`) is answered: "exact" (every vector scanned, or
+        mode bm25) or "approximate:KIND" (the dense list from a structure's candidates, scored exactly)."""
+        chosen = self._structure(exact, structure)
+        return "exact" if chosen is None or mode == "bm25" else f"approximate:{chosen.kind}"
+
+    def _structure(self, exact: bool, structure: str | None) -> candidates.Structure | None:
+        if exact or not self.structures:
+            return None
+        return self.structures[structure] if structure is not None else next(iter(self.structures.values()))
 
     def score_kind(self, mode: str = "dense", fusion: str = "interleave", **_) -> str:
         """What a hit's score is for a retrieval set-up: `cosine` or `inner_product` (dense, as the
@@ -183,17 +228,24 @@ class Searcher:
         fusion: Fusion = "interleave",
         lead: Literal["dense", "bm25"] = "dense",
         fusion_depth: int = MAX_K,
+        exact: bool = False,
+        candidates: int | None = None,
+        structure: str | None = None,
     ) -> list[list[tuple[int, float]]]:
-        """(row, score) lists, best first; `vectors` are the encoded queries (unused for bm25)."""
-        self.check(k, mode, fusion, lead)
+        """(row, score) lists, best first; `vectors` are the encoded queries (unused for bm25).
+        The dense list: exact where `exact` or no structure is loaded, else `structure`'s (default: the
+        first loaded) `candidates` rows per query (default: its recorded depth; raised to the list's length,
+        at most MAX_CANDIDATES) scored exactly; see `answered_by`."""
+        self.check(k, mode, fusion, lead, candidates, structure)
+        chosen = self._structure(exact, structure)
         if mode == "dense":
-            return self._dense(vectors, k)
+            return self._dense(vectors, k, chosen, candidates)
         if mode == "bm25":
             return self.bm25.search(queries, k)
         depth = k if fusion == "interleave" else max(k, min(fusion_depth, MAX_K))
         fused = []
-        for dense, exact in zip(self._dense(vectors, depth), self.bm25.search(queries, depth)):
-            lists = [[row for row, _ in dense], [row for row, _ in exact]]
+        for dense, lexical in zip(self._dense(vectors, depth, chosen, candidates), self.bm25.search(queries, depth)):
+            lists = [[row for row, _ in dense], [row for row, _ in lexical]]
             if fusion == "rrf":
                 fused.append(reciprocal_rank_fusion(lists, k))
             else:
@@ -201,8 +253,13 @@ class Searcher:
                 fused.append(interleave(first, second, k))
         return fused
 
-    def _dense(self, vectors: np.ndarray, k: int) -> list[list[tuple[int, float]]]:
-        scores, rows = dense_index.search(self.index, vectors, min(k, self.count))
+    def _dense(self, vectors: np.ndarray, k: int, structure: candidates.Structure | None = None,
+               depth: int | None = None) -> list[list[tuple[int, float]]]:
+        k = min(k, self.count)
+        if structure is None or k == 0:
+            scores, rows = dense_index.search(self.index, vectors, k)
+        else:
+            scores, rows = candidates.search(structure, self.index, vectors, k, depth)
         return [[(int(r), float(s)) for r, s in zip(row, score) if r >= 0] for row, score in zip(rows, scores)]
 
     def hits(self, ranked: list[list[tuple[int, float]]]) -> list[list[Hit]]:

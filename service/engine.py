@@ -47,6 +47,7 @@ class SearchResult:
     batch_size: int = 1  # queries run together with it, itself included: its micro-batch, or its client's batch
     # Sharded serving only: {"answered": [...], "missing": [...]}, shards as "i/N"; None for one index.
     shards: dict[str, list[str]] | None = None
+    searched: str = "exact"  # or "approximate:KIND" (Searcher.answered_by)
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,8 @@ class SearchPlan:
     mode: str = "dense"
     fusion: str = "interleave"
     lead: str = "dense"
+    exact: bool = False  # the full scan even where the index carries a candidate structure
+    candidates: int | None = None  # with a structure: candidates scored exactly per query (None: its own)
     rerank_depth: int | None = None  # with a reranker: passages rescored (>= k)
     reranker: str | None = None  # a configured reranker's kind
     allow_partial: bool = False  # sharded serving: answer from the shards that answered (one index: no effect)
@@ -68,8 +71,9 @@ class SearchPlan:
         return self.rerank_depth or self.k
 
     @property
-    def retrieval(self) -> dict[str, str]:
-        return {"mode": self.mode, "fusion": self.fusion, "lead": self.lead}
+    def retrieval(self) -> dict:
+        return {"mode": self.mode, "fusion": self.fusion, "lead": self.lead, "exact": self.exact,
+                "candidates": self.candidates}
 
     @property
     def fusing_key(self) -> "SearchPlan":
@@ -131,7 +135,8 @@ class Run:
             total=1000 * (reranked - self.started),
             started_at=self.started,
         )
-        return [SearchResult(query, found, score_kind, timings, len(self.queries), self.shards)
+        searched = self.engine.answered_by(plan)
+        return [SearchResult(query, found, score_kind, timings, len(self.queries), self.shards, searched)
                 for query, found in zip(self.queries, hits)]
 
     def complete(self) -> list[SearchResult]:
@@ -165,7 +170,7 @@ class SearchEngine:
         manifest = read_manifest(index_dir)  # the Searcher verifies, from the bytes it loads
         encoder = encoder_for(manifest, device, query_max_tokens, backend)
         loaded = load_rerankers(rerankers, device, encoder.backend)
-        return cls(Searcher(index_dir, encoder, device=device, verify_checksums=verify_checksums, mmap=mmap, fp16=fp16),
+        return cls(Searcher(index_dir, encoder, device=device, verify_checksums=verify_checksums, mmap=mmap or None, fp16=fp16),
                    loaded, query_max_tokens, backend)
 
     @property
@@ -266,6 +271,10 @@ class SearchEngine:
     # Whether `Run.wait` waits for other processes (shards): then it is worth running off the model thread.
     waits = False
 
+    def answered_by(self, plan: SearchPlan) -> str:
+        """How the plan's dense list is found: "exact" or "approximate:KIND" (see Searcher.answered_by)."""
+        return self._searcher.answered_by(**plan.retrieval)
+
     def _retrieve(self, queries: Sequence[str], vectors: np.ndarray | None,
                   plan: SearchPlan) -> tuple[list[list[Hit]], dict | None]:
         """The plan's `depth` hits per query, and the shards that answered (None: one index)."""
@@ -330,4 +339,10 @@ class SearchEngine:
             "query_prefix": manifest.encoder.query_prefix,
             "passage_prefix": manifest.encoder.passage_prefix,
             "rerankers": {kind: model.name for kind, model in self.rerankers.items()},
+            "candidates": self.candidate_cards(),
         }
+
+    def candidate_cards(self) -> list[dict]:
+        """The candidate structures in use, each with its recall card (retrieval.candidates)."""
+        searcher = self._searcher
+        return [record.model_dump() for record in searcher.manifest.candidates if record.kind in searcher.structures]

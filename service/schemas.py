@@ -8,7 +8,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, Field, field_validator
 from pydantic.json_schema import SkipJsonSchema
 
-from retrieval.searcher import MAX_K, Fusion, Mode
+from retrieval.searcher import MAX_CANDIDATES, MAX_K, Fusion, Mode
 
 RerankerKind = Literal["monobert", "coattention", "generative"]
 ScoreKind = Literal["cosine", "inner_product", "bm25", "rrf", "interleave", "probability", "logit", "log_likelihood"]
@@ -19,13 +19,23 @@ SCORE_KIND_DESCRIPTION = (
 )
 
 
+SEARCHED_DESCRIPTION = ("how the dense list was found: exact (every vector scanned; also bm25 mode) or "
+                        "approximate:KIND (a candidate structure's candidates, each scored exactly)")
+
+
 class RetrievalOptions(BaseModel):
     mode: Mode = Field("dense", description="dense (bi-encoder), bm25 (exact match) or hybrid (both, fused)")
     fusion: Fusion = Field("interleave", description="hybrid only: interleave (paper 000 eq. 6) or rrf")
     lead: Literal["dense", "bm25"] = Field("dense", description="hybrid interleave only: which list goes first")
+    exact: bool = Field(False, description="scan every vector even where the index carries a candidate structure "
+                                           "(an approximate answer's scores are exact either way)")
+    candidates: int | None = Field(None, ge=1, le=MAX_CANDIDATES, description=(
+        "with a candidate structure: how many candidates per query are scored exactly (default SEARCH_CANDIDATES, "
+        "else the structure's own)"))
 
-    def retrieval(self) -> dict[str, str]:
-        return {"mode": self.mode, "fusion": self.fusion, "lead": self.lead}
+    def retrieval(self) -> dict:
+        return {"mode": self.mode, "fusion": self.fusion, "lead": self.lead, "exact": self.exact,
+                "candidates": self.candidates}
 
 
 TRUNCATE = Field(True, description=(
@@ -98,6 +108,7 @@ class SearchResponse(BaseModel):
     results: list[SearchHit]
     score_kind: ScoreKind = Field(description=SCORE_KIND_DESCRIPTION)
     latency_ms: Latency
+    search: str = Field(description=SEARCHED_DESCRIPTION)
     shards: ShardsReport | None = Field(None, description="sharded serving only (absent otherwise)")
 
 
@@ -110,6 +121,7 @@ class BatchSearchResponse(BaseModel):
     results: list[BatchItem]
     score_kind: ScoreKind = Field(description=SCORE_KIND_DESCRIPTION)
     latency_ms: Latency
+    search: str = Field(description=SEARCHED_DESCRIPTION)
     shards: ShardsReport | None = Field(None, description="sharded serving only (absent otherwise)")
 
 
@@ -136,6 +148,7 @@ class IndexInfo(BaseModel):
     query_prefix: str = ""  # the index's: what the encoder puts before each query
     passage_prefix: str = ""  # and before each passage (/v1/embeddings with input_type passage)
     rerankers: dict[str, str]  # kind -> checkpoint folder name
+    candidates: list[dict] = []  # the index's candidate structures with their recall cards (retrieval.candidates)
     shards: list[str] | None = None  # sharded serving: the shards served, as i/N (absent over one index)
 
 

@@ -47,6 +47,15 @@ class ServiceSettings(BaseSettings):
     )
     max_rerank_depth: int = Field(1000, ge=1, le=1000, description="Largest depth a request may ask for.")
 
+    exact_search: bool = Field(
+        False, description="Answer every search by the full scan, even over an index that carries a candidate "
+        "structure (a request may ask it with exact: true).",
+    )
+    candidates: int | None = Field(
+        None, ge=1, le=10_000, description="Candidates per query a structure proposes and the service scores "
+        "exactly, unless a request says; unset: the structure's own depth, recorded in the manifest.",
+    )
+
     max_query_chars: int = Field(
         20_000, ge=1, description="Longest query accepted, in characters: an abuse guard only, since tokens past "
         "the query token limit are cut anyway (or refused with truncate: false).",

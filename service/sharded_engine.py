@@ -170,6 +170,12 @@ class ShardedEngine(SearchEngine):
     # which encodes the next batch meanwhile, so a silent shard holds only the requests that need it.
     waits = True
 
+    def answered_by(self, plan: SearchPlan) -> str:
+        return "exact"  # the shards scan every vector: they load no candidate structure yet
+
+    def candidate_cards(self) -> list[dict]:
+        return []
+
     def _send(self, queries: Sequence[str], vectors: np.ndarray | None, plan: SearchPlan) -> Fetch:
         return functools.partial(self._searcher.scatter(vectors, plan.depth), plan.allow_partial)
 

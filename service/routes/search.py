@@ -22,9 +22,12 @@ def plan(settings: ServiceSettings, engine: SearchEngine, request: SearchRequest
                                 "(SEARCH_MAX_RERANK_DEPTH): a reranked request rescores at least k passages", request.k)
     default = max(min(settings.rerank_depth, settings.max_rerank_depth), request.k)  # k <= the limit here
     depth = (request.depth or default) if request.rerank else None
+    retrieval = request.retrieval()
+    retrieval["exact"] = retrieval["exact"] or settings.exact_search
+    if retrieval["candidates"] is None:
+        retrieval["candidates"] = settings.candidates
     return engine.plan(request.k, rerank_depth=depth, reranker=request.reranker if request.rerank else None,
-                       max_rerank_depth=settings.max_rerank_depth, allow_partial=request.allow_partial,
-                       **request.retrieval())
+                       max_rerank_depth=settings.max_rerank_depth, allow_partial=request.allow_partial, **retrieval)
 
 
 def _shards(result: SearchResult) -> dict:
@@ -46,7 +49,7 @@ def router(runtime: Runtime, access: Access) -> APIRouter:
         if result is None:
             return Response(status_code=GONE)
         return json_answer({"query": request.query, "results": result.hits, "score_kind": result.score_kind,
-                            "latency_ms": result.timings.as_dict(), **_shards(result)})
+                            "latency_ms": result.timings.as_dict(), "search": result.searched, **_shards(result)})
 
     @routes.post("/search/batch", response_model=BatchSearchResponse,
                  responses=access.responses({400: "a mode the index lacks"}, search=True))
@@ -59,6 +62,6 @@ def router(runtime: Runtime, access: Access) -> APIRouter:
         results = await runtime.search_batch(request.queries, plan(settings, engine, request), tokens)
         return json_answer({"results": [{"query": r.query, "results": r.hits} for r in results],
                             "score_kind": results[0].score_kind, "latency_ms": results[0].timings.as_dict(),
-                            **_shards(results[0])})
+                            "search": results[0].searched, **_shards(results[0])})
 
     return routes

@@ -1,0 +1,118 @@
+"""`python -m index_builder ann` and `build --ann`: an approximate candidate structure (retrieval.candidates)
+over an index's stored vectors, with its recall card, added without encoding anything again.
+
+On a published index the structure is written in a new generation beside it, `.NAME.ann/` (hard links to
+the index's files, the new structure, the manifest resealed), swapped into place as a build is, under the
+same `--out` lock. A HNSW build saves its graph there every few minutes; rerunning the same command
+resumes it. `build --ann` adds it in the build's work folder, before the index is published.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from index_builder import out_lock
+from index_builder.errors import BuildError
+from retrieval import index_writer
+from retrieval.candidates import HELD_OUT, MAX_CANDIDATES, RECALL_SAMPLE, RECALL_THRESHOLD, structure_params
+from retrieval.index_format import CandidateRecord, read_manifest
+from retrieval.readers import read_queries
+
+
+@dataclass
+class AnnOptions:
+    kind: str
+    m: int | None = None  # hnsw: links per node (default 32)
+    ef_construction: int | None = None  # hnsw: search width while building (default 200)
+    ef_search: int | None = None  # hnsw: search width while searching (default 128)
+    candidates: int | None = None  # rescored per query by default (default: efSearch, or the scan's)
+    queries: Path | None = None  # recall measured on these queries, else on held-out passages
+    sample: int = RECALL_SAMPLE
+    recall_threshold: float = RECALL_THRESHOLD
+    device: str = "auto"  # where --queries are encoded
+
+    def params(self) -> dict[str, int]:
+        """The structure's parameters; BuildError for flags that do not apply to the kind."""
+        given = [flag for flag, value in (("--m", self.m), ("--ef-construction", self.ef_construction),
+                                          ("--ef-search", self.ef_search)) if value is not None]
+        if self.kind != "hnsw" and given:
+            raise BuildError(f"{', '.join(given)}: for kind hnsw only, not {self.kind}")
+        try:
+            params = structure_params(self.kind, M=self.m, efConstruction=self.ef_construction,
+                                      efSearch=self.ef_search)
+        except ValueError as error:
+            raise BuildError(str(error)) from None
+        if self.candidates is not None and not 1 <= self.candidates <= MAX_CANDIDATES:
+            raise BuildError(f"--candidates must be between 1 and {MAX_CANDIDATES}, got {self.candidates}")
+        if self.sample < 1:
+            raise BuildError(f"--sample must be at least 1, got {self.sample}")
+        return params
+
+
+@dataclass
+class AnnReport:
+    index_dir: Path
+    passages: int
+    record: CandidateRecord
+    bytes: int
+
+    def summary(self) -> str:
+        record = self.record
+        return (f"{record.kind} over {self.index_dir}: {self.passages} passages in {record.seconds:.1f} s; "
+                f"recall@10 {record.recall_at_10:.4f}, recall@100 {record.recall_at_100:.4f} "
+                f"({record.sample} {record.recall_queries}, {record.depth} candidates); "
+                f"{record.file} {self.bytes / 2**20:.1f} MiB")
+
+
+def raise_recall_hint(record: CandidateRecord) -> str:
+    """The flag that raises a structure's recall."""
+    if record.kind == "hnsw":
+        return f"raise --ef-search (now {record.params['efSearch']}), or --candidates (now {record.depth})"
+    return f"raise --candidates (now {record.depth}), the candidates rescored"
+
+
+def add_in_place(folder: Path, options: AnnOptions, progress: bool = True, published: Path | None = None) -> AnnReport:
+    """Adds the structure to the finished, unpublished index in `folder` (see index_writer.write_candidates)
+    and warns on stderr where its recall@10 is under the threshold, naming the flag that raises it and the
+    index as `published` (where `folder` will be moved; default `folder`)."""
+    params = options.params()
+    query_vectors, name = _query_vectors(folder, options)
+    record = index_writer.write_candidates(folder, options.kind, params, depth=options.candidates,
+                                           query_vectors=query_vectors, queries=name, sample=options.sample,
+                                           progress=progress)
+    if record.recall_at_10 < options.recall_threshold:
+        print(f"warning: {published or folder}: {record.kind} recall@10 {record.recall_at_10:.4f} is under "
+              f"{options.recall_threshold} (--recall-threshold): {raise_recall_hint(record)}", file=sys.stderr)
+    return AnnReport(published or folder, read_manifest(folder).count, record, (folder / record.file).stat().st_size)
+
+
+def add_structure(index_dir: Path, options: AnnOptions, progress: bool = True) -> AnnReport:
+    """`ann`: the structure added to the published index at `index_dir` as a new generation, swapped in
+    atomically. BuildError while another build or `ann` writes `index_dir`; IndexFormatError for a folder
+    that is not a whole index (every file's checksum is checked first)."""
+    options.params()  # bad flags fail before the lock and the checksums
+    with out_lock.hold(index_dir, "ann"):
+        read_manifest(index_dir, verify_checksums=True)
+        work = index_dir.parent / f".{index_dir.name}.ann"
+        checkpoint = index_writer.checkpoint_file(options.kind)
+        index_writer.link_generation(index_dir, work, keep=(checkpoint, checkpoint + ".json"))
+        report = add_in_place(work, options, progress, published=index_dir)
+        index_writer.move_into_place(work, index_dir)
+    return report
+
+
+def _query_vectors(folder: Path, options: AnnOptions) -> tuple[np.ndarray | None, str]:
+    """--queries encoded by the index's own encoder, and the file's name; (None, held-out) without it."""
+    if options.queries is None:
+        return None, HELD_OUT
+    from retrieval.searcher import encoder_for  # only here: held-out passages need no model
+
+    queries = read_queries(options.queries)
+    if not queries:
+        raise BuildError(f"{options.queries}: no queries")
+    encoder = encoder_for(read_manifest(folder), options.device)
+    return encoder.encode_queries(list(queries.values())), options.queries.name
