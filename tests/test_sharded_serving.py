@@ -48,6 +48,7 @@ from service.sharded import (  # noqa: E402
 from service.stop_signal import NAMESPACE, StopSignal, watch  # noqa: E402
 from tests.conftest import RAY_CLIENT_TIMEOUT_S, ROOT  # noqa: E402
 from tests.test_admission import metric  # noqa: E402
+from tests.test_hardening_service import answer_of  # noqa: E402
 
 SHARD_TIMEOUT_S = 3.0
 CAP = 4  # SEARCH_MAX_CONCURRENT_REQUESTS: above the kill test's three clients at once
@@ -200,17 +201,11 @@ def test_haproxy_refuses_a_request_head_past_its_buffer_and_serves_on(client, ba
     # The Ray path's head limit is HAProxy's (tune.bufsize less its 1 KiB rewrite room), not SEARCH_MAX_HEAD_BYTES.
     host, port = base_url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port))) as sock:
-        sock.settimeout(30)
         try:
             sock.sendall(b"GET /health HTTP/1.1\r\nHost: search\r\nX-Pad: " + b"a" * (1 << 20) + b"\r\n\r\n")
         except (BrokenPipeError, ConnectionResetError):
             pass
-        answer = b""
-        try:
-            while chunk := sock.recv(4096):
-                answer += chunk
-        except ConnectionResetError:
-            pass
+        answer = answer_of(sock)
     assert answer.startswith(b"HTTP/1.1 400"), answer[:200]
     assert client.get("/health").status_code == 200
 
