@@ -1,13 +1,17 @@
-"""Candidate structures on synthetic clustered vectors, against the flat scan measured in the same run:
+"""Candidate structures against the flat scan measured in the same run, on synthetic or real vectors:
 
-    python bench/candidates.py N SIGMA      # e.g. 200000 0.1
+    python bench/candidates.py N SIGMA                 # synthetic, e.g. 200000 0.1
+    python bench/candidates.py --index runs/wordnet/index [--ef-construction 40 200]
 
-N x 384 unit vectors around 1,000 gaussian cluster centres (noise SIGMA: 0.1 makes a query's 10th
-neighbour a cosine of about 0.28 away; tighter clusters make every structure look perfect), 1,000
-queries drawn alike. For binary, int8 and hnsw (retrieval.candidates, default parameters): build
-seconds, then at several depths recall@10 against the exact top-10 and ms per single query, with the
-ratio to the flat scan's; and hnsw's recall card as `index_builder ann` measures it.
+Synthetic: N x 384 unit vectors around 1,000 gaussian cluster centres (noise SIGMA: 0.1 makes a query's
+10th neighbour a cosine of about 0.28 away; tighter clusters make every structure look perfect), 1,000
+queries drawn alike, recall@10 against their exact top 10.
+--index: an index's own stored vectors (real embeddings: bench/wordnet.py makes one of 117k passages), 1,000
+held-out passages as queries, each searched with itself excluded (as `index_builder ann`'s recall card is).
+For binary, int8 and hnsw (retrieval.candidates; hnsw once per --ef-construction): build seconds, then at
+several depths recall@10 and @100 and ms per single query, with the ratio to the flat scan's.
 """
+import argparse
 import sys
 import tempfile
 import time
@@ -19,50 +23,88 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from retrieval import candidates, dense_index  # noqa: E402
+from retrieval.index_format import INDEX_FILE  # noqa: E402
 
-N, D, CLUSTERS, Q = int(sys.argv[1]), 384, 1000, 1000
-SIGMA = float(sys.argv[2])
-rng = np.random.default_rng(0)
-centers = rng.standard_normal((CLUSTERS, D)).astype(np.float32)
-centers /= np.linalg.norm(centers, axis=1, keepdims=True)
-def sample(n):
-    x = centers[rng.integers(0, CLUSTERS, n)] + SIGMA * rng.standard_normal((n, D)).astype(np.float32)
-    return x / np.linalg.norm(x, axis=1, keepdims=True)
-x = sample(N); queries = sample(Q)
-print("mean cosine of a query to its 10th exact neighbour:", flush=True)
-folder = Path(tempfile.mkdtemp())
-flat = faiss.IndexFlatIP(D); flat.add(x); faiss.write_index(flat, str(folder / "index.faiss")); del flat, x
-flat = dense_index.load_index(folder / "index.faiss", "cpu", mmap=True)
-time.sleep(2)
+D, CLUSTERS, Q = 384, 1000, 1000
 
-def timed_single(fn, n=200):
-    t = time.perf_counter()
-    for q in queries[:n]:
-        fn(q[None])
-    return 1000 * (time.perf_counter() - t) / n
 
-exact_scores, exact = dense_index.search(flat, queries, 10)
-print(f"  {exact_scores[:, 9].mean():.3f} (1st: {exact_scores[:, 0].mean():.3f})", flush=True)
-ms_exact = timed_single(lambda q: dense_index.search(flat, q, 10), 50)
-print(f"flat exact: {ms_exact:.1f} ms/query (single queries), threads {faiss.omp_get_max_threads()}", flush=True)
+def synthetic(n: int, sigma: float):
+    """A memory-mapped flat index of n clustered vectors, and Q queries drawn alike."""
+    rng = np.random.default_rng(0)
+    centers = rng.standard_normal((CLUSTERS, D)).astype(np.float32)
+    centers /= np.linalg.norm(centers, axis=1, keepdims=True)
 
-def recall(rows):
-    return np.mean([len(set(a) & set(b)) / 10 for a, b in zip(rows.tolist(), exact.tolist())])
+    def sample(count):
+        x = centers[rng.integers(0, CLUSTERS, count)] + sigma * rng.standard_normal((count, D)).astype(np.float32)
+        return x / np.linalg.norm(x, axis=1, keepdims=True)
 
-for kind, params, depths in (("binary", {}, (400, 1000)), ("int8", {}, (100, 256)), ("hnsw", {}, (64, 128, 256))):
-    t = time.perf_counter()
-    s = candidates.build(flat, kind, params, progress=False)
-    built = time.perf_counter() - t
-    for depth in depths:
-        if kind == "hnsw":
-            s.params["efSearch"] = depth; s.depth = depth
-        rows = candidates.search(s, flat, queries, 10, depth)[1]
-        ms = timed_single(lambda q: candidates.search(s, flat, q, 10, depth))
-        label = f"efSearch {depth}" if kind == "hnsw" else f"{depth} candidates"
-        print(f"{kind}: build {built:.1f} s; {label}: recall@10 {recall(rows):.4f}, {ms:.2f} ms/query "
-              f"({ms_exact / ms:.0f}x faster than exact)", flush=True)
-    if kind == "hnsw":
-        s.params["efSearch"] = 128; s.depth = 128
-        card = candidates.measure_recall(s, flat)
-        print(f"hnsw recall card (1000 held-out passages, self excluded, depth 128): @10 {card.recall_at_10:.4f} "
-              f"@100 {card.recall_at_100:.4f}", flush=True)
+    x, queries = sample(n), sample(Q)
+    folder = Path(tempfile.mkdtemp())
+    flat = faiss.IndexFlatIP(D)
+    flat.add(x)
+    faiss.write_index(flat, str(folder / INDEX_FILE))
+    del flat, x
+    return dense_index.load_index(folder / INDEX_FILE, "cpu", mmap=True), queries
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("synthetic", nargs="*", help="N SIGMA")
+    parser.add_argument("--index", type=Path, help="an index directory: its stored vectors, held-out queries")
+    parser.add_argument("--ef-construction", type=int, nargs="+", default=[candidates.HNSW_PARAMS["efConstruction"]])
+    parser.add_argument("--kinds", nargs="+", default=list(candidates.KINDS), choices=candidates.KINDS)
+    args = parser.parse_args()
+    if (args.index is None) == (len(args.synthetic) != 2):
+        parser.error("give N SIGMA or --index DIR")
+    if args.index is not None:
+        flat = dense_index.load_index(args.index / INDEX_FILE, "cpu", mmap=True)
+        own = np.sort(np.random.default_rng(candidates.RECALL_SEED).choice(flat.ntotal, Q, replace=False))
+        queries = flat.reconstruct_batch(own)
+        label = f"{args.index}: {flat.ntotal:,} x {flat.d} stored vectors, {Q} held-out passages as queries"
+    else:
+        flat, queries = synthetic(int(args.synthetic[0]), float(args.synthetic[1]))
+        own = None
+        label = f"{flat.ntotal:,} x {D} clustered synthetic vectors (sigma {args.synthetic[1]}), {Q} queries"
+    print(label, flush=True)
+
+    def timed_single(fn, n=200):
+        fn(queries[:1])
+        started = time.perf_counter()
+        for q in queries[:n]:
+            fn(q[None])
+        return 1000 * (time.perf_counter() - started) / n
+
+    exact_scores = dense_index.search(flat, queries, 11)[0]
+    tenth = exact_scores[:, 10 if own is not None else 9].mean()
+    print(f"mean cosine of a query to its 10th exact neighbour: {tenth:.3f}", flush=True)
+    ms_exact = timed_single(lambda q: dense_index.search(flat, q, 10), 50)
+    print(f"flat exact: {ms_exact:.2f} ms/query (single queries), threads {faiss.omp_get_max_threads()}", flush=True)
+
+    def recall(structure: candidates.Structure) -> candidates.RecallCard:
+        if own is not None:
+            return candidates.measure_recall(structure, flat)  # held-out, self excluded: the card's own measure
+        return candidates.measure_recall(structure, flat, queries, queries="synthetic queries")
+
+    plans = [("binary", {}, (400, 1000, 4000)), ("int8", {}, (100, 256, 1000))]
+    plans += [("hnsw", {"efConstruction": ef}, (64, 128, 256, 512)) for ef in args.ef_construction]
+    for kind, params, depths in plans:
+        if kind not in args.kinds:
+            continue
+        started = time.perf_counter()
+        structure = candidates.build(flat, kind, params, progress=False)
+        built = time.perf_counter() - started
+        for depth in depths:
+            structure.depth = depth
+            if kind == "hnsw":
+                structure.params["efSearch"] = depth
+            card = recall(structure)
+            ms = timed_single(lambda q: candidates.search(structure, flat, q, 10, depth))
+            setting = f"efConstruction {params['efConstruction']}, efSearch {depth}" if kind == "hnsw" else \
+                f"{depth} candidates"
+            print(f"{kind} (built in {built:.1f} s): {setting}: recall@10 {card.recall_at_10:.4f}, @100 "
+                  f"{card.recall_at_100:.4f}; {ms:.2f} ms/query ({ms_exact / ms:.0f}x the flat scan's speed)",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()

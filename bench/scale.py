@@ -1,9 +1,12 @@
 """Scale: synthetic collections far past the demo's, on the CPU and on a GPU.
 
     python bench/scale.py [--sizes 1000000 5000000] [--dimension 384] [--queries 200] [--repeats 3] [--work DIR] [--keep]
+    python bench/scale.py --structures hnsw binary int8 [--no-loads] [--ef-construction N] [--clients 32] [--seconds 20]
     python bench/scale.py --device cuda [--sizes 8841823] [--dimension 768] [--passages 20000] [--batch-size 256]
 
-CPU (the default), for each size: an index directory of random unit vectors and short generated
+CPU (the default), for each size: an index directory of clustered unit vectors (around the packaged
+MiniLM's vectors of the demo passages, gaussian noise --sigma a dimension: real embeddings' structure
+without encoding millions of texts; uniform noise has none, and no structure works on it) and short generated
 texts, written in chunks through the index writer (retrieval/index_writer.py) with the encoder
 record of the packaged MiniLM, so the service serves it with the real encoder (the HTTP figures
 need --dimension 384, MiniLM's). Then one line per figure:
@@ -17,6 +20,12 @@ need --dimension 384, MiniLM's). Then one line per figure:
 - /search p50 over HTTP against `python -m service` (SEARCH_INDEX_MMAP true, then false;
   SEARCH_VERIFY_CHECKSUMS false, so start-up does not read the whole file for its sha256), --queries
   sequential demo queries at k=10 and k=1000, beside the service's own retrieve p50 and its RSS.
+With --structures, for each size (and for a --reference-size index, 10k by default): the index served
+as it is (the flat scan) and then with each candidate structure (`python -m index_builder ann`, timed, on
+a generation of hard links beside it), one service at a time: its RSS after load, single-query /search p50
+and p99 (round trip and the service's `latency_ms.retrieve`), throughput of --clients clients for
+--seconds, recall@10 of its answers against the flat scan's on the same queries, and its recall card
+(held-out passages); each a ratio against the flat scan measured in the same run.
 
 With `--device cuda` (a GPU that torch sees; otherwise a one-line error, exit 2; where faiss sees
 none, a faiss-cpu build, the flat-search part is skipped saying so and the encoders still run):
@@ -35,6 +44,7 @@ none, a faiss-cpu build, the flat-search part is skipped saying so and the encod
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import re
@@ -58,7 +68,7 @@ sys.path.insert(0, str(ROOT))
 from index_builder.build import BuildOptions, build_index  # noqa: E402
 from models.encoder import BiEncoder, default_model_path  # noqa: E402
 from retrieval import dense_index, index_writer  # noqa: E402
-from retrieval.index_format import INDEX_FILE, CorpusRecord, EncoderRecord  # noqa: E402
+from retrieval.index_format import INDEX_FILE, MANIFEST_FILE, CorpusRecord, EncoderRecord, read_manifest  # noqa: E402
 
 DEMO_CORPUS = ROOT / "data" / "demo" / "corpus.tsv"
 CHUNK = 100_000  # rows generated and written at a time
@@ -106,6 +116,23 @@ def unit_vectors(rng: np.random.Generator, count: int, dimension: int) -> np.nda
     return vectors
 
 
+def demo_centres(encoder: BiEncoder, dimension: int) -> np.ndarray:
+    """Cluster centres: the encoder's vectors of the demo passages where it is `dimension`-d (the
+    demo queries then land near clusters, as real queries near real passages), else random ones."""
+    if encoder.spec.dimension != dimension:
+        return unit_vectors(np.random.default_rng(1), 3000, dimension)
+    texts = [line.split("\t", 1)[1] for line in DEMO_CORPUS.read_text(encoding="utf-8").splitlines() if "\t" in line]
+    return np.asarray(encoder.encode_passages(texts), dtype=np.float32)
+
+
+def clustered_vectors(rng: np.random.Generator, centres: np.ndarray, count: int, sigma: float) -> np.ndarray:
+    """`count` unit vectors, each a random centre plus gaussian noise `sigma` a dimension, normalised."""
+    vectors = centres[rng.integers(0, len(centres), size=count)]
+    vectors += sigma * rng.standard_normal(vectors.shape, dtype=np.float32)
+    vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+    return vectors
+
+
 def mib(value: float) -> str:
     return f"{value / MIB:,.0f} MiB"
 
@@ -113,8 +140,9 @@ def mib(value: float) -> str:
 # ---------------------------------------------------------------- CPU: build, load, serve
 
 
-def build_synthetic(out: Path, size: int, dimension: int, record: EncoderRecord) -> dict[str, float]:
-    """An index directory at `out` of `size` random unit vectors and short texts; seconds per step."""
+def build_synthetic(out: Path, size: int, dimension: int, record: EncoderRecord, centres: np.ndarray,
+                    sigma: float) -> dict[str, float]:
+    """An index directory at `out` of `size` clustered unit vectors and short texts; seconds per step."""
     rng = np.random.default_rng(size)
     words = vocabulary()
     work = out.parent / f".{out.name}.partial"
@@ -136,7 +164,7 @@ def build_synthetic(out: Path, size: int, dimension: int, record: EncoderRecord)
     def parts():
         with tqdm(total=size, desc=f"{size:,} vectors", unit=" vectors", file=sys.stderr) as progress:
             for first in range(0, size, CHUNK):
-                part = unit_vectors(rng, min(CHUNK, size - first), dimension)
+                part = clustered_vectors(rng, centres, min(CHUNK, size - first), sigma)
                 progress.update(len(part))
                 yield part
 
@@ -234,64 +262,173 @@ def bench_http(index: Path, queries: list[str], ks: tuple[int, ...], blocks: int
     return results
 
 
+def structure_variant(base: Path, kind: str, ef_construction: int | None) -> tuple[Path, float]:
+    """A generation of `base` (hard links; the manifest copied) with a `kind` structure added by
+    `python -m index_builder ann`, and that command's seconds (the build, the recall card, the checksums)."""
+    variant = base.parent / f"{base.name}-{kind}"
+    if variant.exists():
+        shutil.rmtree(variant)
+    variant.mkdir()
+    for entry in base.iterdir():
+        if entry.name == MANIFEST_FILE:
+            shutil.copy2(entry, variant / entry.name)
+        elif entry.is_file():
+            os.link(entry, variant / entry.name)
+    command = [sys.executable, "-m", "index_builder", "ann", "--index", str(variant), "--kind", kind]
+    if kind == "hnsw" and ef_construction is not None:
+        command += ["--ef-construction", str(ef_construction)]
+    started = time.perf_counter()
+    subprocess.run(command, check=True, cwd=ROOT)
+    return variant, time.perf_counter() - started
+
+
+def serve_figures(index: Path, queries: list[str], clients: int, seconds: float) -> dict:
+    """One service over `index` (SEARCH_VERIFY_CHECKSUMS false; its default memory mapping): RSS after
+    load, then `queries` sent one at a time at k=10 (round trip and retrieve ms, the ids found, how each
+    was answered), then --clients clients for --seconds (requests/s, p50, p99, errors)."""
+    from bench.load import Server, alternate, search_request  # the service stack: needed for these figures alone
+
+    with Server(index, "cpu", verify_checksums="false") as server:
+        loaded = process_memory(server.process.pid)
+        round_trips, retrieves, found, searched = [], [], [], set()
+        with httpx.Client(base_url=server.base, timeout=300, trust_env=False) as client:
+            for number, query in enumerate(queries[:5] + queries):
+                started = time.perf_counter()
+                response = client.post("/search", json={"query": query, "k": 10})
+                elapsed = 1000 * (time.perf_counter() - started)
+                response.raise_for_status()
+                if number >= 5:  # the first five warm up
+                    answer = response.json()
+                    round_trips.append(elapsed)
+                    retrieves.append(answer["latency_ms"]["retrieve"])
+                    found.append([hit["id"] for hit in answer["results"]])
+                    searched.add(answer["search"])
+        load = asyncio.run(alternate({"load": (server.base, search_request(10))}, clients, seconds, 1, light=True,
+                                     timeout_s=600))["load"].row()
+        served = process_memory(server.process.pid)
+    return {"rss_loaded": loaded["VmRSS"], "rss_anon": loaded["RssAnon"], "rss_served": served["VmRSS"],
+            "p50": statistics.median(round_trips), "p99": float(np.percentile(round_trips, 99)),
+            "retrieve_p50": statistics.median(retrieves), "retrieve_p99": float(np.percentile(retrieves, 99)),
+            "found": found, "searched": sorted(searched), "load": load}
+
+
+def overlap_at_10(found: list[list[str]], exact: list[list[str]]) -> float:
+    """The mean share of the exact top 10 that `found`'s top 10 holds, query by query."""
+    return float(np.mean([len(set(a[:10]) & set(b[:10])) / max(1, len(b[:10])) for a, b in zip(found, exact)]))
+
+
+def bench_structures(base: Path, kinds: list[str], args: argparse.Namespace, queries: list[str]) -> dict[str, dict]:
+    """The flat scan, then each structure, one service at a time; see the module's docstring."""
+    rows = {"flat": serve_figures(base, queries, args.clients, args.seconds)}
+    flat = rows["flat"]
+    print(f"  flat: RSS after load {mib(flat['rss_loaded'])}; /search p50 {flat['p50']:.1f} ms, p99 "
+          f"{flat['p99']:.1f} ms; retrieve p50 {flat['retrieve_p50']:.2f} ms; {flat['load']['rps']:.1f} requests/s "
+          f"under {args.clients} clients (p50 {flat['load']['p50']:.0f} ms, errors {flat['load']['errors']}); "
+          f"answered {', '.join(flat['searched'])}", flush=True)
+    for kind in kinds:
+        variant, built = structure_variant(base, kind, args.ef_construction)
+        record = read_manifest(variant).candidates[0]
+        row = serve_figures(variant, queries, args.clients, args.seconds)
+        row.update(build_s=built, record=record, bytes=(variant / record.file).stat().st_size,
+                   recall=overlap_at_10(row["found"], flat["found"]))
+        rows[kind] = row
+        size = read_manifest(variant).count
+        print(f"  {kind} {dict(record.params) or ''} depth {record.depth}: built in {built:.0f} s "
+              f"(`ann`, recall card included), {row['bytes'] / max(size, 1):.0f} bytes a passage; RSS after load "
+              f"{mib(row['rss_loaded'])} ({row['rss_loaded'] / flat['rss_loaded']:.2f}x flat's); /search p50 "
+              f"{row['p50']:.1f} ms ({flat['p50'] / row['p50']:.1f}x faster), p99 {row['p99']:.1f} ms; retrieve p50 "
+              f"{row['retrieve_p50']:.2f} ms ({flat['retrieve_p50'] / row['retrieve_p50']:.0f}x faster), p99 "
+              f"{row['retrieve_p99']:.2f} ms; {row['load']['rps']:.1f} requests/s under {args.clients} clients "
+              f"({row['load']['rps'] / flat['load']['rps']:.1f}x; p50 {row['load']['p50']:.0f} ms, errors "
+              f"{row['load']['errors']}); recall@10 {row['recall']:.4f} on the {len(queries)} queries, card "
+              f"{record.recall_at_10:.4f} ({record.sample} {record.recall_queries}); answered "
+              f"{', '.join(row['searched'])}", flush=True)
+        if not args.keep:
+            shutil.rmtree(variant)
+    return rows
+
+
 def run_cpu(args: argparse.Namespace, sizes: list[int], dimension: int) -> str:
     from bench.load import QUERIES
 
     encoder = BiEncoder(device="cpu")  # the packaged MiniLM: the record the service will check
     spec = encoder.spec
     record = EncoderRecord(path=encoder.source, **{**spec.to_dict(), "dimension": dimension})
+    centres = demo_centres(encoder, dimension)
     del encoder
     serve = dimension == spec.dimension
     queries = [QUERIES[i % len(QUERIES)] for i in range(args.queries)]
     root = Path(tempfile.mkdtemp(prefix="scale-", dir=args.work))
-    summary = []
+    structures = args.structures if serve else []
+    if args.structures and not serve:
+        print(f"--structures skipped: the service's encoder (MiniLM) is {spec.dimension}-d, these vectors {dimension}-d")
+    reference = [args.reference_size] if structures and args.reference_size not in sizes else []
+    summary, served = [], {}
     try:
-        for size in sizes:
+        for size in reference + sizes:
             out = root / f"synthetic-{size}"
-            steps = build_synthetic(out, size, dimension, record)
+            steps = build_synthetic(out, size, dimension, record, centres, args.sigma)
             index_file = out / INDEX_FILE
             vector_bytes = size * dimension * 4
             print(f"\n{size:,} passages x {dimension}-d ({mib(vector_bytes)} of vectors, index folder {out})")
             print(f"build without the model: {sum(steps.values()):.1f} s (passages {steps['passages']:.1f} s, "
                   f"vectors {steps['vectors']:.1f} s, manifest checksums {steps['manifest']:.1f} s)")
             print(f"build peak RSS (this process so far): {mib(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)}")
-            loads = bench_loads(index_file, args.repeats)
-            for label, runs in loads.items():
-                for state, run in runs.items():
-                    grown = run["after_load"]["RssAnon"] - run["before"]["RssAnon"]
-                    print(f"load {label}, {state}: {run['load_s']:.3f} s, first search {run['first_search_s']:.3f} s; "
-                          f"RSS after load {mib(run['after_load']['VmRSS'])} (private +{mib(grown)}), "
-                          f"after the first search {mib(run['after_search']['VmRSS'])} "
-                          f"(file-backed {mib(run['after_search']['RssFile'])})")
-            mapped, read = loads["mmap"]["warm"], loads["read"]["warm"]
-            print(f"warm load read / mmap = {read['load_s'] / max(mapped['load_s'], 1e-6):.0f}x; private RSS growth "
-                  f"mmap {mib(mapped['after_load']['RssAnon'] - mapped['before']['RssAnon'])} against read "
-                  f"{mib(read['after_load']['RssAnon'] - read['before']['RssAnon'])}")
-            line = (f"{size:,}: warm load mmap {mapped['load_s']:.3f} s / read {read['load_s']:.2f} s, "
-                    f"RSS {mib(mapped['after_load']['VmRSS'])} / {mib(read['after_load']['VmRSS'])}")
-            if not serve:
-                print(f"/search over HTTP skipped: the service's encoder (MiniLM) is {spec.dimension}-d, "
-                      f"these vectors {dimension}-d")
-            else:
-                p50 = {}
-                for label, figures in bench_http(out, queries, (10, 1000)).items():
-                    memory, maps = figures.pop("memory"), figures.pop("maps")
-                    for k, (round_trip, retrieve) in figures.items():
-                        p50[label, k] = round_trip
-                        print(f"/search {label}, k={k}: p50 {round_trip:.1f} ms over {len(queries)} sequential "
-                              f"queries (the service's retrieve p50 {retrieve:.1f} ms)")
-                    print(f"service RSS {label}, after the queries: {mib(memory['VmRSS'])} (private "
-                          f"{mib(memory['RssAnon'])}, file-backed {mib(memory['RssFile'])}); "
-                          f"{INDEX_FILE} {'memory-mapped' if maps else 'not mapped'}")
-                    if maps != (label == "mmap"):
-                        print(f"WARNING: SEARCH_INDEX_MMAP={str(label == 'mmap').lower()} was not honoured by the "
-                              "service: these two rows do not compare mmap with read")
-                print("/search p50 mmap / read = " + ", ".join(
-                    f"{p50['mmap', k] / p50['read', k]:.2f}x at k={k}" for k in (10, 1000)))
-                line += f", /search p50 k=10 {p50['mmap', 10]:.1f} / {p50['read', 10]:.1f} ms"
-            summary.append(line)
+            line = f"{size:,}:"
+            if args.loads and size not in reference:
+                loads = bench_loads(index_file, args.repeats)
+                for label, runs in loads.items():
+                    for state, run in runs.items():
+                        grown = run["after_load"]["RssAnon"] - run["before"]["RssAnon"]
+                        print(f"load {label}, {state}: {run['load_s']:.3f} s, first search {run['first_search_s']:.3f} s; "
+                              f"RSS after load {mib(run['after_load']['VmRSS'])} (private +{mib(grown)}), "
+                              f"after the first search {mib(run['after_search']['VmRSS'])} "
+                              f"(file-backed {mib(run['after_search']['RssFile'])})")
+                mapped, read = loads["mmap"]["warm"], loads["read"]["warm"]
+                print(f"warm load read / mmap = {read['load_s'] / max(mapped['load_s'], 1e-6):.0f}x; private RSS growth "
+                      f"mmap {mib(mapped['after_load']['RssAnon'] - mapped['before']['RssAnon'])} against read "
+                      f"{mib(read['after_load']['RssAnon'] - read['before']['RssAnon'])}")
+                line = (f"{size:,}: warm load mmap {mapped['load_s']:.3f} s / read {read['load_s']:.2f} s, "
+                        f"RSS {mib(mapped['after_load']['VmRSS'])} / {mib(read['after_load']['VmRSS'])}")
+                if not serve:
+                    print(f"/search over HTTP skipped: the service's encoder (MiniLM) is {spec.dimension}-d, "
+                          f"these vectors {dimension}-d")
+                else:
+                    p50 = {}
+                    for label, figures in bench_http(out, queries, (10, 1000)).items():
+                        memory, maps = figures.pop("memory"), figures.pop("maps")
+                        for k, (round_trip, retrieve) in figures.items():
+                            p50[label, k] = round_trip
+                            print(f"/search {label}, k={k}: p50 {round_trip:.1f} ms over {len(queries)} sequential "
+                                  f"queries (the service's retrieve p50 {retrieve:.1f} ms)")
+                        print(f"service RSS {label}, after the queries: {mib(memory['VmRSS'])} (private "
+                              f"{mib(memory['RssAnon'])}, file-backed {mib(memory['RssFile'])}); "
+                              f"{INDEX_FILE} {'memory-mapped' if maps else 'not mapped'}")
+                        if maps != (label == "mmap"):
+                            print(f"WARNING: SEARCH_INDEX_MMAP={str(label == 'mmap').lower()} was not honoured by the "
+                                  "service: these two rows do not compare mmap with read")
+                    print("/search p50 mmap / read = " + ", ".join(
+                        f"{p50['mmap', k] / p50['read', k]:.2f}x at k={k}" for k in (10, 1000)))
+                    line += f", /search p50 k=10 {p50['mmap', 10]:.1f} / {p50['read', 10]:.1f} ms"
+            if structures:
+                print(f"structures over {size:,} passages, one service at a time ({args.queries} sequential queries "
+                      f"at k=10, then {args.clients} clients for {args.seconds:.0f} s):", flush=True)
+                served[size] = bench_structures(out, structures, args, queries)
+                rows = served[size]
+                line += " " + ", ".join(
+                    f"{kind} retrieve p50 {row['retrieve_p50']:.2f} ms ({rows['flat']['retrieve_p50'] / row['retrieve_p50']:.0f}x)"
+                    + (f" recall@10 {row['recall']:.4f}" if kind != "flat" else "") for kind, row in rows.items())
+            if size not in reference:
+                summary.append(line)
             if not args.keep:
                 shutil.rmtree(out)
+        for size in sizes if structures else []:
+            if size == args.reference_size:
+                continue
+            small = served[args.reference_size]
+            ratios = ", ".join(f"{kind} {row['p50'] / small[kind]['p50']:.2f}x" for kind, row in served[size].items())
+            print(f"/search p50 at {size:,} against {args.reference_size:,} passages, same kind: {ratios}")
+            summary.append(f"/search p50 {size:,} / {args.reference_size:,}: {ratios}")
     finally:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)
@@ -447,6 +584,16 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="warm loads per mode (the median is printed)")
     parser.add_argument("--work", type=Path, help="folder for the indexes (default: the system's temporary folder)")
     parser.add_argument("--keep", action="store_true", help="keep the indexes built")
+    parser.add_argument("--sigma", type=float, default=0.05, help="noise a dimension around each cluster centre")
+    parser.add_argument("--structures", nargs="+", choices=["hnsw", "binary", "int8"], default=[],
+                        help="candidate structures served, each against the flat scan (CPU)")
+    parser.add_argument("--ef-construction", type=int, help="hnsw's, passed to `index_builder ann` (default its own)")
+    parser.add_argument("--clients", type=int, default=32, help="concurrent clients for the throughput figure")
+    parser.add_argument("--seconds", type=float, default=20.0, help="of load per service for the throughput figure")
+    parser.add_argument("--reference-size", type=int, default=10_000,
+                        help="a small index served alike, whose /search p50 the large ones are compared with")
+    parser.add_argument("--no-loads", dest="loads", action="store_false",
+                        help="skip the load figures (memory-mapped against read, cold and warm)")
     parser.add_argument("--passages", type=int, default=20_000, help="generated passages encoded (cuda)")
     parser.add_argument("--batch-size", type=int, default=256, help="encoding batch (cuda)")
     args = parser.parse_args()

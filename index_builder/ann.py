@@ -4,7 +4,9 @@ over an index's stored vectors, with its recall card, added without encoding any
 On a published index the structure is written in a new generation beside it, `.NAME.ann/` (hard links to
 the index's files, the new structure, the manifest resealed), swapped into place as a build is, under the
 same `--out` lock. A HNSW build saves its graph there every few minutes; rerunning the same command
-resumes it. `build --ann` adds it in the build's work folder, before the index is published.
+resumes it. `build --ann` adds it in the build's work folder, before the index is published. Given the
+folder of a `build --shards N`, `ann` adds one to each shard in turn, over the shard's own vectors, as
+`build --shards N --ann` does: a sharded service answers through each shard's.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from retrieval import index_writer
 from retrieval.candidates import HELD_OUT, MAX_CANDIDATES, RECALL_SAMPLE, RECALL_THRESHOLD, structure_params
 from retrieval.index_format import CandidateRecord, read_manifest
 from retrieval.readers import read_queries
+from retrieval.sharding import check_shard_set, expand_shard_dirs
 
 
 @dataclass
@@ -75,12 +78,14 @@ def raise_recall_hint(record: CandidateRecord) -> str:
     return f"raise --candidates (now {record.depth}), the candidates rescored"
 
 
-def add_in_place(folder: Path, options: AnnOptions, progress: bool = True, published: Path | None = None) -> AnnReport:
+def add_in_place(folder: Path, options: AnnOptions, progress: bool = True, published: Path | None = None,
+                 queries: tuple[np.ndarray | None, str] | None = None) -> AnnReport:
     """Adds the structure to the finished, unpublished index in `folder` (see index_writer.write_candidates)
     and warns on stderr where its recall@10 is under the threshold, naming the flag that raises it and the
-    index as `published` (where `folder` will be moved; default `folder`)."""
+    index as `published` (where `folder` will be moved; default `folder`). `queries`: the recall queries
+    already encoded, and their name (default: `_query_vectors`)."""
     params = options.params()
-    query_vectors, name = _query_vectors(folder, options)
+    query_vectors, name = queries or _query_vectors(folder, options)
     record = index_writer.write_candidates(folder, options.kind, params, depth=options.candidates,
                                            query_vectors=query_vectors, queries=name, sample=options.sample,
                                            progress=progress)
@@ -90,19 +95,40 @@ def add_in_place(folder: Path, options: AnnOptions, progress: bool = True, publi
     return AnnReport(published or folder, read_manifest(folder).count, record, (folder / record.file).stat().st_size)
 
 
-def add_structure(index_dir: Path, options: AnnOptions, progress: bool = True) -> AnnReport:
+def add_structure(index_dir: Path, options: AnnOptions, progress: bool = True,
+                  queries: tuple[np.ndarray | None, str] | None = None) -> AnnReport:
     """`ann`: the structure added to the published index at `index_dir` as a new generation, swapped in
     atomically. BuildError while another build or `ann` writes `index_dir`; IndexFormatError for a folder
-    that is not a whole index (every file's checksum is checked first)."""
+    that is not a whole index (every file's checksum is checked first). `queries`: see add_in_place."""
     options.params()  # bad flags fail before the lock and the checksums
     with out_lock.hold(index_dir, "ann"):
         read_manifest(index_dir, verify_checksums=True)
         work = index_dir.parent / f".{index_dir.name}.ann"
         checkpoint = index_writer.checkpoint_file(options.kind)
         index_writer.link_generation(index_dir, work, keep=(checkpoint, checkpoint + ".json"))
-        report = add_in_place(work, options, progress, published=index_dir)
+        report = add_in_place(work, options, progress, published=index_dir, queries=queries)
         index_writer.move_into_place(work, index_dir)
     return report
+
+
+def add_structures(index_dir: Path, options: AnnOptions, progress: bool = True) -> list[AnnReport]:
+    """`ann --index DIR`: [add_structure(DIR)] for an index; for the folder of a `build --shards N` (no
+    manifest, shard-0 ... inside: retrieval.sharding.expand_shard_dirs), the structure added to each shard,
+    over its own vectors, one shard after another under the folder's lock as well, once the folder is
+    known to hold all N shards of one build (BuildError naming what is wrong). Each shard is swapped in as
+    it is done: a run stopped midway leaves the shards before with the structure, which a sharded service
+    does not use until every shard has it; rerunning the command finishes them (rebuilding those done)."""
+    shards = expand_shard_dirs([index_dir])
+    if shards == [index_dir]:
+        return [add_structure(index_dir, options, progress)]
+    options.params()
+    with out_lock.hold(index_dir, "ann"):
+        try:
+            check_shard_set([(str(shard), read_manifest(shard)) for shard in shards])
+        except ValueError as error:
+            raise BuildError(f"{index_dir} does not hold the shards of one build: {error}") from None
+        queries = _query_vectors(shards[0], options)  # one encoder for every shard (check_shard_set)
+        return [add_structure(shard, options, progress, queries) for shard in shards]
 
 
 def _query_vectors(folder: Path, options: AnnOptions) -> tuple[np.ndarray | None, str]:

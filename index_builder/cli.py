@@ -9,15 +9,18 @@ import time
 from pathlib import Path
 
 from index_builder import out_lock
-from index_builder.ann import AnnOptions, add_structure
+from index_builder.ann import AnnOptions, add_structures
 from index_builder.build import BuildError, BuildOptions, build_index
 from index_builder.corpus_file import check_corpus_file
 from index_builder.evaluate import (
     CONSISTENCY_DEPTHS,
     EVAL_MODES,
+    RECALL_AGAINST_EXACT,
     consistency_factor,
+    eval_rows,
     format_table,
     metrics,
+    recall_against_exact,
     rerank_run,
     retrieve,
     run_queries,
@@ -142,7 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_ann_flags(build)
 
     ann = commands.add_parser("ann", help="add an approximate candidate structure to an index, with its recall")
-    ann.add_argument("--index", type=Path, required=True, help="index directory (replaced atomically)")
+    ann.add_argument("--index", type=Path, required=True,
+                     help="index directory (replaced atomically), or the folder of a build --shards N (a structure in "
+                     "each shard)")
     ann.add_argument("--kind", choices=candidates.KINDS, required=True,
                      help="hnsw (a graph over the stored vectors), binary (sign bits, Hamming scan) or int8 "
                      "(8-bit codes, scan); candidates are rescored exactly from the stored vectors")
@@ -161,13 +166,16 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--qrels", type=Path, required=True, help="TREC qrels or BEIR TSV")
     evaluate.add_argument("--modes", nargs="+", choices=list(EVAL_MODES),
                           help="retrieval set-ups to compare (default: all the index supports)")
-    evaluate.add_argument("--runs-dir", type=Path, help="write one TREC run file per mode here (MODE.run)")
+    evaluate.add_argument("--exact", action="store_true",
+                          help="exact rows only (every vector scanned): no row per candidate structure "
+                          "(MODE@KIND), which an index carrying structures otherwise gets")
+    evaluate.add_argument("--runs-dir", type=Path, help="write one TREC run file per row here (ROW.run)")
     evaluate.add_argument("--compare", type=Path, help="a second run (e.g. BM25) for the consistency factor C(f,n)")
     evaluate.add_argument("--k", type=_positive, default=MAX_K, help="results scored per query")
     evaluate.add_argument("--rerank", type=Path, nargs="+", metavar="DIR",
                           help="reranker folders (monoBERT, co-attention, generative, or a Hugging Face "
-                          "sequence-classification folder with one logit); each adds a row per mode: MODE+DIRNAME "
-                          "(OUTPUT-checkpoint-N for a training checkpoint)")
+                          "sequence-classification folder with one logit); each adds a row per retrieval row: "
+                          "ROW+DIRNAME (OUTPUT-checkpoint-N for a training checkpoint)")
     evaluate.add_argument("--depth", type=_positive, default=100,
                           help="with --rerank: passages of each mode's list the reranker rescores (default 100)")
     evaluate.add_argument("--query-max-tokens", type=_positive, help="override the index's query token limit")
@@ -279,27 +287,44 @@ def _eval(args: argparse.Namespace) -> None:
     rerankers = {name: load_reranker(folder, device=args.device, backend=encoder.backend)
                  for name, folder in zip(names, args.rerank or [])}
     modes = args.modes or (list(EVAL_MODES) if searcher.bm25 is not None else ["dense"])
+    structures = [] if args.exact else list(searcher.structures)
+    unused = [record.kind for record in searcher.manifest.candidates if record.kind not in searcher.structures]
+    if unused and not args.exact:
+        print(f"note: every row is exact: the index's candidate structures ({', '.join(unused)}) serve the CPU "
+              f"only, and --device {args.device} searches on a GPU", file=sys.stderr)
+    rows = eval_rows(modes, structures)
+    approximate = any(row.structure for row in rows)
     runs, table = {}, {}
 
-    def record(name: str, run: Run, seconds: float) -> None:
+    def record(name: str, run: Run, seconds: float, exact_name: str | None) -> None:
         runs[name] = run
         table[name] = {**metrics(qrels, run), "ms/query": 1000 * seconds / len(queries)}
+        if approximate:  # exact rows have no recall against themselves
+            table[name][RECALL_AGAINST_EXACT] = None if exact_name is None else recall_against_exact(
+                run, runs[exact_name])
         if args.runs_dir:
             args.runs_dir.mkdir(parents=True, exist_ok=True)
             write_run(args.runs_dir / f"{name}.run", run, tag=name)
 
-    for mode in modes:
+    if queries:  # the model's first forward pass is slower: keep it out of the first row's ms/query
+        searcher.batch_search([next(iter(queries.values()))], 10)
+    for row in rows:
+        exact_row = None if row.structure is None else row.mode
         started = time.perf_counter()
-        record(mode, run_queries(searcher, queries, args.k, **EVAL_MODES[mode]), time.perf_counter() - started)
+        record(row.name, run_queries(searcher, queries, args.k, **row.retrieval), time.perf_counter() - started,
+               exact_row)
         if rerankers:
             started = time.perf_counter()
-            retrieved = retrieve(searcher, queries, max(args.k, args.depth), **EVAL_MODES[mode])
+            retrieved = retrieve(searcher, queries, max(args.k, args.depth), **row.retrieval)
             retrieval_seconds = time.perf_counter() - started
         for name, reranker in rerankers.items():
             started = time.perf_counter()
-            run = rerank_run(reranker, queries, retrieved, args.depth, args.k, label=f"{mode}+{name}")
-            record(f"{mode}+{name}", run, retrieval_seconds + time.perf_counter() - started)
+            run = rerank_run(reranker, queries, retrieved, args.depth, args.k, label=f"{row.name}+{name}")
+            record(f"{row.name}+{name}", run, retrieval_seconds + time.perf_counter() - started,
+                   exact_row and f"{exact_row}+{name}")
     print(format_table(table))
+    if approximate:
+        _describe_structures(searcher, structures, args.k)
     comparisons = {"bm25": runs["bm25"]} if "dense" in runs and "bm25" in runs else {}
     if reference is not None:
         comparisons[args.compare.name] = reference
@@ -309,8 +334,25 @@ def _eval(args: argparse.Namespace) -> None:
                            for n in CONSISTENCY_DEPTHS if n <= args.k)
         if values:
             print(f"consistency of dense with {name}'s top {depth}: {values}")
+    through = f", exact and through {', '.join(structures)}" if approximate else ""
     reranked = f", {len(rerankers)} rerankers at depth {args.depth}" if rerankers else ""
-    print(f"evaluated {len(queries)} queries x {len(modes)} modes at k={args.k}{reranked}")
+    print(f"evaluated {len(queries)} queries x {len(modes)} modes at k={args.k}{through}{reranked}")
+
+
+def _describe_structures(searcher: Searcher, structures: list[str], k: int) -> None:
+    """What the approximate rows and their recall column are, and where --k makes them search deeper than a
+    short request would."""
+    depths = {kind: searcher.structures[kind].depth for kind in structures}
+    print("MODE: exact, every vector scanned. MODE@KIND: the dense list from KIND's candidates ("
+          + ", ".join(f"{kind} {depth}" for kind, depth in depths.items())
+          + " per query, at least the list's depth), each scored exactly.")
+    print(f"{RECALL_AGAINST_EXACT}: the share of the exact row's top 10 that the row's top 10 holds, averaged "
+          "over the queries.")
+    shallow = [f"{kind}'s {depth}" for kind, depth in depths.items() if depth < k]
+    if shallow:
+        print(f"note: --k {k} is past {', '.join(shallow)} candidates, so those rows rescore {k} per query, as a "
+              f"request of k={k} is answered; a --k of at most the candidates measures the top 10 that a request "
+              "of k=10 gets.")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -321,7 +363,8 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "merge":
             print(merge_shards(expand_shard_dirs(args.shards), args.out, args.overwrite).summary())
         elif args.command == "ann":
-            print(add_structure(args.index, _ann_options(args, args.kind)).summary())
+            for report in add_structures(args.index, _ann_options(args, args.kind)):
+                print(report.summary())
         elif args.command == "eval":
             _eval(args)
         else:

@@ -2,12 +2,14 @@
 
 Metrics are computed by ir-measures (pytrec_eval underneath), never by code of
 our own; only the consistency factor of paper 000 (eq. 5), which no library
-offers, is written here. The files are read by `retrieval.readers`.
+offers, and an approximate row's recall against the exact row, are written here.
+The files are read by `retrieval.readers`.
 """
 
 from __future__ import annotations
 
-from typing import Mapping
+from dataclasses import dataclass
+from typing import Mapping, Sequence
 
 import ir_measures
 from ir_measures import AP, RR, R, nDCG
@@ -28,6 +30,35 @@ EVAL_MODES = {
     "hybrid-interleave-bm25-first": {"mode": "hybrid", "fusion": "interleave", "lead": "bm25"},
     "hybrid-rrf": {"mode": "hybrid", "fusion": "rrf"},
 }
+APPROXIMATE = "@"  # MODE@KIND: the mode's row answered through the candidate structure KIND
+RECALL_AGAINST_EXACT = "R@10 vs exact"  # the table's column: recall_against_exact at depth 10
+
+
+@dataclass(frozen=True)
+class EvalRow:
+    """One retrieval row of `eval`'s table: a mode answered exactly (every vector scanned, even where the
+    index carries candidate structures), named as the mode, or through one structure, named MODE@KIND."""
+
+    mode: str
+    structure: str | None = None
+
+    @property
+    def name(self) -> str:
+        return self.mode if self.structure is None else f"{self.mode}{APPROXIMATE}{self.structure}"
+
+    @property
+    def retrieval(self) -> dict:
+        """The Searcher's options for this row."""
+        if self.structure is None:
+            return {**EVAL_MODES[self.mode], "exact": True}
+        return {**EVAL_MODES[self.mode], "structure": self.structure}
+
+
+def eval_rows(modes: Sequence[str], structures: Sequence[str]) -> list[EvalRow]:
+    """Each mode's exact row, followed, for a mode that reads the dense list (all but bm25), by a row per
+    candidate structure."""
+    return [row for mode in modes for row in [EvalRow(mode)] + [
+        EvalRow(mode, kind) for kind in structures if EVAL_MODES[mode]["mode"] != "bm25"]]
 
 
 def retrieve(searcher: Searcher, queries: Mapping[str, str], k: int, batch_size: int = 64,
@@ -87,13 +118,32 @@ def consistency_factor(run: Run, reference: Run, depth: int, reference_depth: in
     return sum(shares) / len(shares) if shares else 0.0
 
 
-def format_table(rows: Mapping[str, Mapping[str, float]]) -> str:
-    """One line per system, one column per measure."""
+def recall_against_exact(run: Run, exact: Run, depth: int = 10) -> float:
+    """The mean share of the exact run's top `depth` that `run`'s top `depth` holds (a candidate structure's
+    recall@depth, as retrieval.candidates measures it, on these queries and this row's lists); a query the
+    exact run found nothing for is left out."""
+    shares = []
+    for qid, ranked in exact.items():
+        truth = {docid for docid, _ in ranked[:depth]}
+        if truth:
+            found = {docid for docid, _ in run.get(qid, [])[:depth]}
+            shares.append(len(truth & found) / len(truth))
+    return sum(shares) / len(shares) if shares else 1.0
+
+
+def format_table(rows: Mapping[str, Mapping[str, float | None]]) -> str:
+    """One line per system, one column per measure; a measure a row does not have (None) is shown as -."""
     columns = list(next(iter(rows.values())))
+    widths = [max(11, len(c)) for c in columns]
     width = max(len(name) for name in rows) + 2
-    lines = [" " * width + "  ".join(f"{c:>11}" for c in columns)]
+
+    def cell(value: float | None, column: str, size: int) -> str:
+        if value is None:
+            return f"{'-':>{size}}"
+        return f"{value:>{size}.1f}" if column.startswith("ms") else f"{value:>{size}.4f}"
+
+    lines = [" " * width + "  ".join(f"{c:>{w}}" for c, w in zip(columns, widths))]
     for name, values in rows.items():
-        lines.append(f"{name:<{width}}" + "  ".join(
-            f"{values[c]:>11.1f}" if c.startswith("ms") else f"{values[c]:>11.4f}" for c in columns))
+        lines.append(f"{name:<{width}}" + "  ".join(cell(values[c], c, w) for c, w in zip(columns, widths)))
     return "\n".join(lines)
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Sequence, get_args
+from typing import Literal, NamedTuple, Sequence, get_args
 
+import faiss
 import numpy as np
 
 from models.backends import Backend
@@ -104,6 +105,65 @@ def check_rows(index_dir: Path, manifest: Manifest, index, passages: PassageStor
         )
 
 
+def structures_served(device: str) -> bool:
+    """Whether an index searched on `device` loads its candidate structures: on the CPU only, since a GPU
+    scans every vector faster than a CPU structure proposes candidates. A GPU this faiss cannot use counts
+    as the CPU here: dense_index.load_index says so, after the manifest's checks."""
+    try:
+        return not dense_index.stays_on_gpu(device)
+    except RuntimeError:
+        return True
+
+
+def read_index_manifest(index_dir: Path, device: str, verify_checksums: bool) -> Manifest:
+    """The index's manifest (index_format.read_manifest), with every file's checksum checked here (where
+    `verify_checksums`) but those `load_index_data` checks from the bytes it loads: index.faiss, and the
+    structures loaded on `device`."""
+    structure_files = tuple(candidates_file(kind) for kind in candidates.KINDS) if structures_served(device) else ()
+    return read_manifest(index_dir, verify_checksums=verify_checksums, hashed_on_load=(INDEX_FILE, *structure_files))
+
+
+class IndexData(NamedTuple):
+    index: faiss.Index  # the exact vectors
+    passages: PassageStore
+    structures: dict[str, candidates.Structure]  # by kind, in the manifest's order; none on a GPU
+
+
+def load_index_data(index_dir: Path, manifest: Manifest, device: str, *, verify_checksums: bool,
+                    mmap: bool | None = None, fp16: bool = False) -> IndexData:
+    """The vectors, passages and candidate structures of the index whose manifest `read_index_manifest`
+    read, loaded and checked as a Searcher serves them (`mmap`, `fp16`: see Searcher): the rows agree
+    (check_rows), and each structure listed is the one of these vectors, its file checked from the bytes
+    read where `verify_checksums` (candidates.load). IndexFormatError says what is wrong."""
+    records = manifest.candidates if structures_served(device) else []
+    files = manifest.files
+    index = dense_index.load_index(index_dir / INDEX_FILE, device, mmap=mmap if mmap is not None else bool(records),
+                                   fp16=fp16, expected=files[INDEX_FILE] if verify_checksums else None)
+    passages = PassageStore(index_dir / PASSAGES_FILE)
+    check_rows(index_dir, manifest, index, passages)
+    structures = {record.kind: candidates.load(index_dir / record.file, record, index,
+                                               files[record.file] if verify_checksums else None)
+                  for record in records}
+    return IndexData(index, passages, structures)
+
+
+def pick_structure(structures: dict[str, candidates.Structure], exact: bool = False,
+                   structure: str | None = None) -> candidates.Structure | None:
+    """The structure a search answers through: None where `exact` or none is loaded, else `structure`'s
+    kind (default: the first loaded); ValueError naming those loaded for a kind that is not."""
+    if structure is not None and structure not in structures:
+        raise ValueError(f"structure {structure!r} is not loaded (loaded: {', '.join(structures) or 'none'})")
+    if exact or not structures:
+        return None
+    return structures[structure] if structure is not None else next(iter(structures.values()))
+
+
+def check_candidates(depth: int | None) -> None:
+    """ValueError unless `depth`, the candidates rescored per query, is None or within 1 .. MAX_CANDIDATES."""
+    if depth is not None and not 1 <= depth <= MAX_CANDIDATES:
+        raise ValueError(f"candidates must be between 1 and {MAX_CANDIDATES}, got {depth}")
+
+
 def validate_k(k: int) -> None:
     if not 1 <= k <= MAX_K:
         raise ValueError(f"k must be between 1 and {MAX_K}, got {k}")
@@ -145,27 +205,11 @@ class Searcher:
     ) -> None:
         self.index_dir = Path(index_dir)
         self.mmap, self.fp16 = mmap, fp16
-        try:
-            on_cpu = not dense_index.stays_on_gpu(device)
-        except RuntimeError:  # a GPU faiss cannot use: load_index says so, after the manifest's checks as before
-            on_cpu = True
-        # Structures used here are hashed as they are read (candidates.load); on a GPU, here.
-        structure_files = tuple(candidates_file(kind) for kind in candidates.KINDS) if on_cpu else ()
-        self.manifest = read_manifest(self.index_dir, verify_checksums=verify_checksums,
-                                      hashed_on_load=(INDEX_FILE, *structure_files))
+        self.manifest = read_index_manifest(self.index_dir, device, verify_checksums)
         self.encoder = encoder if encoder is not None else encoder_for(self.manifest, device)
-        check_encoder(self.manifest, self.encoder)
-        records = self.manifest.candidates if on_cpu else []
-        mapped = mmap if mmap is not None else bool(records)
-        files = self.manifest.files
-        self.index = dense_index.load_index(self.index_dir / INDEX_FILE, device, mmap=mapped, fp16=fp16,
-                                            expected=files[INDEX_FILE] if verify_checksums else None)
-        self.passages = PassageStore(self.index_dir / PASSAGES_FILE)
-        check_rows(self.index_dir, self.manifest, self.index, self.passages)
-        # A GPU scans every vector faster than a CPU structure proposes candidates: structures serve the CPU only.
-        self.structures = {record.kind: candidates.load(self.index_dir / record.file, record, self.index,
-                                                        files[record.file] if verify_checksums else None)
-                           for record in records}
+        check_encoder(self.manifest, self.encoder)  # before the vectors load
+        self.index, self.passages, self.structures = load_index_data(
+            self.index_dir, self.manifest, device, verify_checksums=verify_checksums, mmap=mmap, fp16=fp16)
         self.bm25 = Bm25Index(self.index_dir / BM25_DIR) if self.manifest.bm25 is not None else None
 
     @property
@@ -190,8 +234,7 @@ class Searcher:
             raise ValueError(f"mode must be one of {MODES}, fusion one of {FUSIONS}, lead dense or bm25")
         if mode != "dense" and self.bm25 is None:
             raise NoBm25Index(f"mode {mode!r} needs a BM25 index; {self.index_dir} was built without --bm25")
-        if candidates is not None and not 1 <= candidates <= MAX_CANDIDATES:
-            raise ValueError(f"candidates must be between 1 and {MAX_CANDIDATES}, got {candidates}")
+        check_candidates(candidates)
         if structure is not None and structure not in self.structures:
             loaded = ", ".join(self.structures) or "none"
             raise ValueError(f"structure {structure!r} is not loaded for {self.index_dir} (loaded: {loaded})")
@@ -203,9 +246,7 @@ class Searcher:
         return "exact" if chosen is None or mode == "bm25" else f"approximate:{chosen.kind}"
 
     def _structure(self, exact: bool, structure: str | None) -> candidates.Structure | None:
-        if exact or not self.structures:
-            return None
-        return self.structures[structure] if structure is not None else next(iter(self.structures.values()))
+        return pick_structure(self.structures, exact, structure)
 
     def score_kind(self, mode: str = "dense", fusion: str = "interleave", **_) -> str:
         """What a hit's score is for a retrieval set-up: `cosine` or `inner_product` (dense, as the

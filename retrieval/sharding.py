@@ -6,7 +6,9 @@ and `merge` restores that order), so the corpus line is the whole index's row or
 shards' own top-k lists by score, ties by line (as dense_index.search ranks), gives the whole index's
 top-k (`merge_top_k`).
 `ShardIndex` is the search side of one shard directory, with the loading checks of a `Searcher`
-but no encoder: it takes query vectors.
+but no encoder: it takes query vectors. A shard answers through its own candidate structure where the
+caller names one: the candidates are scored exactly from the shard's stored vectors (retrieval.candidates),
+so its list carries exact scores and the merge stays exact; only recall is approximate.
 """
 
 from __future__ import annotations
@@ -18,10 +20,10 @@ from typing import NamedTuple, Sequence
 
 import numpy as np
 
+from retrieval import candidates as candidate_structures
 from retrieval import dense_index
-from retrieval.index_format import INDEX_FILE, MANIFEST_FILE, PASSAGES_FILE, Manifest, manifest_digest, read_manifest
-from retrieval.passage_store import PassageStore
-from retrieval.searcher import check_rows
+from retrieval.index_format import MANIFEST_FILE, Manifest, manifest_digest
+from retrieval.searcher import check_candidates, load_index_data, pick_structure, read_index_manifest
 
 
 @dataclass(frozen=True)
@@ -137,30 +139,40 @@ def check_shard_set(manifests: Sequence[tuple[str, Manifest]]) -> list[Shard]:
 
 
 class ShardIndex:
-    """One shard directory's vectors and passages, loaded and checked as a `Searcher` loads an index
-    (`device`, `mmap`, `fp16`: see dense_index.load_index); `search` takes encoded queries."""
+    """One shard directory's vectors, passages and candidate structures, loaded and checked as a `Searcher`
+    loads an index (retrieval.searcher.load_index_data: `device`, `fp16`, and `mmap`, None memory-mapping the
+    vectors where a structure is loaded; a damaged or foreign structure is an IndexFormatError naming the
+    reason); `search` takes encoded queries."""
 
     def __init__(self, index_dir: str | Path, *, device: str = "auto", verify_checksums: bool = True,
-                 mmap: bool = False, fp16: bool = False) -> None:
+                 mmap: bool | None = None, fp16: bool = False) -> None:
         self.index_dir = Path(index_dir)
-        self.manifest = read_manifest(self.index_dir, verify_checksums=verify_checksums, hashed_on_load=(INDEX_FILE,))
-        self.index = dense_index.load_index(self.index_dir / INDEX_FILE, device, mmap=mmap, fp16=fp16,
-                                            expected=self.manifest.files[INDEX_FILE] if verify_checksums else None)
-        self.passages = PassageStore(self.index_dir / PASSAGES_FILE)
-        check_rows(self.index_dir, self.manifest, self.index, self.passages)
+        self.manifest = read_index_manifest(self.index_dir, device, verify_checksums)
+        self.index, self.passages, self.structures = load_index_data(
+            self.index_dir, self.manifest, device, verify_checksums=verify_checksums, mmap=mmap, fp16=fp16)
 
-    def search(self, vectors: np.ndarray, k: int, build: str | None = None) -> list[list[ShardHit]]:
+    def search(self, vectors: np.ndarray, k: int, build: str | None = None, *, structure: str | None = None,
+               candidates: int | None = None) -> list[list[ShardHit]]:
         """This shard's top `k` per query vector, best first (fewer where the shard holds fewer).
         `build`: the `build_identity` the caller checked; OtherBuild if this folder now holds another
-        (a replica started later, on another node or after the folder was replaced, loads what is there then)."""
+        (a replica started later, on another node or after the folder was replaced, loads what is there then).
+        `structure`: the kind of a candidate structure loaded here to answer through, its `candidates` rows
+        per query (default its recorded depth; at least k, at most the shard's rows) scored exactly
+        (retrieval.candidates.search); None, the default: the exact scan. The caller names it, so that every
+        shard of a search answers alike. ValueError for a kind not loaded or candidates out of bounds."""
         if build is not None and build != build_identity(self.manifest):
             raise OtherBuild(f"{self.index_dir} holds another build of shard {self.manifest.shard} than the one "
                              f"checked at start (manifest sha256 {build_identity(self.manifest)[:12]}, expected "
                              f"{build[:12]}): deploy the new shards as a new application")
+        check_candidates(candidates)
+        chosen = pick_structure(self.structures, exact=structure is None, structure=structure)
         k = min(k, self.manifest.count)
         if k == 0:
             return [[] for _ in range(len(vectors))]
-        scores, rows = dense_index.search(self.index, vectors, k)
+        if chosen is None:
+            scores, rows = dense_index.search(self.index, vectors, k)
+        else:
+            scores, rows = candidate_structures.search(chosen, self.index, vectors, k, candidates)
         results = []
         for row_scores, row_ids in zip(scores, rows):
             found = [(int(row), float(score)) for row, score in zip(row_ids, row_scores) if row >= 0]

@@ -41,21 +41,22 @@ DESCRIBE_TIMEOUT_S = 120.0  # a shard replica starting up loads (and checksums) 
 @serve.deployment(max_ongoing_requests=32)
 class ShardDeployment:
     """One shard directory, loaded and checked as the plain service loads an index (`device` auto: the
-    GPUs Ray gave this replica, the index sharded over them as `SEARCH_DEVICE=cuda` does; else the CPU)."""
+    GPUs Ray gave this replica, the index sharded over them as `SEARCH_DEVICE=cuda` does; else the CPU),
+    with its candidate structures (on the CPU; `mmap` None: the vectors memory-mapped where one is loaded)."""
 
     def __init__(self, index_dir: str, device: str = "auto", verify_checksums: bool = True,
-                 mmap: bool = False, fp16: bool = False) -> None:
+                 mmap: bool | None = None, fp16: bool = False) -> None:
         self.index = ShardIndex(index_dir, device=device, verify_checksums=verify_checksums, mmap=mmap, fp16=fp16)
 
     def describe(self) -> dict:
         return describe_shard(self.index)
 
-    async def search(self, vectors: np.ndarray, k: int, build: str | None = None):
+    async def search(self, vectors: np.ndarray, k: int, build: str | None = None, **options):
         # On the replica's event loop, not Serve's thread pool for sync methods: one thread hop less a
         # call (see docs/benchmarks.md, bench/cluster.py), and one search at a time per replica, which
         # FAISS parallelises itself. Serve's own work on this loop (health checks, queue-length probes)
         # waits for a search in progress.
-        return self.index.search(vectors, k, build)
+        return self.index.search(vectors, k, build, **options)
 
 
 class RayShard:
@@ -67,8 +68,9 @@ class RayShard:
     def describe(self) -> dict:
         return self.handle.describe.remote().result(timeout_s=DESCRIBE_TIMEOUT_S)
 
-    def search(self, vectors: np.ndarray, k: int, build: str | None = None):
-        return self.handle.search.remote(vectors, k, build)  # a DeploymentResponse: result(timeout_s=...), cancel()
+    def search(self, vectors: np.ndarray, k: int, build: str | None = None, **options):
+        # A DeploymentResponse: result(timeout_s=...), cancel(). `options`: ShardIndex.search's structure, candidates.
+        return self.handle.search.remote(vectors, k, build, **options)
 
 
 @serve.deployment
@@ -184,13 +186,15 @@ def build_application(shard_dirs: Sequence[str | Path], settings: ServiceSetting
     # does for uvicorn's (off by default: under load it takes a share of the event loop that serving needs).
     logging_config = {"enable_access_log": settings.access_log}
     shards = []
+    # SEARCH_INDEX_MMAP false leaves it to each shard, as to the plain service: mapped where a structure is loaded.
     for name, directory in zip(names, shard_dirs):
         options = _replica_options(shard_options, malloc)
         if shard_resources:
             options["resources"] = {**options.get("resources", {}), Path(directory).name: 1}
         shards.append(ShardDeployment.options(name=name, num_replicas=shard_replicas, ray_actor_options=options,
                                               logging_config=logging_config)
-                      .bind(str(directory), "auto", settings.verify_checksums, settings.index_mmap, settings.gpu_fp16))
+                      .bind(str(directory), "auto", settings.verify_checksums, settings.index_mmap or None,
+                            settings.gpu_fp16))
     # Serve holds a replica's requests past max_ongoing_requests in its own queue, unbounded, where the app
     # would never see them to answer 429: so twice the app's cap, which leaves the app to refuse searches
     # past SEARCH_MAX_CONCURRENT_REQUESTS at once, as the plain service does, and keeps room for /health,

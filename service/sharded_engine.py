@@ -1,12 +1,15 @@
 """A SearchEngine over an index split into `build --shard i/N` shards, each searched by a client
 (in this process, or a Ray Serve deployment: service/sharded.py): the queries are encoded here, their
 vectors scattered to every shard, and the shards' own top-k lists merged exactly
-(retrieval.sharding.merge_top_k), so the answers equal one flat index over the same passages.
+(retrieval.sharding.merge_top_k), so the answers equal one flat index over the same passages. Where every
+shard carries a candidate structure of one kind, each answers through its own (its candidates scored
+exactly), unless a search asks the exact scan: the scores stay exact, so the merge is unchanged.
 Nothing here imports Ray."""
 
 from __future__ import annotations
 
 import functools
+import logging
 import time
 from pathlib import Path
 from typing import Callable, Protocol, Sequence
@@ -16,7 +19,7 @@ import numpy as np
 from models.backends import Backend
 from models.encoder import Tokens
 from retrieval.index_format import INDEX_FILE, PASSAGES_FILE, Manifest
-from retrieval.searcher import Hit, check_encoder, dense_score_kind, encoder_for, validate_k
+from retrieval.searcher import Hit, check_candidates, check_encoder, dense_score_kind, encoder_for, validate_k
 from retrieval.sharding import ShardHit, ShardIndex, build_identity, check_shard_set, merge_top_k
 from service.engine import Fetch, ReloadError, SearchEngine, SearchPlan, load_rerankers
 from service.errors import ShardsUnavailable
@@ -25,6 +28,7 @@ from service.errors import ShardsUnavailable
 # (service/sharded.py's SERVE_ENV) Serve fetches it through its router's loop, which a zero timeout never
 # gives time to. At worst a search waits timeout_s plus this for each shard behind a silent one.
 FETCH_GRACE_S = 0.25
+log = logging.getLogger("service")
 
 
 class Pending(Protocol):
@@ -32,15 +36,16 @@ class Pending(Protocol):
 
 
 class ShardClient(Protocol):
-    """One shard as the engine reaches it: `name` for messages, `describe()` its index directory and
-    manifest, `search(vectors, k, build)` its top k per vector, answered through `result(timeout_s)`
-    (a failure where the replica's `build_identity` is not `build`)."""
+    """One shard as the engine reaches it: `name` for messages, `describe()` its index directory, manifest
+    and loaded structures (describe_shard), `search(vectors, k, build, **options)` its top k per vector
+    (ShardIndex.search; `options`, structure and candidates, only where it answers through a structure),
+    answered through `result(timeout_s)` (a failure where the replica's `build_identity` is not `build`)."""
 
     name: str
 
     def describe(self) -> dict: ...
 
-    def search(self, vectors: np.ndarray, k: int, build: str | None = None) -> Pending: ...
+    def search(self, vectors: np.ndarray, k: int, build: str | None = None, **options) -> Pending: ...
 
 
 class _Done:
@@ -60,13 +65,29 @@ class LocalShard:
     def describe(self) -> dict:
         return describe_shard(self.index)
 
-    def search(self, vectors: np.ndarray, k: int, build: str | None = None) -> Pending:
-        return _Done(self.index.search(vectors, k, build))
+    def search(self, vectors: np.ndarray, k: int, build: str | None = None, **options) -> Pending:
+        return _Done(self.index.search(vectors, k, build, **options))
 
 
 def describe_shard(index: ShardIndex) -> dict:
-    """What the ingress needs of a shard it may not see the files of: its folder and manifest."""
-    return {"index_dir": str(index.index_dir), "manifest": index.manifest.model_dump(mode="json")}
+    """What the ingress needs of a shard it may not see the files of: its folder, manifest and the kinds of
+    candidate structure it loaded (in the manifest's order; none on a GPU)."""
+    return {"index_dir": str(index.index_dir), "manifest": index.manifest.model_dump(mode="json"),
+            "structures": list(index.structures)}
+
+
+def shared_structures(shards: Sequence[str], loaded: Sequence[Sequence[str]]) -> list[str]:
+    """The kinds of candidate structure every shard loaded (`loaded`, each shard's), in the first's order:
+    a sharded search answers through the first of them. Where there is none but some shard loaded one all
+    the same (an `ann` over the shards stopped midway, shards built apart), every search scans (exact, and
+    so always right; through some shards' structures only, a passage's chance to be found would depend on
+    its shard), and a warning names what each shard holds."""
+    common = [kind for kind in loaded[0] if all(kind in kinds for kinds in loaded)]
+    if not common and any(loaded):
+        held = "; ".join(f"{shard}: {', '.join(kinds) or 'none'}" for shard, kinds in zip(shards, loaded))
+        log.warning("the shards carry no candidate structure of one kind (%s): every search scans every vector; "
+                    "build one in each shard (python -m index_builder ann --index SHARDS_FOLDER --kind KIND)", held)
+    return common
 
 
 class ShardedSearcher:
@@ -91,9 +112,16 @@ class ShardedSearcher:
         self.count = sum(m.count for m in manifests)
         check_encoder(self.manifest, encoder)
         self.index_dir = Path(self.index_dirs[0]).parent
+        kinds = shared_structures(self.shards, [described[p].get("structures", []) for p in order])
+        self.structure = kinds[0] if kinds else None  # None: every search scans
+        # Each shard's recall card of each kind they all carry: measured on the shard's own passages.
+        self.cards = [{"shard": shard, **record.model_dump()} for shard, manifest in zip(self.shards, self.manifests)
+                      for record in manifest.candidates if record.kind in kinds]
 
-    def check(self, k: int, mode: str = "dense", fusion: str = "interleave", lead: str = "dense", **_) -> None:
+    def check(self, k: int, mode: str = "dense", fusion: str = "interleave", lead: str = "dense",
+              candidates: int | None = None, **_) -> None:
         validate_k(k)
+        check_candidates(candidates)
         if mode != "dense":
             raise ValueError(
                 f"{mode!r} is not served over shards: BM25's statistics (document frequencies, average passage "
@@ -103,20 +131,29 @@ class ShardedSearcher:
     def score_kind(self, **_) -> str:
         return dense_score_kind(self.manifest)
 
+    def answered_by(self, exact: bool = False, **_) -> str:
+        """"exact" (every shard scans its vectors) or "approximate:KIND" (each answers through its own KIND
+        structure, candidates scored exactly)."""
+        return "exact" if exact or self.structure is None else f"approximate:{self.structure}"
+
     def encode(self, queries: Sequence[str], tokens: Sequence[Tokens] | None = None) -> np.ndarray:
         return self.encoder.encode_texts(queries, tokens)
 
-    def scatter(self, vectors: np.ndarray, k: int) -> Callable[[bool], tuple[list[list[Hit]], dict]]:
+    def scatter(self, vectors: np.ndarray, k: int, exact: bool = False,
+                candidates: int | None = None) -> Callable[[bool], tuple[list[list[Hit]], dict]]:
         """The vectors sent to every shard now, and the call that waits for their answers (within
-        timeout_s of now, on any thread) and merges every shard's top k for each vector. Given
-        `allow_partial` false, it raises ShardsUnavailable naming the first shard that failed or did
-        not answer in time; true, it lists that shard as missing."""
+        timeout_s of now, on any thread) and merges every shard's top k for each vector. Each shard answers
+        through its `structure` (`candidates` of its rows per query, default its own depth, scored exactly)
+        unless `exact` or there is none: see `answered_by`. Given `allow_partial` false, it raises
+        ShardsUnavailable naming the first shard that failed or did not answer in time; true, it lists that
+        shard as missing."""
         vectors = np.ascontiguousarray(vectors, dtype=np.float32)
+        options = {} if exact or self.structure is None else {"structure": self.structure, "candidates": candidates}
         deadline = time.monotonic() + self.timeout_s
         pending, failures = [], {}
         for shard, client, build in zip(self.shards, self.clients, self.builds):  # all sent before any is awaited
             try:
-                pending.append(client.search(vectors, k, build))
+                pending.append(client.search(vectors, k, build, **options))
             except Exception as error:  # noqa: BLE001 - any failure of a shard is that shard's
                 pending.append(None)
                 failures[shard] = error
@@ -152,7 +189,8 @@ class ShardedSearcher:
 
 
 class ShardedEngine(SearchEngine):
-    """A SearchEngine whose retrieval is the shards' exact top-k merged; encoding and reranking run here.
+    """A SearchEngine whose retrieval is the shards' top-k merged (each list scored exactly, found by a scan
+    or through the shards' structures: ShardedSearcher.answered_by); encoding and reranking run here.
     It serves dense retrieval only (bm25 and hybrid are NotServable) and does not reload in place."""
 
     @classmethod
@@ -171,13 +209,15 @@ class ShardedEngine(SearchEngine):
     waits = True
 
     def answered_by(self, plan: SearchPlan) -> str:
-        return "exact"  # the shards scan every vector: they load no candidate structure yet
+        return self._searcher.answered_by(**plan.retrieval)
 
     def candidate_cards(self) -> list[dict]:
-        return []
+        """Each shard's recall card (with `shard`, "i/N") of the structures every shard carries."""
+        return self._searcher.cards
 
     def _send(self, queries: Sequence[str], vectors: np.ndarray | None, plan: SearchPlan) -> Fetch:
-        return functools.partial(self._searcher.scatter(vectors, plan.depth), plan.allow_partial)
+        fetch = self._searcher.scatter(vectors, plan.depth, exact=plan.exact, candidates=plan.candidates)
+        return functools.partial(fetch, plan.allow_partial)
 
     def prepare(self, index_dir: Path, *, verify_checksums: bool = True):
         raise ReloadError("a sharded service does not reload in place: build the new shards and deploy them "

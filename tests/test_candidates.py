@@ -159,22 +159,29 @@ def test_rescore_orders_equal_scores_by_row_as_the_flat_search_does():
     np.testing.assert_array_equal(scores, exact_scores)
 
 
-@pytest.mark.parametrize("damage, reason", [
+DAMAGES = [  # (how a structure file is damaged, what the refusal says)
     ("flip", f"{HNSW_FILE}: sha256 differs from the manifest's"),
     ("truncate", "bytes, manifest says"),
     ("remove", f"{HNSW_FILE} missing"),
-])
-def test_a_damaged_or_missing_structure_file_is_refused_with_a_reason(hnsw_index, tmp_path, encoder, damage, reason):
-    index = copy_of(hnsw_index, tmp_path)
-    path = index / HNSW_FILE
-    if damage == "flip":
+]
+
+
+def damage_file(path: Path, how: str) -> None:
+    """One byte flipped mid-file, the last 100 bytes cut, or the file removed."""
+    if how == "flip":
         data = bytearray(path.read_bytes())
         data[len(data) // 2] ^= 0xFF
         path.write_bytes(bytes(data))
-    elif damage == "truncate":
+    elif how == "truncate":
         path.write_bytes(path.read_bytes()[:-100])
     else:
         path.unlink()
+
+
+@pytest.mark.parametrize("damage, reason", DAMAGES)
+def test_a_damaged_or_missing_structure_file_is_refused_with_a_reason(hnsw_index, tmp_path, encoder, damage, reason):
+    index = copy_of(hnsw_index, tmp_path)
+    damage_file(index / HNSW_FILE, damage)
     with pytest.raises(IndexFormatError, match=reason):
         Searcher(index, encoder, device="cpu", verify_checksums=True)
 

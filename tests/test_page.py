@@ -1,6 +1,7 @@
 """The search page at `/`, driven in a real headless Chromium (Debian's `chromium` and
 `chromium-driver`, which scripts/install.sh installs where it may): type a query, press Enter, see k
-results with the answer's latency bar; with a key set, a search without it shows the 401 message."""
+results with the answer's latency bar; with a key set, a search without it shows the 401 message; over an
+index with a candidate structure, the page says how each answer was found and can ask the exact scan."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 
 from service.engine import SearchEngine
 from tests.test_admission import serving
+from tests.test_candidates_served import hnsw_engine, hnsw_index  # noqa: F401 - the small index with a HNSW graph
 from tests.test_rerank_service import small_cross_encoder  # noqa: F401 - the session fixture
 
 webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed (the dev extra)")
@@ -62,6 +64,7 @@ def test_a_query_typed_and_entered_shows_k_results_and_the_latency_bar(browser, 
         assert "passages" in wait(browser, lambda d: d.find_element(By.ID, "index").text)
         assert not browser.find_element(By.ID, "key").is_displayed()  # no key, no key field
         assert not browser.find_element(By.ID, "rerank").is_displayed()  # no reranker configured
+        assert not browser.find_element(By.ID, "exact").is_displayed()  # no candidate structure
         search_from_the_keyboard(browser, query, 5)
         items = wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, "#results li") or None)
         assert len(items) == 5
@@ -76,6 +79,27 @@ def test_a_query_typed_and_entered_shows_k_results_and_the_latency_bar(browser, 
         assert "encode" in bar.get_attribute("aria-label") and "total" in bar.get_attribute("aria-label")
         browser.save_screenshot(str(Path(SCREENSHOT) if SCREENSHOT else tmp_path / "search-page.png"))
         assert browser.find_element(By.ID, "error").get_attribute("hidden") is not None
+        assert not browser.find_element(By.ID, "searched").is_displayed()  # nothing could be answered otherwise
+
+
+def test_an_answer_through_a_structure_shows_its_recall_card_and_exact_asks_the_full_scan(
+        browser, hnsw_index, hnsw_engine, engine, demo_queries):  # noqa: F811
+    query = demo_queries["q0005"]
+    card, = hnsw_engine.candidate_cards()
+    with serving(hnsw_index, hnsw_engine) as (app, base, port):
+        browser.get(f"{base}/")
+        wait(browser, lambda d: d.find_element(By.ID, "exact").is_displayed())
+        search_from_the_keyboard(browser, query, 5)
+        searched = wait(browser, lambda d: d.find_element(By.ID, "searched").text or None)
+        assert searched == (f"approximate: hnsw, recall@10 {card['recall_at_10']:.3f} measured on "
+                            f"{card['sample']} held-out passages")  # 300: the small index holds no more
+        expected = [hit.id for hit in engine.search(query, 5).hits]  # the exact scan's, with no structure
+        ids = [item.text for item in browser.find_elements(By.CSS_SELECTOR, "#results .hit-id")]
+        assert ids == expected
+        browser.find_element(By.ID, "exact").send_keys(Keys.SPACE)  # the keyboard ticks it
+        browser.find_element(By.ID, "query").send_keys(Keys.ENTER)
+        assert wait(browser, lambda d: d.find_element(By.ID, "searched").text == "exact" or None)
+        assert [item.text for item in browser.find_elements(By.CSS_SELECTOR, "#results .hit-id")] == expected
 
 
 def test_rerank_on_asks_the_chosen_reranker_and_the_bar_shows_its_stage(browser, small_index, searcher, demo_queries,

@@ -143,6 +143,7 @@ def test_sharded_search_over_http_equals_one_flat_index(client, whole, demo_quer
         body = response.json()
         assert body["results"] == expected(whole.search(query, k).hits)  # ids, order and scores, exactly
         assert body["shards"] == {"answered": ["0/3", "1/3", "2/3"], "missing": []}
+        assert body["search"] == "exact"  # the replicas described no candidate structure to the ingress
     batch = client.post("/search/batch", json={"queries": queries, "k": k}).json()
     assert [item["results"] for item in batch["results"]] == [expected(r.hits) for r in whole.search_batch(queries, k)]
 

@@ -7,6 +7,7 @@ const $ = (id) => document.getElementById(id);
 const STAGES = ["queue", "encode", "retrieve", "rerank"];
 const KEY = "dense-search-api-key";
 const keyRequired = document.body.dataset.keyRequired === "true";
+let cards = [];  // the index's candidate structures with their recall cards (/ready)
 
 function headers() {
   const result = { "content-type": "application/json" };
@@ -43,6 +44,8 @@ async function describeIndex() {
     const kinds = Object.keys(index.rerankers);
     $("reranker").replaceChildren(...kinds.map((kind) => new Option(kind, kind)));
     $("rerank-label").hidden = $("reranker-label").hidden = kinds.length === 0;
+    cards = index.candidates || [];
+    $("exact-label").hidden = cards.length === 0;
   } catch (error) {
     $("index").textContent = "the service is not answering";
   }
@@ -69,6 +72,23 @@ function drawLatency(latency) {
   }));
 }
 
+// How the dense list was found, from the answer's `search`: "exact", or "approximate: KIND" with the
+// structure's recall card (recall@10 against the exact scan, and what it was measured on); over shards,
+// each shard's card (measured on its own passages), so the range and the queries of all of them.
+function describeSearch(searched) {
+  if (!searched.startsWith("approximate:")) return searched;
+  const kind = searched.slice("approximate:".length);
+  const held = cards.filter((card) => card.kind === kind);
+  if (held.length === 0) return `approximate: ${kind}`;
+  const recalls = held.map((card) => card.recall_at_10);
+  const low = Math.min(...recalls).toFixed(3), high = Math.max(...recalls).toFixed(3);
+  const sample = held.reduce((sum, card) => sum + card.sample, 0).toLocaleString();
+  const on = held[0].recall_queries === "held-out passages" ? `${sample} held-out passages`
+    : `${sample} queries of ${held[0].recall_queries}`;
+  const shards = held.length > 1 ? ` over ${held.length} shards` : "";
+  return `approximate: ${kind}, recall@10 ${low === high ? low : `${low} to ${high}`}${shards} measured on ${on}`;
+}
+
 function drawResults(body) {
   const items = body.results.map((hit) => {
     const item = document.createElement("li");
@@ -88,6 +108,9 @@ function drawResults(body) {
   });
   $("results").replaceChildren(...items);
   $("summary").textContent = `${body.results.length} results in ${body.latency_ms.total.toFixed(1)} ms`;
+  // Said where the index carries a structure, the only case where a search could be answered otherwise.
+  $("searched").textContent = describeSearch(body.search || "exact");
+  $("searched").hidden = cards.length === 0;
   drawLatency(body.latency_ms);
   $("answer").hidden = false;
 }
@@ -99,6 +122,7 @@ async function search(event) {
     request.rerank = true;
     request.reranker = $("reranker").value;
   }
+  if ($("exact").checked && !$("exact-label").hidden) request.exact = true;
   showError("");
   try {
     const answer = await fetch("/search", { method: "POST", headers: headers(), body: JSON.stringify(request) });
