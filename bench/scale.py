@@ -2,6 +2,7 @@
 
     python bench/scale.py [--sizes 1000000 5000000] [--dimension 384] [--queries 200] [--repeats 3] [--work DIR] [--keep]
     python bench/scale.py --structures hnsw binary int8 [--no-loads] [--ef-construction N] [--clients 32] [--seconds 20]
+                          [--root DIR [--no-serve]]
     python bench/scale.py --device cuda [--sizes 8841823] [--dimension 768] [--passages 20000] [--batch-size 256]
 
 CPU (the default), for each size: an index directory of clustered unit vectors (around the packaged
@@ -25,7 +26,10 @@ as it is (the flat scan) and then with each candidate structure (`python -m inde
 a generation of hard links beside it), one service at a time: its RSS after load, single-query /search p50
 and p99 (round trip and the service's `latency_ms.retrieve`), throughput of --clients clients for
 --seconds, recall@10 of its answers against the flat scan's on the same queries, and its recall card
-(held-out passages); each a ratio against the flat scan measured in the same run.
+(held-out passages); each a ratio against the flat scan measured in the same run. hnsw under
+--target-recall on the queries is served again with twice the candidates (SEARCH_CANDIDATES), up to 4,096.
+--root keeps the indexes and reuses them: `--no-serve` builds them while the machine is busy, a later run
+serves them alone.
 
 With `--device cuda` (a GPU that torch sees; otherwise a one-line error, exit 2; where faiss sees
 none, a faiss-cpu build, the flat-search part is skipped saying so and the encoders still run):
@@ -138,6 +142,11 @@ def mib(value: float) -> str:
 
 
 # ---------------------------------------------------------------- CPU: build, load, serve
+
+
+def reusable(index: Path) -> bool:
+    """Whether `index` is a whole index a --root run left (the writer moves a finished one into place)."""
+    return (index / MANIFEST_FILE).is_file()
 
 
 def build_synthetic(out: Path, size: int, dimension: int, record: EncoderRecord, centres: np.ndarray,
@@ -264,8 +273,12 @@ def bench_http(index: Path, queries: list[str], ks: tuple[int, ...], blocks: int
 
 def structure_variant(base: Path, kind: str, ef_construction: int | None) -> tuple[Path, float]:
     """A generation of `base` (hard links; the manifest copied) with a `kind` structure added by
-    `python -m index_builder ann`, and that command's seconds (the build, the recall card, the checksums)."""
+    `python -m index_builder ann`, and that command's seconds (the build, the recall card, the checksums).
+    One a --root run left is reused (its seconds: the structure's build as its manifest records it)."""
     variant = base.parent / f"{base.name}-{kind}"
+    if reusable(variant) and [record.kind for record in read_manifest(variant).candidates] == [kind]:
+        print(f"  {variant}: reused", flush=True)
+        return variant, read_manifest(variant).candidates[0].seconds
     if variant.exists():
         shutil.rmtree(variant)
     variant.mkdir()
@@ -282,13 +295,13 @@ def structure_variant(base: Path, kind: str, ef_construction: int | None) -> tup
     return variant, time.perf_counter() - started
 
 
-def serve_figures(index: Path, queries: list[str], clients: int, seconds: float) -> dict:
+def serve_figures(index: Path, queries: list[str], clients: int, seconds: float, **settings: str) -> dict:
     """One service over `index` (SEARCH_VERIFY_CHECKSUMS false; its default memory mapping): RSS after
     load, then `queries` sent one at a time at k=10 (round trip and retrieve ms, the ids found, how each
     was answered), then --clients clients for --seconds (requests/s, p50, p99, errors)."""
     from bench.load import Server, alternate, search_request  # the service stack: needed for these figures alone
 
-    with Server(index, "cpu", verify_checksums="false") as server:
+    with Server(index, "cpu", verify_checksums="false", **settings) as server:
         loaded = process_memory(server.process.pid)
         round_trips, retrieves, found, searched = [], [], [], set()
         with httpx.Client(base_url=server.base, timeout=300, trust_env=False) as client:
@@ -328,24 +341,35 @@ def bench_structures(base: Path, kinds: list[str], args: argparse.Namespace, que
     for kind in kinds:
         variant, built = structure_variant(base, kind, args.ef_construction)
         record = read_manifest(variant).candidates[0]
-        row = serve_figures(variant, queries, args.clients, args.seconds)
-        row.update(build_s=built, record=record, bytes=(variant / record.file).stat().st_size,
-                   recall=overlap_at_10(row["found"], flat["found"]))
-        rows[kind] = row
-        size = read_manifest(variant).count
-        print(f"  {kind} {dict(record.params) or ''} depth {record.depth}: built in {built:.0f} s "
-              f"(`ann`, recall card included), {row['bytes'] / max(size, 1):.0f} bytes a passage; RSS after load "
-              f"{mib(row['rss_loaded'])} ({row['rss_loaded'] / flat['rss_loaded']:.2f}x flat's); /search p50 "
-              f"{row['p50']:.1f} ms ({flat['p50'] / row['p50']:.1f}x faster), p99 {row['p99']:.1f} ms; retrieve p50 "
-              f"{row['retrieve_p50']:.2f} ms ({flat['retrieve_p50'] / row['retrieve_p50']:.0f}x faster), p99 "
-              f"{row['retrieve_p99']:.2f} ms; {row['load']['rps']:.1f} requests/s under {args.clients} clients "
-              f"({row['load']['rps'] / flat['load']['rps']:.1f}x; p50 {row['load']['p50']:.0f} ms, errors "
-              f"{row['load']['errors']}); recall@10 {row['recall']:.4f} on the {len(queries)} queries, card "
-              f"{record.recall_at_10:.4f} ({record.sample} {record.recall_queries}); answered "
-              f"{', '.join(row['searched'])}", flush=True)
-        if not args.keep:
+        depth = record.depth
+        while True:
+            settings = {} if depth == record.depth else {"candidates": str(depth)}
+            row = serve_figures(variant, queries, args.clients, args.seconds, **settings)
+            row.update(build_s=built, record=record, bytes=(variant / record.file).stat().st_size,
+                       recall=overlap_at_10(row["found"], flat["found"]))
+            print_structure_row(kind, row, flat, depth, args, len(queries))
+            rows[kind if depth == record.depth else f"{kind}@{depth}"] = row
+            if row["recall"] >= args.target_recall or kind != "hnsw" or depth >= 4096:
+                break
+            depth *= 2  # hnsw under the target: the same graph searched wider (SEARCH_CANDIDATES)
+        if not args.keep and args.root is None:
             shutil.rmtree(variant)
     return rows
+
+
+def print_structure_row(kind: str, row: dict, flat: dict, depth: int, args: argparse.Namespace, queries: int) -> None:
+    """One line of a structure's figures, each against the flat scan's (`flat`)."""
+    record, size = row["record"], args.current_size
+    print(f"  {kind} {dict(record.params) or ''} depth {depth}: built in {row['build_s']:.0f} s "
+          f"(`ann`, recall card included), {row['bytes'] / max(size, 1):.0f} bytes a passage; RSS after load "
+          f"{mib(row['rss_loaded'])} ({row['rss_loaded'] / flat['rss_loaded']:.2f}x flat's); /search p50 "
+          f"{row['p50']:.1f} ms ({flat['p50'] / row['p50']:.1f}x faster), p99 {row['p99']:.1f} ms; retrieve p50 "
+          f"{row['retrieve_p50']:.2f} ms ({flat['retrieve_p50'] / row['retrieve_p50']:.0f}x faster), p99 "
+          f"{row['retrieve_p99']:.2f} ms; {row['load']['rps']:.1f} requests/s under {args.clients} clients "
+          f"({row['load']['rps'] / flat['load']['rps']:.1f}x; p50 {row['load']['p50']:.0f} ms, errors "
+          f"{row['load']['errors']}); recall@10 {row['recall']:.4f} on the {queries} queries, card "
+          f"{record.recall_at_10:.4f} ({record.sample} {record.recall_queries}); answered "
+          f"{', '.join(row['searched'])}", flush=True)
 
 
 def run_cpu(args: argparse.Namespace, sizes: list[int], dimension: int) -> str:
@@ -358,7 +382,9 @@ def run_cpu(args: argparse.Namespace, sizes: list[int], dimension: int) -> str:
     del encoder
     serve = dimension == spec.dimension
     queries = [QUERIES[i % len(QUERIES)] for i in range(args.queries)]
-    root = Path(tempfile.mkdtemp(prefix="scale-", dir=args.work))
+    root = args.root or Path(tempfile.mkdtemp(prefix="scale-", dir=args.work))
+    root.mkdir(parents=True, exist_ok=True)
+    keep = args.keep or args.root is not None
     structures = args.structures if serve else []
     if args.structures and not serve:
         print(f"--structures skipped: the service's encoder (MiniLM) is {spec.dimension}-d, these vectors {dimension}-d")
@@ -367,7 +393,11 @@ def run_cpu(args: argparse.Namespace, sizes: list[int], dimension: int) -> str:
     try:
         for size in reference + sizes:
             out = root / f"synthetic-{size}"
-            steps = build_synthetic(out, size, dimension, record, centres, args.sigma)
+            if args.root is not None and reusable(out):
+                print(f"\n{out}: reused")
+                steps = {"passages": 0.0, "vectors": 0.0, "manifest": 0.0}
+            else:
+                steps = build_synthetic(out, size, dimension, record, centres, args.sigma)
             index_file = out / INDEX_FILE
             vector_bytes = size * dimension * 4
             print(f"\n{size:,} passages x {dimension}-d ({mib(vector_bytes)} of vectors, index folder {out})")
@@ -410,9 +440,14 @@ def run_cpu(args: argparse.Namespace, sizes: list[int], dimension: int) -> str:
                     print("/search p50 mmap / read = " + ", ".join(
                         f"{p50['mmap', k] / p50['read', k]:.2f}x at k={k}" for k in (10, 1000)))
                     line += f", /search p50 k=10 {p50['mmap', 10]:.1f} / {p50['read', 10]:.1f} ms"
-            if structures:
+            if structures and not args.serve:
+                for kind in structures:
+                    variant, built = structure_variant(out, kind, args.ef_construction)
+                    print(f"  {kind}: `ann` {built:.0f} s, {read_manifest(variant).candidates[0]}", flush=True)
+            elif structures:
                 print(f"structures over {size:,} passages, one service at a time ({args.queries} sequential queries "
                       f"at k=10, then {args.clients} clients for {args.seconds:.0f} s):", flush=True)
+                args.current_size = size
                 served[size] = bench_structures(out, structures, args, queries)
                 rows = served[size]
                 line += " " + ", ".join(
@@ -420,19 +455,20 @@ def run_cpu(args: argparse.Namespace, sizes: list[int], dimension: int) -> str:
                     + (f" recall@10 {row['recall']:.4f}" if kind != "flat" else "") for kind, row in rows.items())
             if size not in reference:
                 summary.append(line)
-            if not args.keep:
+            if not keep:
                 shutil.rmtree(out)
-        for size in sizes if structures else []:
+        for size in sizes if structures and args.serve else []:
             if size == args.reference_size:
                 continue
             small = served[args.reference_size]
-            ratios = ", ".join(f"{kind} {row['p50'] / small[kind]['p50']:.2f}x" for kind, row in served[size].items())
+            ratios = ", ".join(f"{kind} {row['p50'] / small[kind]['p50']:.2f}x" for kind, row in served[size].items()
+                               if kind in small)
             print(f"/search p50 at {size:,} against {args.reference_size:,} passages, same kind: {ratios}")
             summary.append(f"/search p50 {size:,} / {args.reference_size:,}: {ratios}")
     finally:
-        if not args.keep:
+        if not keep:
             shutil.rmtree(root, ignore_errors=True)
-    return "; ".join(summary) + ("" if not args.keep else f" (indexes kept in {root})")
+    return "; ".join(summary) + ("" if not keep else f" (indexes kept in {root})")
 
 
 # ---------------------------------------------------------------- GPU: flat search, encoders
@@ -588,6 +624,11 @@ def main() -> None:
     parser.add_argument("--structures", nargs="+", choices=["hnsw", "binary", "int8"], default=[],
                         help="candidate structures served, each against the flat scan (CPU)")
     parser.add_argument("--ef-construction", type=int, help="hnsw's, passed to `index_builder ann` (default its own)")
+    parser.add_argument("--root", type=Path, help="keep the indexes here, and reuse those an earlier run left")
+    parser.add_argument("--no-serve", dest="serve", action="store_false",
+                        help="with --structures: build the indexes and structures only (serve them in a later run)")
+    parser.add_argument("--target-recall", type=float, default=0.99,
+                        help="hnsw served again with twice the candidates while its recall@10 is under this")
     parser.add_argument("--clients", type=int, default=32, help="concurrent clients for the throughput figure")
     parser.add_argument("--seconds", type=float, default=20.0, help="of load per service for the throughput figure")
     parser.add_argument("--reference-size", type=int, default=10_000,

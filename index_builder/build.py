@@ -32,7 +32,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO, Iterator, Protocol, Sequence
+from typing import BinaryIO, Callable, Iterator, Protocol, Sequence
 
 import numpy as np
 from tqdm import tqdm
@@ -46,6 +46,7 @@ from models.checkpoint import read_json
 from models.encoder import EncoderSpec
 from retrieval import index_writer
 from retrieval.corpus import DEFAULT_MAX_PASSAGE_BYTES, BadLine, CorpusFormat, Passage, detect_format, read_corpus
+from retrieval.fields import FieldTypes, encode_fields
 from retrieval.index_format import (
     PASSAGES_FILE,
     CorpusRecord,
@@ -89,7 +90,9 @@ class BuildOptions:
     shard: Shard | None = None  # keep only this shard's records (see index_builder.shard)
     shards: int | None = None  # write this many shard directories (shard_folder) instead of one index
     max_passage_bytes: int = DEFAULT_MAX_PASSAGE_BYTES  # a longer corpus line (its line end aside) is a bad line
-    ann: AnnOptions | None = None  # also a candidate structure (index_builder.ann), in each shard with `shards`
+    ann: list[AnnOptions] = field(default_factory=list)  # candidate structures (index_builder.ann), in each shard
+    # Called with the finished work folder just before it replaces `out` (an update counts what it dropped there).
+    before_publish: Callable[[Path], None] | None = None
 
 
 @dataclass
@@ -266,6 +269,7 @@ def _build(options: BuildOptions, encoder: PassageEncoder) -> BuildReport:
         connection = index_writer.open_store(work)
         with connection:  # rows of a chunk that was stored but not yet counted in state.json
             connection.execute("DELETE FROM passages WHERE row >= ?", (state.rows,))
+        types = FieldTypes.of_store(connection)  # a JSONL field keeps the type it was first stored with
         report = _Reporter(corpus, options.skip_bad)
         started = time.perf_counter()
         encoded = 0
@@ -277,7 +281,10 @@ def _build(options: BuildOptions, encoder: PassageEncoder) -> BuildReport:
             chunks = _read_chunks(handle, fmt, last["end_offset"], last["end_line"], digest, options.chunk_size,
                                   options.max_passage_bytes, options.shard, last.get("records", 0))
             for chunk in chunks:
-                bad = sorted(chunk.bad + _check_duplicates(connection, chunk.passages), key=lambda b: b.line)
+                duplicates = _check_duplicates(connection, chunk.passages)
+                twice = {line.line for line in duplicates}
+                mistyped = [BadLine(*found) for found in types.admit(p for p in chunk.passages if p.line not in twice)]
+                bad = sorted(chunk.bad + duplicates + mistyped, key=lambda b: b.line)
                 for line in bad:
                     report(line)
                 bad_lines = {line.line for line in bad}
@@ -302,13 +309,15 @@ def _build(options: BuildOptions, encoder: PassageEncoder) -> BuildReport:
         # even for a moment, and a crash before the last line leaves only the scratch to resume from.
         shards_dir = out.parent / f".{out.name}.shards"
         _finish_shards(work, shards_dir, state, encoder_record, corpus_record, options.bm25, options.shards)
-        ann = [add_in_place(shard_folder(shards_dir, i), options.ann, published=shard_folder(out, i))
-               for i in range(options.shards) if options.ann]
+        ann = [add_in_place(shard_folder(shards_dir, i), structure, published=shard_folder(out, i))
+               for i in range(options.shards) for structure in options.ann]
         index_writer.move_into_place(shards_dir, out)
         shutil.rmtree(work)
     else:
         _finish(work, state, encoder_record, corpus_record, options.bm25, options.shard)
-        ann = [add_in_place(work, options.ann, published=out)] if options.ann else []
+        ann = [add_in_place(work, structure, published=out) for structure in options.ann]
+        if options.before_publish is not None:
+            options.before_publish(work)
         index_writer.move_into_place(work, out, scratch=(CHUNKS_DIR, STATE_FILE))
     return BuildReport(
         out=out,
@@ -382,7 +391,8 @@ def _commit_chunk(work, state: _State, connection, encoder: PassageEncoder, pass
     if split is not None:
         _save_array(_chunk_file(work, number, "shards"), split[0])
     first_row = state.rows
-    index_writer.insert_passages(connection, ((first_row + i, p.id, p.text, p.line) for i, p in enumerate(passages)))
+    index_writer.insert_passages(connection, ((first_row + i, p.id, p.text, p.line, encode_fields(p.fields))
+                                              for i, p in enumerate(passages)))
     state.chunks.append(
         {
             "end_offset": chunk.end_offset,
@@ -431,9 +441,10 @@ def _finish_shards(work: Path, target: Path, state: _State, encoder: EncoderReco
         rows = [0] * shards
         batches: list[list] = [[] for _ in range(shards)]
         with tqdm(total=state.rows, desc="splitting into shards", unit=" passages") as progress:
-            for row, pid, text, line in source.execute("SELECT row, id, text, line FROM passages ORDER BY row"):
+            for row, pid, text, line, fields in source.execute(
+                    "SELECT row, id, text, line, fields FROM passages ORDER BY row"):
                 i = int(assignment[row])
-                batches[i].append((rows[i], pid, text, line))
+                batches[i].append((rows[i], pid, text, line, fields))
                 rows[i] += 1
                 if len(batches[i]) == SHARD_INSERT_BATCH:
                     index_writer.insert_passages(stores[i], batches[i])

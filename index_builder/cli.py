@@ -1,41 +1,31 @@
-"""`python -m index_builder {build,merge,ann,eval,convert-cranfield}`; bad input exits 2 with a one-line reason."""
+"""`python -m index_builder {build,update,merge,ann,eval,convert-cranfield}`; bad input exits 2 with a one-line
+reason."""
 
 from __future__ import annotations
 
 import argparse
 import sqlite3
 import sys
-import time
 from pathlib import Path
 
 from index_builder import out_lock
 from index_builder.ann import AnnOptions, add_structures
 from index_builder.build import BuildError, BuildOptions, build_index
+from index_builder.changes import ChangeOptions, apply_changes
 from index_builder.corpus_file import check_corpus_file
-from index_builder.evaluate import (
-    CONSISTENCY_DEPTHS,
-    EVAL_MODES,
-    RECALL_AGAINST_EXACT,
-    consistency_factor,
-    eval_rows,
-    format_table,
-    metrics,
-    recall_against_exact,
-    rerank_run,
-    retrieve,
-    run_queries,
-)
+from index_builder.eval_command import run_eval
+from index_builder.evaluate import EVAL_MODES
 from index_builder.merge import merge_shards
 from index_builder.shard import Shard
 from index_builder.smart import convert_cranfield
+from index_builder.update import build_update, check_updatable, index_encoder
 from models.backends import BACKENDS
 from models.encoder import BiEncoder
-from models.reranker import load_reranker
 from retrieval import candidates
 from retrieval.corpus import DEFAULT_MAX_PASSAGE_BYTES
 from retrieval.index_format import IndexFormatError, read_manifest
-from retrieval.readers import InputFileError, Run, read_qrels, read_queries, read_run, write_run
-from retrieval.searcher import MAX_K, EncoderMismatch, Searcher, encoder_for
+from retrieval.readers import InputFileError
+from retrieval.searcher import MAX_K, EncoderMismatch
 from retrieval.sharding import expand_shard_dirs, shard_folder
 
 LOCAL_RAY = "local"  # `--ray` with no address: ray.init()'s own choice
@@ -121,6 +111,10 @@ def build_parser() -> argparse.ArgumentParser:
                        f"without being held in memory (default {DEFAULT_MAX_PASSAGE_BYTES} = 1 MiB)")
     build.add_argument("--overwrite", action="store_true", help="replace an existing --out (atomically)")
     build.add_argument("--restart", action="store_true", help="discard an interrupted build instead of resuming")
+    build.add_argument("--update", action="store_true",
+                       help="bring the index at --out up to date with --corpus as a new generation: passages whose "
+                       "text it holds keep their stored vectors (same encoder only), the rest are encoded, those "
+                       "absent from --corpus dropped; BM25 and candidate structures rebuilt")
     build.add_argument("--backend", choices=BACKENDS, default="torch",
                        help="torch, or ONNX Runtime on the CPU (onnx; onnx-int8: int8 weights), recorded in the manifest")
     build.add_argument("--bm25", action="store_true", help="also build a BM25 index (bm25s) over the same passages")
@@ -169,6 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--exact", action="store_true",
                           help="exact rows only (every vector scanned): no row per candidate structure "
                           "(MODE@KIND), which an index carrying structures otherwise gets")
+    evaluate.add_argument("--filter", metavar="JSON",
+                          help='search only the passages a metadata filter matches, in every row, e.g. '
+                          '\'{"source": "pubmed"}\' (the grammar: docs/serving.md#filters)')
     evaluate.add_argument("--runs-dir", type=Path, help="write one TREC run file per row here (ROW.run)")
     evaluate.add_argument("--compare", type=Path, help="a second run (e.g. BM25) for the consistency factor C(f,n)")
     evaluate.add_argument("--k", type=_positive, default=MAX_K, help="results scored per query")
@@ -182,6 +179,24 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     evaluate.add_argument("--backend", choices=BACKENDS,
                           help="encode the queries with this backend (default: the one the index was built with)")
+
+    update = commands.add_parser("update", help="apply added, replaced and deleted passages to an index")
+    update.add_argument("--index", type=Path, required=True, help="index directory (replaced atomically)")
+    update.add_argument("--add", type=Path, metavar="FILE",
+                        help="a corpus (TSV or JSONL) of new passages and of replacements for passages the index "
+                        "holds (same id): replaced ones keep their row, new ones are appended")
+    update.add_argument("--delete", type=Path, metavar="IDS_FILE",
+                        help="passage ids to delete, one a line (applied before --add; ids not in the index are "
+                        "counted and named)")
+    update.add_argument("--model", type=Path, help="the index's model folder, where it has moved (default: the "
+                        "manifest's)")
+    update.add_argument("--batch-size", type=_positive, default=64, help="passages per forward pass")
+    update.add_argument("--chunk-size", type=_positive, default=2048, help="passages per resumable chunk of --add")
+    update.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    update.add_argument("--skip-bad", action="store_true", help="skip and count malformed lines of --add")
+    update.add_argument("--max-passage-bytes", type=_positive, default=DEFAULT_MAX_PASSAGE_BYTES, metavar="N",
+                        help="the longest line of --add, as for build")
+    update.add_argument("--restart", action="store_true", help="discard an interrupted build of --add")
 
     cranfield = commands.add_parser("convert-cranfield", help="SMART-format Cranfield to corpus/queries/qrels files")
     cranfield.add_argument("--data", type=Path, required=True, help="folder with cran.all.1400, cran.qry, cranqrel")
@@ -200,6 +215,9 @@ def _check_build_flags(args: argparse.Namespace) -> None:
         _ann_options(args, args.ann).params()
     if args.shard is not None and args.shards is not None:
         raise BuildError("--shard i/N builds one shard, --shards N all of them: pass one of the two")
+    if args.update and (args.shard is not None or args.shards is not None or args.if_missing):
+        raise BuildError("--update writes one whole index over the one at --out: drop --shard, --shards and "
+                         "--if-missing")
     if args.ray is None:
         if args.workers is not None or args.gpus_per_worker is not None:
             raise BuildError("--workers and --gpus-per-worker need --ray")
@@ -233,10 +251,12 @@ def _build(args: argparse.Namespace) -> None:
     options = BuildOptions(
         args.corpus, args.out, args.chunk_size, args.skip_bad, args.overwrite, args.restart, bm25=args.bm25,
         shard=args.shard, shards=args.shards, max_passage_bytes=args.max_passage_bytes,
-        ann=_ann_options(args, args.ann) if args.ann else None,
+        ann=[_ann_options(args, args.ann)] if args.ann else [],
     )
     # build_index checks both again; here they fail before a model loads.
     check_corpus_file(args.corpus)
+    if args.update:
+        check_updatable(args.out, verify_checksums=False)  # checked whole under the lock
     with out_lock.hold(args.out, "build"):
         _build_locked(args, options)
 
@@ -252,7 +272,7 @@ def _build_locked(args: argparse.Namespace, options: BuildOptions) -> None:
         passage_prefix=args.passage_prefix,
     )
     if args.ray is None:
-        print(build_index(options, BiEncoder(args.model, device=args.device, **encoder_options)).summary())
+        print(_builder(args)(options, BiEncoder(args.model, device=args.device, **encoder_options)).summary())
         return
     from index_builder import ray_build  # only here: a build without --ray never imports Ray
 
@@ -260,99 +280,19 @@ def _build_locked(args: argparse.Namespace, options: BuildOptions) -> None:
         with ray_build.RayEncoder({"path": args.model, **encoder_options}, workers=args.workers,
                                   gpus_per_worker=args.gpus_per_worker, device=args.device) as encoder:
             print(f"encoding on Ray: {encoder.workers} actors x {encoder.gpus_per_worker:g} GPUs", file=sys.stderr)
-            report = build_index(options, encoder)
+            report = _builder(args)(options, encoder)
     print(report.summary())
 
 
-def _row_name(folder: Path) -> str:
-    """A reranker's name in the table: its folder's, with the training output's for a checkpoint folder."""
-    folder = folder.resolve()
-    return f"{folder.parent.name}-{folder.name}" if folder.name.startswith("checkpoint-") else folder.name
+def _builder(args: argparse.Namespace):
+    return build_update if args.update else build_index
 
 
-def _eval(args: argparse.Namespace) -> None:
-    names = [_row_name(folder) for folder in args.rerank or []]
-    duplicated = sorted({name for name in names if names.count(name) > 1})
-    if duplicated:
-        raise ValueError(f"--rerank: two folders would both be the table row {duplicated[0]!r}; rename one")
-    if args.compare and args.modes and "dense" not in args.modes:
-        raise ValueError("--compare measures the dense run's consistency with a run: add dense to --modes")
-    if args.rerank and args.depth > MAX_K:
-        raise ValueError(f"--depth must be at most {MAX_K}, got {args.depth}")
-    queries = read_queries(args.queries)
-    qrels = read_qrels(args.qrels)
-    reference = read_run(args.compare) if args.compare else None
-    encoder = encoder_for(read_manifest(args.index), args.device, args.query_max_tokens, args.backend)
-    searcher = Searcher(args.index, encoder, device=args.device)
-    rerankers = {name: load_reranker(folder, device=args.device, backend=encoder.backend)
-                 for name, folder in zip(names, args.rerank or [])}
-    modes = args.modes or (list(EVAL_MODES) if searcher.bm25 is not None else ["dense"])
-    structures = [] if args.exact else list(searcher.structures)
-    unused = [record.kind for record in searcher.manifest.candidates if record.kind not in searcher.structures]
-    if unused and not args.exact:
-        print(f"note: every row is exact: the index's candidate structures ({', '.join(unused)}) serve the CPU "
-              f"only, and --device {args.device} searches on a GPU", file=sys.stderr)
-    rows = eval_rows(modes, structures)
-    approximate = any(row.structure for row in rows)
-    runs, table = {}, {}
-
-    def record(name: str, run: Run, seconds: float, exact_name: str | None) -> None:
-        runs[name] = run
-        table[name] = {**metrics(qrels, run), "ms/query": 1000 * seconds / len(queries)}
-        if approximate:  # exact rows have no recall against themselves
-            table[name][RECALL_AGAINST_EXACT] = None if exact_name is None else recall_against_exact(
-                run, runs[exact_name])
-        if args.runs_dir:
-            args.runs_dir.mkdir(parents=True, exist_ok=True)
-            write_run(args.runs_dir / f"{name}.run", run, tag=name)
-
-    if queries:  # the model's first forward pass is slower: keep it out of the first row's ms/query
-        searcher.batch_search([next(iter(queries.values()))], 10)
-    for row in rows:
-        exact_row = None if row.structure is None else row.mode
-        started = time.perf_counter()
-        record(row.name, run_queries(searcher, queries, args.k, **row.retrieval), time.perf_counter() - started,
-               exact_row)
-        if rerankers:
-            started = time.perf_counter()
-            retrieved = retrieve(searcher, queries, max(args.k, args.depth), **row.retrieval)
-            retrieval_seconds = time.perf_counter() - started
-        for name, reranker in rerankers.items():
-            started = time.perf_counter()
-            run = rerank_run(reranker, queries, retrieved, args.depth, args.k, label=f"{row.name}+{name}")
-            record(f"{row.name}+{name}", run, retrieval_seconds + time.perf_counter() - started,
-                   exact_row and f"{exact_row}+{name}")
-    print(format_table(table))
-    if approximate:
-        _describe_structures(searcher, structures, args.k)
-    comparisons = {"bm25": runs["bm25"]} if "dense" in runs and "bm25" in runs else {}
-    if reference is not None:
-        comparisons[args.compare.name] = reference
-    for name, other in comparisons.items():
-        depth = min(max(map(len, other.values()), default=0), max(CONSISTENCY_DEPTHS))  # the reference's own
-        values = ", ".join(f"C(dense, {n}) = {consistency_factor(runs['dense'], other, n):.4f}"
-                           for n in CONSISTENCY_DEPTHS if n <= args.k)
-        if values:
-            print(f"consistency of dense with {name}'s top {depth}: {values}")
-    through = f", exact and through {', '.join(structures)}" if approximate else ""
-    reranked = f", {len(rerankers)} rerankers at depth {args.depth}" if rerankers else ""
-    print(f"evaluated {len(queries)} queries x {len(modes)} modes at k={args.k}{through}{reranked}")
-
-
-def _describe_structures(searcher: Searcher, structures: list[str], k: int) -> None:
-    """What the approximate rows and their recall column are, and where --k makes them search deeper than a
-    short request would."""
-    depths = {kind: searcher.structures[kind].depth for kind in structures}
-    print("MODE: exact, every vector scanned. MODE@KIND: the dense list from KIND's candidates ("
-          + ", ".join(f"{kind} {depth}" for kind, depth in depths.items())
-          + " per query, at least the list's depth), each scored exactly.")
-    print(f"{RECALL_AGAINST_EXACT}: the share of the exact row's top 10 that the row's top 10 holds, averaged "
-          "over the queries.")
-    shallow = [f"{kind}'s {depth}" for kind, depth in depths.items() if depth < k]
-    if shallow:
-        print(f"note: --k {k} is past {', '.join(shallow)} candidates, so those rows rescore {k} per query, as a "
-              f"request of k={k} is answered; a --k of at most the candidates measures the top 10 that a request "
-              "of k=10 gets.")
+def _update(args: argparse.Namespace) -> None:
+    options = ChangeOptions(args.index, args.add, args.delete, args.chunk_size, args.skip_bad, args.restart,
+                            args.max_passage_bytes)
+    print(apply_changes(options, lambda manifest: index_encoder(manifest, args.model, args.device,
+                                                                args.batch_size)).summary())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -360,13 +300,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "build":
             _build(args)
+        elif args.command == "update":
+            _update(args)
         elif args.command == "merge":
             print(merge_shards(expand_shard_dirs(args.shards), args.out, args.overwrite).summary())
         elif args.command == "ann":
             for report in add_structures(args.index, _ann_options(args, args.kind)):
                 print(report.summary())
         elif args.command == "eval":
-            _eval(args)
+            run_eval(args)
         else:
             counts = convert_cranfield(args.data, args.out)
             print(f"wrote {args.out}: " + ", ".join(f"{v} {k}" for k, v in counts.items()))

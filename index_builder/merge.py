@@ -27,6 +27,7 @@ from tqdm import tqdm
 from index_builder import out_lock
 from index_builder.errors import BuildError
 from retrieval import index_writer
+from retrieval.fields import has_fields_column, merged_types
 from retrieval.index_format import INDEX_FILE, PASSAGES_FILE, Manifest, read_manifest
 from retrieval.sharding import check_shard_set
 
@@ -97,16 +98,19 @@ def _check_shards(directories: Sequence[Path]) -> list[tuple[Path, Manifest]]:
     manifests = [read_manifest(directory, verify_checksums=True) for directory in directories]
     try:
         shards = check_shard_set([(str(directory), manifest) for directory, manifest in zip(directories, manifests)])
+        merged_types([(str(directory), manifest.fields) for directory, manifest in zip(directories, manifests)])
     except ValueError as error:
         raise BuildError(str(error)) from None
     by_index = {shard.index: (directory, manifest) for shard, directory, manifest in zip(shards, directories, manifests)}
     return [by_index[i] for i in range(len(by_index))]
 
 
-def _rows(connection: sqlite3.Connection, number: int) -> Iterator[tuple[int, int, int, str, str]]:
-    """(line, shard number, row, id, text) of one shard, in row order, which a build makes line order."""
-    for row, pid, text, line in connection.execute("SELECT row, id, text, line FROM passages ORDER BY row"):
-        yield line, number, row, pid, text
+def _rows(connection: sqlite3.Connection, number: int) -> Iterator[tuple[int, int, int, str, str, str | None]]:
+    """(line, shard number, row, id, text, fields) of one shard, in row order, which a build makes line order."""
+    fields = "fields" if has_fields_column(connection) else "NULL"  # a shard built before metadata fields
+    for row, pid, text, line, stored in connection.execute(
+            f"SELECT row, id, text, line, {fields} FROM passages ORDER BY row"):
+        yield line, number, row, pid, text, stored
 
 
 def _merge_passages(directories: list[Path], work: Path, progress: tqdm) -> list[np.ndarray]:
@@ -117,16 +121,16 @@ def _merge_passages(directories: list[Path], work: Path, progress: tqdm) -> list
         sizes = [c.execute("SELECT COUNT(*) FROM passages").fetchone()[0] for c in connections]
         destinations = [np.empty(size, dtype=np.int64) for size in sizes]
         merged = heapq.merge(*(_rows(connection, number) for number, connection in enumerate(connections)))
-        batch: list[tuple[int, str, str, int]] = []
+        batch: list[tuple[int, str, str, int, str | None]] = []
         previous = (0, 0)
-        for merged_row, (line, number, row, pid, text) in enumerate(merged):
+        for merged_row, (line, number, row, pid, text, fields) in enumerate(merged):
             if line == previous[0]:
                 raise BuildError(
                     f"line {line} is in both {directories[previous[1]]} and {directories[number]}: "
                     "shards built from different corpora?"
                 )
             destinations[number][row] = merged_row
-            batch.append((merged_row, pid, text, line))
+            batch.append((merged_row, pid, text, line, fields))
             previous = (line, number)
             if len(batch) == INSERT_BATCH:
                 _insert(store, batch, directories, connections)
@@ -146,7 +150,7 @@ def _insert(store: sqlite3.Connection, batch: list, directories: list[Path], con
     try:
         index_writer.insert_passages(store, batch)
     except sqlite3.IntegrityError:
-        for _, pid, _, _ in batch:
+        for _, pid, *_ in batch:
             holders = [
                 f"{directory} (line {found[0]})"
                 for directory, connection in zip(directories, connections)

@@ -72,3 +72,24 @@ class Bm25Index:
             [(int(row), float(score)) for row, score in zip(row_list, score_list) if score > 0]
             for row_list, score_list in zip(np.asarray(rows), np.asarray(scores))
         ]
+
+    def search_among(self, queries: Sequence[str], k: int, mask: np.ndarray) -> list[list[tuple[int, float]]]:
+        """As `search`, among the rows `mask` keeps (retrieval.filtered_search): every passage's score computed
+        as `search` computes it, the others' dropped, the first k by score and then row (so equal scores are
+        ordered alike however many rows the mask keeps)."""
+        tokens = self.tokenizer.tokenize(list(queries), update_vocab=False, return_as="ids", show_progress=False)
+        known = self.retriever.unique_token_ids_set
+        results = []
+        for ids in tokens:
+            ids = [token for token in ids if token in known]
+            if not ids or k <= 0:
+                results.append([])
+                continue
+            scores = np.where(mask, np.asarray(self.retriever.get_scores(ids)), 0)
+            rows = np.flatnonzero(scores > 0)
+            if len(rows) > k:  # those scoring at least the k-th score (ties included), then ordered
+                kth = np.partition(scores[rows], len(rows) - k)[len(rows) - k]
+                rows = rows[scores[rows] >= kth]
+            rows = rows[np.lexsort((rows, -scores[rows]))][:k]
+            results.append([(int(row), float(scores[row])) for row in rows])
+        return results

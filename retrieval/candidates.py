@@ -203,15 +203,20 @@ def load(path: Path, record: CandidateRecord, flat: faiss.IndexFlat, expected: F
     return Structure(record.kind, index, dict(record.params), record.depth)
 
 
-def candidates(structure: Structure, query_vectors: np.ndarray, depth: int) -> np.ndarray:
-    """(len(query_vectors), depth) rows the structure proposes per query, -1 past what it found."""
+def candidates(structure: Structure, query_vectors: np.ndarray, depth: int, selector: faiss.IDSelector | None = None
+               ) -> np.ndarray:
+    """(len(query_vectors), depth) rows the structure proposes per query, -1 past what it found; with
+    `selector`, only rows it lets through (retrieval.filtered_search: a filter's rows)."""
     vectors = np.ascontiguousarray(query_vectors, dtype=np.float32)
     if structure.kind == "hnsw":
         search = faiss.SearchParametersHNSW(efSearch=max(structure.params["efSearch"], depth))
+        if selector is not None:
+            search.sel = selector
         return structure.index.search(vectors, depth, params=search)[1]
+    params = faiss.SearchParameters(sel=selector) if selector is not None else None
     if structure.kind == "binary":
-        return structure.index.search(np.packbits(vectors > 0, axis=1), depth)[1]
-    return structure.index.search(vectors, depth)[1]
+        return structure.index.search(np.packbits(vectors > 0, axis=1), depth, params=params)[1]
+    return structure.index.search(vectors, depth, params=params)[1]
 
 
 def rescore(flat: faiss.IndexFlat, query_vectors: np.ndarray, rows: np.ndarray,

@@ -1,4 +1,5 @@
-"""Streaming readers for passage collections: TSV `id<TAB>text` and JSONL (`id`/`_id`, optional `title`, `text`).
+"""Streaming readers for passage collections: TSV `id<TAB>text` and JSONL (`id`/`_id`, optional `title`, `text`,
+and metadata fields: any other key, see retrieval.fields).
 
 Lines are read one at a time in binary, each at most `max_bytes` long (a longer
 line is a bad line, read past in blocks and never held), so a collection of any
@@ -10,9 +11,11 @@ byte just past a record).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO, Iterator, Literal, Protocol
+
+from retrieval.fields import record_fields
 
 CorpusFormat = Literal["tsv", "jsonl"]
 BOM = b"\xef\xbb\xbf"
@@ -25,6 +28,7 @@ class Passage:
     id: str
     text: str
     line: int
+    fields: dict | None = field(default=None, hash=False)  # JSONL metadata (retrieval.fields); None: none
 
 
 @dataclass(frozen=True)
@@ -88,7 +92,11 @@ def _parse_jsonl(text: str, line: int) -> Passage | BadLine:
             value.encode("utf-8")
         except UnicodeEncodeError as error:  # JSON may escape a lone surrogate, "\ud800"; no model reads it
             return BadLine(line, f"{name} is not valid Unicode text: a lone surrogate at character {error.start}")
-    return Passage(str(pid).strip(), body, line)
+    try:
+        fields = record_fields(record)
+    except ValueError as error:
+        return BadLine(line, f"{error} (id {pid!r})")
+    return Passage(str(pid).strip(), body, line, fields or None)
 
 
 class Digest(Protocol):

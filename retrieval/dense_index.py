@@ -149,9 +149,11 @@ def _check_rest(path: Path, handle, digest, expected: FileRecord, cause: Excepti
 GPU_MAX_K = 2048  # the most results FAISS's GPU flat search gives a query
 
 
-def search(index: faiss.Index, vectors: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+def search(index: faiss.Index, vectors: np.ndarray, k: int, *, params: faiss.SearchParameters | None = None,
+           allowed: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(scores, rows), each (len(vectors), k): the first k rows by score, and among equal scores by row,
-    lowest first; rows are -1 past the index's size.
+    lowest first; rows are -1 past the index's size. `params`: FAISS's search parameters, an ID selector
+    restricting the search to `allowed` rows (retrieval.filtered_search), then -1 past those.
 
     Equal scores come from duplicate passages. FAISS orders them by its heap, and which of several tied
     at the k-th place it keeps depends on k and on the order it met them, so a shard's top k (whose rows
@@ -159,18 +161,18 @@ def search(index: faiss.Index, vectors: np.ndarray, k: int) -> tuple[np.ndarray,
     equal one index even there: a search reads one result past k to see a tie crossing the k-th place,
     and more (rarely) until the tie ends."""
     vectors = np.ascontiguousarray(vectors, dtype=np.float32)
-    total = index.ntotal
+    total = index.ntotal if allowed is None else allowed
     if k <= 0 or len(vectors) == 0:
-        return index.search(vectors, k)
+        return index.search(vectors, k, params=params)
     if k >= total:  # every row is in: nothing to choose, only to order
-        scores, rows = index.search(vectors, k)
+        scores, rows = index.search(vectors, k, params=params)
         return ordered(scores, rows, k)
     cap = total if isinstance(index, faiss.IndexFlat) else min(total, GPU_MAX_K)
     fetch = min(k + 1, cap)
-    scores, rows = index.search(vectors, fetch)
+    scores, rows = index.search(vectors, fetch, params=params)
     while fetch < cap and np.any((scores[:, k] == scores[:, k - 1]) & (scores[:, -1] == scores[:, k - 1])):
         fetch = min(fetch * 2, cap)  # a tie runs past what was read: read on until it ends
-        scores, rows = index.search(vectors, fetch)
+        scores, rows = index.search(vectors, fetch, params=params)
     return ordered(scores, rows, k)
 
 

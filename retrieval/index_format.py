@@ -2,7 +2,8 @@
 
     DIR/manifest.json     what was built, with what encoder, and checksums
     DIR/index.faiss       a flat inner-product FAISS index, row i = passage row i
-    DIR/passages.sqlite   row -> (id, text), read on demand (see passage_store)
+    DIR/passages.sqlite   row -> (id, text, metadata fields), read on demand (see passage_store)
+    DIR/text-sha256.npy   each row's content hash (retrieval.text_hashes), which an update matches passages by
     DIR/candidates-KIND.faiss   optional: an approximate candidate structure over index.faiss's
                           vectors (retrieval.candidates), listed in the manifest's `candidates`
 
@@ -110,6 +111,9 @@ class Manifest(BaseModel):
     shard: str | None = None  # "i/N" for one job of a sharded build (index_builder.shard); None for a whole index
     # Approximate candidate structures beside the exact vectors (`ann`, `build --ann`); none before they existed.
     candidates: list[CandidateRecord] = []
+    # The passages' metadata fields and the type of each (retrieval.fields), e.g. {"year": "number"}; none for
+    # a TSV corpus, a JSONL one without them, and indexes built before they existed.
+    fields: dict[str, Literal["string", "number", "boolean", "string[]"]] = {}
     # sha256 of the manifest's own other fields (`manifest_digest`), so an edited manifest is refused;
     # None in manifests written before it existed, which load unchecked as before.
     manifest_sha256: str | None = None
@@ -131,8 +135,9 @@ def manifest_digest(fields: dict) -> str:
 
 def sealed(manifest: Manifest) -> dict:
     """The manifest as written to disk: its fields and their digest. An index without candidate structures
-    is written without the field, as before it existed."""
-    fields = manifest.model_dump(exclude={"manifest_sha256"} | (set() if manifest.candidates else {"candidates"}))
+    (or without metadata fields) is written without that field, as before it existed."""
+    fields = manifest.model_dump(exclude={"manifest_sha256"} | (set() if manifest.candidates else {"candidates"})
+                                 | (set() if manifest.fields else {"fields"}))
     return {**fields, "manifest_sha256": manifest_digest(fields)}
 
 

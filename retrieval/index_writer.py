@@ -24,6 +24,7 @@ import numpy as np
 
 from retrieval import candidates, dense_index
 from retrieval.bm25_index import BM25_DIR, bm25_record, build_bm25
+from retrieval.fields import has_fields_column, stored_types
 from retrieval.index_format import (
     INDEX_FILE,
     MANIFEST_FILE,
@@ -40,24 +41,30 @@ from retrieval.index_format import (
 )
 from retrieval.passage_store import SCHEMA
 from retrieval.sharding import shard_folder
+from retrieval.text_hashes import write_text_hashes
 
 _LIBC = ctypes.CDLL(None, use_errno=True)
 AT_FDCWD, RENAME_EXCHANGE = -100, 2  # <fcntl.h>, <linux/fs.h>
-INSERT = "INSERT INTO passages (row, id, text, line) VALUES (?, ?, ?, ?)"
-PassageRow = tuple[int, str, str, int]  # (row, id, text, corpus line)
+INSERT = "INSERT INTO passages (row, id, text, line, fields) VALUES (?, ?, ?, ?, ?)"
+# (row, id, text, corpus line), and optionally the passage's metadata fields as stored (fields.encode_fields)
+PassageRow = tuple[int, str, str, int] | tuple[int, str, str, int, str | None]
 
 
 def open_store(work: Path) -> sqlite3.Connection:
-    """The passage store being written in `work` (created if new)."""
+    """The passage store being written in `work` (created if new; one an interrupted build began before
+    the `fields` column existed gets it)."""
     connection = sqlite3.connect(work / PASSAGES_FILE)
     connection.executescript(SCHEMA)
+    if not has_fields_column(connection):
+        with connection:
+            connection.execute("ALTER TABLE passages ADD COLUMN fields TEXT")
     return connection
 
 
 def insert_passages(connection: sqlite3.Connection, rows: Iterable[PassageRow]) -> None:
     """Adds rows in one transaction: all of them or none. sqlite3.IntegrityError for an id already stored."""
     with connection:
-        connection.executemany(INSERT, rows)
+        connection.executemany(INSERT, (row if len(row) == 5 else (*row, None) for row in rows))
 
 
 def write_vectors(work: Path, parts: Iterable[np.ndarray], dimension: int) -> int:
@@ -107,8 +114,11 @@ def write_bm25(work: Path, rows: int) -> list[str]:
 
 def write_manifest(work: Path, *, encoder: EncoderRecord, corpus: CorpusRecord, count: int, bm25: bool,
                    shard: str | None = None) -> Manifest:
-    """Builds BM25 where asked, then writes the manifest (last: it marks `work` a finished index)."""
-    files = [INDEX_FILE, PASSAGES_FILE] + (write_bm25(work, count) if bm25 else [])
+    """Builds BM25 where asked and the passages' content hashes (retrieval.text_hashes, which an update
+    matches unchanged passages by), then writes the manifest (last: it marks `work` a finished index),
+    listing the stored passages' metadata fields with their types (ValueError for a field stored with two)."""
+    fields = _field_types(work)
+    files = [INDEX_FILE, PASSAGES_FILE, write_text_hashes(work)] + (write_bm25(work, count) if bm25 else [])
     manifest = Manifest(
         encoder=encoder,
         count=count,
@@ -117,9 +127,18 @@ def write_manifest(work: Path, *, encoder: EncoderRecord, corpus: CorpusRecord, 
         files={name: file_record(work / name) for name in files},
         bm25=bm25_record() if bm25 else None,
         shard=shard,
+        fields=fields,
     )
     write_json_atomic(work / MANIFEST_FILE, sealed(manifest))
     return manifest
+
+
+def _field_types(work: Path) -> dict[str, str]:
+    connection = sqlite3.connect(work / PASSAGES_FILE)
+    try:
+        return stored_types(connection)
+    finally:
+        connection.close()
 
 
 def checkpoint_file(kind: str) -> str:

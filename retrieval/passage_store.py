@@ -1,18 +1,22 @@
-"""Row -> (id, text) on disk in SQLite, so the passage text never has to fit in RAM."""
+"""Row -> (id, text, metadata fields) on disk in SQLite, so the passage text never has to fit in RAM."""
 
 from __future__ import annotations
 
+import json
 import sqlite3
 import threading
 from pathlib import Path
-from typing import Sequence
+from typing import Mapping, Sequence
+
+from retrieval.fields import FieldColumns, has_fields_column
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS passages (
     row  INTEGER PRIMARY KEY,   -- the FAISS row
     id   TEXT NOT NULL UNIQUE,  -- the collection's own passage id
     text TEXT NOT NULL,
-    line INTEGER NOT NULL       -- line of the corpus file it came from
+    line INTEGER NOT NULL,      -- line of the corpus file it came from
+    fields TEXT                 -- its metadata fields as a JSON object (retrieval.fields), NULL for none
 );
 """
 
@@ -60,3 +64,22 @@ class PassageStore:
         if missing:
             raise KeyError(f"{self.path}: rows {missing[:5]} not in the passage store")
         return [found[int(r)] for r in rows]
+
+    def fields(self, rows: Sequence[int]) -> list[dict]:
+        """Each row's metadata fields (retrieval.fields), in the order asked; {} for none, and for every row
+        of a store written before the `fields` column existed."""
+        connection = self._connection()
+        if not rows or not has_fields_column(connection):
+            return [{} for _ in rows]
+        wanted = sorted(set(int(r) for r in rows))
+        found: dict[int, dict] = {}
+        for start in range(0, len(wanted), 900):
+            part = wanted[start : start + 900]
+            marks = ",".join("?" * len(part))
+            query = f"SELECT row, fields FROM passages WHERE row IN ({marks}) AND fields IS NOT NULL"
+            found.update((row, json.loads(stored)) for row, stored in connection.execute(query, part))
+        return [found.get(int(r), {}) for r in rows]
+
+    def field_columns(self, types: Mapping[str, str], count: int) -> FieldColumns:
+        """The columns of the fields `types` names (the manifest's), read once (retrieval.fields.FieldColumns)."""
+        return FieldColumns.load(self._connection(), types, count)

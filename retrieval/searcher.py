@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, NamedTuple, Sequence, get_args
 
@@ -13,8 +13,10 @@ import numpy as np
 from models.backends import Backend
 from models.checkpoint import resolve_device
 from models.encoder import BiEncoder, Tokens
-from retrieval import candidates, dense_index
+from retrieval import candidates, dense_index, filtered_search
 from retrieval.bm25_index import BM25_DIR, Bm25Index
+from retrieval.fields import chosen_fields
+from retrieval.filters import Filter, parse_filter
 from retrieval.fusion import interleave, reciprocal_rank_fusion
 from retrieval.index_format import (
     INDEX_FILE,
@@ -45,6 +47,13 @@ class Hit:
     score: float
     rank: int  # 1-based
     retrieval_score: float | None = None  # set when a reranker rescored the hit: its first-stage score
+
+
+@dataclass(frozen=True)
+class HitWithFields(Hit):
+    """A Hit with the passage's metadata fields a search asked for (`fields`): those it has, by name."""
+
+    fields: dict = field(default_factory=dict, hash=False)
 
 
 class NoBm25Index(ValueError):
@@ -211,24 +220,36 @@ class Searcher:
         self.index, self.passages, self.structures = load_index_data(
             self.index_dir, self.manifest, device, verify_checksums=verify_checksums, mmap=mmap, fp16=fp16)
         self.bm25 = Bm25Index(self.index_dir / BM25_DIR) if self.manifest.bm25 is not None else None
+        # The metadata fields as columns, read once, over which each filter is one vectorised mask.
+        self.field_types = dict(self.manifest.fields)
+        self.restrictions = filtered_search.Restrictions(self.passages.field_columns(self.field_types, self.count))
+        self.scan = filtered_search.scan_index(self.index, self.index_dir / INDEX_FILE, self.field_types)
 
     @property
     def count(self) -> int:
         return self.manifest.count
+
+    def parse_filter(self, filter) -> Filter | None:
+        """`filter` (as JSON gives it, or already parsed) checked against this index's fields; None for
+        none. retrieval.filters.FilterError names what does not fit."""
+        return None if filter is None else parse_filter(filter, self.field_types)
 
     def search(self, query: str, k: int = 10, **retrieval) -> list[Hit]:
         return self.batch_search([query], k, **retrieval)[0]
 
     def batch_search(self, queries: Sequence[str], k: int = 10, **retrieval) -> list[list[Hit]]:
         """One list of at most k hits per query; `retrieval`: mode, fusion, lead, fusion_depth, exact,
-        candidates, structure (see `rank`)."""
+        candidates, structure, filter (see `rank`), and `fields`: the metadata fields to return with each
+        hit (names, or True for all; see `hits`)."""
+        fields = chosen_fields(retrieval.pop("fields", None), self.field_types)
         self.check(k, **retrieval)
         vectors = self.encode(queries) if retrieval.get("mode", "dense") != "bm25" else None
-        return self.hits(self.rank(queries, vectors, k, **retrieval))
+        return self.hits(self.rank(queries, vectors, k, **retrieval), fields)
 
     def check(self, k: int, mode: str = "dense", fusion: str = "interleave", lead: str = "dense",
-              candidates: int | None = None, structure: str | None = None, **_) -> None:
-        """ValueError (NoBm25Index for a missing BM25) unless this index can serve the request."""
+              candidates: int | None = None, structure: str | None = None, filter=None, **_) -> None:
+        """ValueError (NoBm25Index for a missing BM25, FilterError for a filter that does not fit) unless this
+        index can serve the request."""
         validate_k(k)
         if mode not in MODES or fusion not in FUSIONS or lead not in ("dense", "bm25"):
             raise ValueError(f"mode must be one of {MODES}, fusion one of {FUSIONS}, lead dense or bm25")
@@ -238,12 +259,22 @@ class Searcher:
         if structure is not None and structure not in self.structures:
             loaded = ", ".join(self.structures) or "none"
             raise ValueError(f"structure {structure!r} is not loaded for {self.index_dir} (loaded: {loaded})")
+        self.parse_filter(filter)
 
-    def answered_by(self, exact: bool = False, structure: str | None = None, mode: str = "dense", **_) -> str:
+    def answered_by(self, exact: bool = False, structure: str | None = None, mode: str = "dense", filter=None,
+                    **_) -> str:
         """How a request with these options (those of `rank`) is answered: "exact" (every vector scanned, or
-        mode bm25) or "approximate:KIND" (the dense list from a structure's candidates, scored exactly)."""
+        mode bm25, or a filter too selective for the structure: retrieval.filtered_search) or
+        "approximate:KIND" (the dense list from a structure's candidates, scored exactly)."""
         chosen = self._structure(exact, structure)
-        return "exact" if chosen is None or mode == "bm25" else f"approximate:{chosen.kind}"
+        if chosen is None or mode == "bm25":
+            return "exact"
+        if filter is not None and not filtered_search.through_structure(self._restriction(filter), chosen):
+            return "exact"
+        return f"approximate:{chosen.kind}"
+
+    def _restriction(self, filter) -> filtered_search.Restriction | None:
+        return None if filter is None else self.restrictions.of(self.parse_filter(filter))
 
     def _structure(self, exact: bool, structure: str | None) -> candidates.Structure | None:
         return pick_structure(self.structures, exact, structure)
@@ -272,20 +303,24 @@ class Searcher:
         exact: bool = False,
         candidates: int | None = None,
         structure: str | None = None,
+        filter=None,
     ) -> list[list[tuple[int, float]]]:
         """(row, score) lists, best first; `vectors` are the encoded queries (unused for bm25).
         The dense list: exact where `exact` or no structure is loaded, else `structure`'s (default: the
         first loaded) `candidates` rows per query (default: its recorded depth; raised to the list's length,
-        at most MAX_CANDIDATES) scored exactly; see `answered_by`."""
-        self.check(k, mode, fusion, lead, candidates, structure)
+        at most MAX_CANDIDATES) scored exactly; see `answered_by`. `filter` (retrieval.filters): only the
+        passages it matches, the top k among them (in hybrid modes both lists filtered before fusion)."""
+        self.check(k, mode, fusion, lead, candidates, structure, filter)
         chosen = self._structure(exact, structure)
+        restriction = self._restriction(filter)
         if mode == "dense":
-            return self._dense(vectors, k, chosen, candidates)
+            return self._dense(vectors, k, chosen, candidates, restriction)
         if mode == "bm25":
-            return self.bm25.search(queries, k)
+            return self._bm25(queries, k, restriction)
         depth = k if fusion == "interleave" else max(k, min(fusion_depth, MAX_K))
         fused = []
-        for dense, lexical in zip(self._dense(vectors, depth, chosen, candidates), self.bm25.search(queries, depth)):
+        for dense, lexical in zip(self._dense(vectors, depth, chosen, candidates, restriction),
+                                  self._bm25(queries, depth, restriction)):
             lists = [[row for row, _ in dense], [row for row, _ in lexical]]
             if fusion == "rrf":
                 fused.append(reciprocal_rank_fusion(lists, k))
@@ -294,22 +329,38 @@ class Searcher:
                 fused.append(interleave(first, second, k))
         return fused
 
+    def _bm25(self, queries: Sequence[str], k: int,
+              restriction: filtered_search.Restriction | None) -> list[list[tuple[int, float]]]:
+        if restriction is None:
+            return self.bm25.search(queries, k)
+        return self.bm25.search_among(queries, k, restriction.mask)
+
     def _dense(self, vectors: np.ndarray, k: int, structure: candidates.Structure | None = None,
-               depth: int | None = None) -> list[list[tuple[int, float]]]:
+               depth: int | None = None,
+               restriction: filtered_search.Restriction | None = None) -> list[list[tuple[int, float]]]:
         k = min(k, self.count)
-        if structure is None or k == 0:
+        if restriction is not None:
+            scores, rows = filtered_search.search(self.index, vectors, k, restriction, structure, depth, self.scan)
+        elif structure is None or k == 0:
             scores, rows = dense_index.search(self.index, vectors, k)
         else:
             scores, rows = candidates.search(structure, self.index, vectors, k, depth)
         return [[(int(r), float(s)) for r, s in zip(row, score) if r >= 0] for row, score in zip(rows, scores)]
 
-    def hits(self, ranked: list[list[tuple[int, float]]]) -> list[list[Hit]]:
-        """Attach ids and texts to ranked rows."""
+    def hits(self, ranked: list[list[tuple[int, float]]], fields: Sequence[str] | None = None) -> list[list[Hit]]:
+        """Attach ids and texts to ranked rows; with `fields` (names), HitWithFields holding those each
+        passage has."""
         results = []
         for ranking in ranked:
-            found = self.passages.get([row for row, _ in ranking])
-            results.append(
-                [Hit(id=pid, text=text, score=score, rank=rank)
-                 for rank, ((pid, text), (_, score)) in enumerate(zip(found, ranking), start=1)]
-            )
+            rows = [row for row, _ in ranking]
+            found = self.passages.get(rows)
+            hits = [Hit(id=pid, text=text, score=score, rank=rank)
+                    for rank, ((pid, text), (_, score)) in enumerate(zip(found, ranking), start=1)]
+            results.append(hits if fields is None else with_fields(hits, self.passages.fields(rows), fields))
         return results
+
+
+def with_fields(hits: Sequence[Hit], stored: Sequence[dict], fields: Sequence[str]) -> list[HitWithFields]:
+    """`hits` with the `fields` (names) each passage's `stored` fields hold."""
+    return [HitWithFields(**vars(hit), fields={name: values[name] for name in fields if name in values})
+            for hit, values in zip(hits, stored)]

@@ -21,8 +21,9 @@ from typing import NamedTuple, Sequence
 import numpy as np
 
 from retrieval import candidates as candidate_structures
-from retrieval import dense_index
-from retrieval.index_format import MANIFEST_FILE, Manifest, manifest_digest
+from retrieval import dense_index, filtered_search
+from retrieval.filters import Filter
+from retrieval.index_format import INDEX_FILE, MANIFEST_FILE, Manifest, manifest_digest
 from retrieval.searcher import check_candidates, load_index_data, pick_structure, read_index_manifest
 
 
@@ -73,12 +74,14 @@ def expand_shard_dirs(directories: Sequence[str | Path]) -> list[Path]:
 
 
 class ShardHit(NamedTuple):
-    """One passage a shard found: its score, its corpus line (the whole index's row order), id and text."""
+    """One passage a shard found: its score, its corpus line (the whole index's row order), id and text, and
+    the metadata fields asked for (None: none asked)."""
 
     score: float
     line: int
     id: str
     text: str
+    fields: dict | None = None
 
 
 def merge_top_k(lists: Sequence[Sequence[ShardHit]], k: int) -> list[ShardHit]:
@@ -150,16 +153,24 @@ class ShardIndex:
         self.manifest = read_index_manifest(self.index_dir, device, verify_checksums)
         self.index, self.passages, self.structures = load_index_data(
             self.index_dir, self.manifest, device, verify_checksums=verify_checksums, mmap=mmap, fp16=fp16)
+        self.restrictions = filtered_search.Restrictions(
+            self.passages.field_columns(self.manifest.fields, self.manifest.count))
+        self.scan = filtered_search.scan_index(self.index, self.index_dir / INDEX_FILE, self.manifest.fields)
 
     def search(self, vectors: np.ndarray, k: int, build: str | None = None, *, structure: str | None = None,
-               candidates: int | None = None) -> list[list[ShardHit]]:
+               candidates: int | None = None, filter: Filter | None = None,
+               fields: tuple[str, ...] | None = None) -> list[list[ShardHit]]:
         """This shard's top `k` per query vector, best first (fewer where the shard holds fewer).
         `build`: the `build_identity` the caller checked; OtherBuild if this folder now holds another
         (a replica started later, on another node or after the folder was replaced, loads what is there then).
         `structure`: the kind of a candidate structure loaded here to answer through, its `candidates` rows
         per query (default its recorded depth; at least k, at most the shard's rows) scored exactly
         (retrieval.candidates.search); None, the default: the exact scan. The caller names it, so that every
-        shard of a search answers alike. ValueError for a kind not loaded or candidates out of bounds."""
+        shard of a search answers alike. ValueError for a kind not loaded or candidates out of bounds.
+        `filter` (parsed by the caller against the fields of every shard together): only the passages it
+        matches, exactly (retrieval.filtered_search; a field this shard's passages never have is absent from
+        each), the structure used only where the filter keeps enough rows; `fields`: the metadata fields to
+        return with each hit."""
         if build is not None and build != build_identity(self.manifest):
             raise OtherBuild(f"{self.index_dir} holds another build of shard {self.manifest.shard} than the one "
                              f"checked at start (manifest sha256 {build_identity(self.manifest)[:12]}, expected "
@@ -169,7 +180,10 @@ class ShardIndex:
         k = min(k, self.manifest.count)
         if k == 0:
             return [[] for _ in range(len(vectors))]
-        if chosen is None:
+        if filter is not None:
+            restriction = self.restrictions.of(filter)
+            scores, rows = filtered_search.search(self.index, vectors, k, restriction, chosen, candidates, self.scan)
+        elif chosen is None:
             scores, rows = dense_index.search(self.index, vectors, k)
         else:
             scores, rows = candidate_structures.search(chosen, self.index, vectors, k, candidates)
@@ -177,5 +191,11 @@ class ShardIndex:
         for row_scores, row_ids in zip(scores, rows):
             found = [(int(row), float(score)) for row, score in zip(row_ids, row_scores) if row >= 0]
             records = self.passages.records([row for row, _ in found])
-            results.append([ShardHit(score, line, pid, text) for (_, score), (pid, text, line) in zip(found, records)])
+            stored = self.passages.fields([row for row, _ in found]) if fields is not None else [None] * len(found)
+            results.append([ShardHit(score, line, pid, text, _chosen(values, fields))
+                            for (_, score), (pid, text, line), values in zip(found, records, stored)])
         return results
+
+
+def _chosen(stored: dict | None, fields: tuple[str, ...] | None) -> dict | None:
+    return None if fields is None else {name: stored[name] for name in fields if name in stored}

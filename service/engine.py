@@ -13,6 +13,8 @@ import numpy as np
 from models.backends import Backend
 from models.encoder import InputType, Tokens
 from models.reranker import Reranker, load_reranker, reranker_kind
+from retrieval.fields import UnknownField, chosen_fields
+from retrieval.filters import Filter, FilterError
 from retrieval.index_format import INDEX_FILE, PASSAGES_FILE, read_manifest
 from retrieval.rerank import rerank
 from retrieval.searcher import EncoderMismatch, Hit, Searcher, encoder_for
@@ -64,6 +66,8 @@ class SearchPlan:
     rerank_depth: int | None = None  # with a reranker: passages rescored (>= k)
     reranker: str | None = None  # a configured reranker's kind
     allow_partial: bool = False  # sharded serving: answer from the shards that answered (one index: no effect)
+    filter: Filter | None = None  # only the passages it matches (retrieval.filters), checked against the index
+    fields: tuple[str, ...] | None = None  # metadata fields returned with each hit (None: none)
 
     @property
     def depth(self) -> int:
@@ -73,7 +77,7 @@ class SearchPlan:
     @property
     def retrieval(self) -> dict:
         return {"mode": self.mode, "fusion": self.fusion, "lead": self.lead, "exact": self.exact,
-                "candidates": self.candidates}
+                "candidates": self.candidates, "filter": self.filter}
 
     @property
     def fusing_key(self) -> "SearchPlan":
@@ -81,6 +85,16 @@ class SearchPlan:
         # equal BM25 statistics) by k, so fused at a neighbour's larger k an answer could change with
         # whoever it was fused with. Equal plans give each request the answer it gets alone.
         return self
+
+
+def _check(searcher, plan: SearchPlan) -> None:
+    """NotServable (OverLimit for its filter) unless `searcher` can serve `plan`."""
+    try:
+        searcher.check(plan.depth, **plan.retrieval)
+    except FilterError as error:
+        raise OverLimit(("filter", *error.path), str(error)) from None
+    except ValueError as error:
+        raise NotServable(f"mode: {error}") from None
 
 
 class ReloadError(Exception):
@@ -182,7 +196,9 @@ class SearchEngine:
         """`k` hits by `retrieval` (mode, fusion, lead; see Searcher), with `rerank_depth` the top
         `rerank_depth` (>= k, <= `max_rerank_depth`) rescored by `reranker` (a kind; default: the first
         configured), checked once: NotServable for what this service or its index cannot do,
-        OverLimit for a value past a limit. `allow_partial` matters to a sharded engine only."""
+        OverLimit for a value past a limit or not usable (a filter that does not fit the index's fields, a
+        field to return it lacks). `allow_partial` matters to a sharded engine only. `retrieval` may hold
+        `filter` (as JSON gives it; retrieval.filters) and `fields` (names, or True for all)."""
         if rerank_depth is not None:
             if not self.rerankers:
                 raise NotServable("rerank: no reranker is configured on this service (set SEARCH_RERANKERS)")
@@ -196,11 +212,16 @@ class SearchEngine:
                 raise OverLimit(("depth",), f"depth={rerank_depth} is smaller than k={k}: rescore at least k",
                                 rerank_depth)
             reranker = reranker or self.default_reranker
-        plan = SearchPlan(k, rerank_depth=rerank_depth, reranker=reranker, allow_partial=allow_partial, **retrieval)
+        searcher = self._searcher
         try:
-            self._searcher.check(plan.depth, **plan.retrieval)
-        except ValueError as error:
-            raise NotServable(f"mode: {error}") from None
+            retrieval["filter"] = searcher.parse_filter(retrieval.get("filter"))
+            retrieval["fields"] = chosen_fields(retrieval.get("fields"), searcher.field_types)
+        except FilterError as error:
+            raise OverLimit(("filter", *error.path), str(error)) from None
+        except UnknownField as error:
+            raise OverLimit(("fields", error.position), str(error)) from None
+        plan = SearchPlan(k, rerank_depth=rerank_depth, reranker=reranker, allow_partial=allow_partial, **retrieval)
+        _check(searcher, plan)
         return plan
 
     def tokenize(self, text: str, truncate: bool = True, field: tuple = ("query",),
@@ -252,10 +273,8 @@ class SearchEngine:
         """`run` up to what other processes do for it: the queries encoded and their retrieval sent (for
         one index, done). The served engine calls it on the model thread and waits for the rest elsewhere."""
         searcher = self._searcher
-        try:  # the plan was checked against the index served when it was made; a reload may have come since
-            searcher.check(plan.depth, **plan.retrieval)
-        except ValueError as error:
-            raise NotServable(f"mode: {error}") from None
+        # The plan was checked against the index served when it was made; a reload may have come since.
+        _check(searcher, plan)
         started = time.perf_counter()
         vectors = searcher.encode(queries, tokens) if plan.mode != "bm25" else None
         encoded = time.perf_counter()
@@ -279,7 +298,7 @@ class SearchEngine:
                   plan: SearchPlan) -> tuple[list[list[Hit]], dict | None]:
         """The plan's `depth` hits per query, and the shards that answered (None: one index)."""
         searcher = self._searcher
-        return searcher.hits(searcher.rank(queries, vectors, plan.depth, **plan.retrieval)), None
+        return searcher.hits(searcher.rank(queries, vectors, plan.depth, **plan.retrieval), plan.fields), None
 
     @property
     def default_reranker(self) -> str | None:
@@ -340,6 +359,7 @@ class SearchEngine:
             "passage_prefix": manifest.encoder.passage_prefix,
             "rerankers": {kind: model.name for kind, model in self.rerankers.items()},
             "candidates": self.candidate_cards(),
+            "fields": dict(manifest.fields),
         }
 
     def candidate_cards(self) -> list[dict]:

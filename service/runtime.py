@@ -21,8 +21,9 @@ import numpy as np
 from models.encoder import Tokens
 from service.admission import Occupancy
 from service.batcher import MicroBatcher, completed
-from service.engine import Run, SearchEngine, SearchPlan, SearchResult
+from service.engine import ReloadError, Run, SearchEngine, SearchPlan, SearchResult
 from service.errors import NotReady
+from service.index_watch import IndexWatch
 from service.monitoring import Monitor
 from service.settings import ServiceSettings
 from service.tracing import Stage, Tracing
@@ -56,6 +57,7 @@ class Runtime:
         self.engine = engine
         self.tracing = tracing or Tracing()
         self.load_error: str | None = None
+        self.reload_error: str | None = None  # why the last reload failed, until one succeeds (in /ready)
         # One model thread: torch already spreads a forward pass over the cores, and the
         # encoder is not re-entrant; concurrency comes from batching, not from threads.
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model",
@@ -79,6 +81,7 @@ class Runtime:
         self.monitor.queued.set_function(lambda: self.batcher.waiting)
         self.monitor.in_flight.set_function(lambda: self.occupancy.in_flight)
         self.reload_lock = asyncio.Lock()
+        self.watch = IndexWatch(self) if settings.watch_index else None
         if engine is not None:
             # On the model thread: torch's OpenMP workers spin after each call, and two threads that
             # both run torch fight over the cores, each slower than one alone.
@@ -107,11 +110,15 @@ class Runtime:
 
     def start(self) -> None:
         """Loads the configured index in the background, unless an engine was given: /health answers
-        meanwhile, and /ready says loading."""
+        meanwhile, and /ready says loading. With SEARCH_WATCH_INDEX, starts following the index folder."""
         if self.engine is None:
             asyncio.get_running_loop().run_in_executor(self.executor, self._load)
+        if self.watch is not None:
+            self.watch.start()
 
     async def close(self) -> None:
+        if self.watch is not None:
+            await self.watch.stop()
         await self.batcher.close()
         self.executor.shutdown(wait=False, cancel_futures=True)
         self.loader.shutdown(wait=False, cancel_futures=True)
@@ -185,12 +192,18 @@ class Runtime:
 
     async def reload(self, target: Path) -> dict:
         """Loads `target` beside the serving index (searches go on), warms it up on the model thread and
-        swaps it in; ReloadError leaves the serving one in place. One reload at a time."""
+        swaps it in; ReloadError leaves the serving one in place, and its reason in `reload_error` until a
+        reload succeeds. One reload at a time."""
         engine = self.ready_engine()
         async with self.reload_lock:
-            candidate = await asyncio.get_running_loop().run_in_executor(
-                self.loader, functools.partial(engine.prepare, target, verify_checksums=self.settings.verify_checksums))
-            await self._on_model_thread(engine.install, candidate)
+            try:
+                prepare = functools.partial(engine.prepare, target, verify_checksums=self.settings.verify_checksums)
+                candidate = await asyncio.get_running_loop().run_in_executor(self.loader, prepare)
+                await self._on_model_thread(engine.install, candidate)
+            except ReloadError as error:
+                self.reload_error = f"reloading {target} failed, the previous index keeps serving: {error}"
+                raise
+            self.reload_error = None
             await self._on_model_thread(self._settle, True)
         return engine.describe()
 

@@ -3,7 +3,7 @@ settings (query length, batch size, k) are checked against the settings in `limi
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, field_validator
 from pydantic.json_schema import SkipJsonSchema
@@ -23,6 +23,14 @@ SEARCHED_DESCRIPTION = ("how the dense list was found: exact (every vector scann
                         "approximate:KIND (a candidate structure's candidates, each scored exactly)")
 
 
+FILTER_DESCRIPTION = (
+    "only passages whose metadata fields match, in the MongoDB-style grammar of Pinecone and Chroma: "
+    '{"source": "pubmed"}, {"year": {"$gte": 2020}}, {"lang": {"$in": ["en", "de"]}}; operators $eq $ne $gt $gte '
+    "$lt $lte $in $nin $exists on a field, $and $or $not over filters; several keys mean all of them. The results "
+    "are the top k among the matching passages, exactly; none match: no results. An unknown field, a value of "
+    "another type than the field's or an unknown operator is a 422 naming it")
+
+
 class RetrievalOptions(BaseModel):
     mode: Mode = Field("dense", description="dense (bi-encoder), bm25 (exact match) or hybrid (both, fused)")
     fusion: Fusion = Field("interleave", description="hybrid only: interleave (paper 000 eq. 6) or rrf")
@@ -32,10 +40,14 @@ class RetrievalOptions(BaseModel):
     candidates: int | None = Field(None, ge=1, le=MAX_CANDIDATES, description=(
         "with a candidate structure: how many candidates per query are scored exactly (default SEARCH_CANDIDATES, "
         "else the structure's own)"))
+    filter: dict[str, Any] | None = Field(None, description=FILTER_DESCRIPTION)
+    fields: list[str] | bool = Field(False, description=(
+        "metadata fields to return with each hit (`fields` of a hit: those the passage has): a list of names, or "
+        "true for all the index's fields (/ready lists them); default none. An unknown name is a 422"))
 
     def retrieval(self) -> dict:
         return {"mode": self.mode, "fusion": self.fusion, "lead": self.lead, "exact": self.exact,
-                "candidates": self.candidates}
+                "candidates": self.candidates, "filter": self.filter, "fields": self.fields}
 
 
 TRUNCATE = Field(True, description=(
@@ -91,6 +103,8 @@ class SearchHit(BaseModel):
     score: float = Field(description="higher is better; its kind is the response's `score_kind`")
     rank: int
     retrieval_score: float | None = Field(None, description="when reranked: the first-stage score")
+    fields: dict[str, bool | float | str | list[str]] | None = Field(
+        None, description="only when the request asks `fields`: those the passage has, by name")
 
 
 class Latency(BaseModel):
@@ -149,6 +163,7 @@ class IndexInfo(BaseModel):
     passage_prefix: str = ""  # and before each passage (/v1/embeddings with input_type passage)
     rerankers: dict[str, str]  # kind -> checkpoint folder name
     candidates: list[dict] = []  # the index's candidate structures with their recall cards (retrieval.candidates)
+    fields: dict[str, str] = {}  # the passages' metadata fields a filter may name, with their types
     shards: list[str] | None = None  # sharded serving: the shards served, as i/N (absent over one index)
 
 

@@ -19,6 +19,15 @@ class ServiceSettings(BaseSettings):
     index_root: Path | None = Field(
         None, description="The only folder /admin/reload may load an index from; unset: index_dir's parent.",
     )
+    watch_index: bool = Field(
+        False, description="Watch the served index's folder (index_dir, or the one /admin/reload last loaded) and "
+        "reload it when a new generation is swapped in there (by build --overwrite, build --update, update or ann), "
+        "as /admin/reload does: warmed up first, the old one serving until then and kept, with the reason in "
+        "/ready, if the new one fails to load.",
+    )
+    watch_interval_s: float = Field(
+        2.0, gt=0, description="With watch_index, how often index_dir's manifest is read, in seconds.",
+    )
     device: str = Field("auto", description="Where the encoder and FAISS run: auto, cpu, cuda or cuda:N.")
     backend: Backend | None = Field(
         None, description="The query encoder's backend: torch, or ONNX Runtime on the CPU (onnx; onnx-int8: int8 "

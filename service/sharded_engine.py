@@ -18,8 +18,18 @@ import numpy as np
 
 from models.backends import Backend
 from models.encoder import Tokens
+from retrieval.fields import merged_types
+from retrieval.filters import Filter, parse_filter
 from retrieval.index_format import INDEX_FILE, PASSAGES_FILE, Manifest
-from retrieval.searcher import Hit, check_candidates, check_encoder, dense_score_kind, encoder_for, validate_k
+from retrieval.searcher import (
+    Hit,
+    HitWithFields,
+    check_candidates,
+    check_encoder,
+    dense_score_kind,
+    encoder_for,
+    validate_k,
+)
 from retrieval.sharding import ShardHit, ShardIndex, build_identity, check_shard_set, merge_top_k
 from service.engine import Fetch, ReloadError, SearchEngine, SearchPlan, load_rerankers
 from service.errors import ShardsUnavailable
@@ -111,6 +121,9 @@ class ShardedSearcher:
         self.builds = [build_identity(m) for m in self.manifests]
         self.count = sum(m.count for m in manifests)
         check_encoder(self.manifest, encoder)
+        # The fields of every shard together: a filter is checked against them once, here; a shard none of
+        # whose passages has a field finds it absent from each.
+        self.field_types = merged_types([(shard, m.fields) for shard, m in zip(self.shards, self.manifests)])
         self.index_dir = Path(self.index_dirs[0]).parent
         kinds = shared_structures(self.shards, [described[p].get("structures", []) for p in order])
         self.structure = kinds[0] if kinds else None  # None: every search scans
@@ -119,36 +132,48 @@ class ShardedSearcher:
                       for record in manifest.candidates if record.kind in kinds]
 
     def check(self, k: int, mode: str = "dense", fusion: str = "interleave", lead: str = "dense",
-              candidates: int | None = None, **_) -> None:
+              candidates: int | None = None, filter=None, **_) -> None:
         validate_k(k)
         check_candidates(candidates)
+        self.parse_filter(filter)
         if mode != "dense":
             raise ValueError(
                 f"{mode!r} is not served over shards: BM25's statistics (document frequencies, average passage "
                 "length) are corpus-wide, so a shard's BM25 scores differ from the whole index's; use dense, or "
                 "serve the merged index (index_builder merge) with python -m service")
 
+    def parse_filter(self, filter) -> Filter | None:
+        """`filter` checked against the fields of every shard together (retrieval.filters.FilterError)."""
+        return None if filter is None else parse_filter(filter, self.field_types)
+
     def score_kind(self, **_) -> str:
         return dense_score_kind(self.manifest)
 
-    def answered_by(self, exact: bool = False, **_) -> str:
-        """"exact" (every shard scans its vectors) or "approximate:KIND" (each answers through its own KIND
-        structure, candidates scored exactly)."""
-        return "exact" if exact or self.structure is None else f"approximate:{self.structure}"
+    def answered_by(self, exact: bool = False, filter=None, **_) -> str:
+        """"exact" (every shard scans its vectors; with a filter, each scans the rows it matches) or
+        "approximate:KIND" (each answers through its own KIND structure, candidates scored exactly)."""
+        return "exact" if exact or filter is not None or self.structure is None else f"approximate:{self.structure}"
 
     def encode(self, queries: Sequence[str], tokens: Sequence[Tokens] | None = None) -> np.ndarray:
         return self.encoder.encode_texts(queries, tokens)
 
-    def scatter(self, vectors: np.ndarray, k: int, exact: bool = False,
-                candidates: int | None = None) -> Callable[[bool], tuple[list[list[Hit]], dict]]:
+    def scatter(self, vectors: np.ndarray, k: int, exact: bool = False, candidates: int | None = None,
+                filter=None, fields: tuple[str, ...] | None = None) -> Callable[[bool], tuple[list[list[Hit]], dict]]:
         """The vectors sent to every shard now, and the call that waits for their answers (within
         timeout_s of now, on any thread) and merges every shard's top k for each vector. Each shard answers
         through its `structure` (`candidates` of its rows per query, default its own depth, scored exactly)
         unless `exact` or there is none: see `answered_by`. Given `allow_partial` false, it raises
         ShardsUnavailable naming the first shard that failed or did not answer in time; true, it lists that
-        shard as missing."""
+        shard as missing. `filter`: each shard searches exactly among the rows it matches (its structure
+        unused), so the merge is the exact filtered answer; `fields`: the metadata fields each hit carries."""
         vectors = np.ascontiguousarray(vectors, dtype=np.float32)
-        options = {} if exact or self.structure is None else {"structure": self.structure, "candidates": candidates}
+        restricted = self.parse_filter(filter)
+        options = {} if exact or restricted is not None or self.structure is None else {
+            "structure": self.structure, "candidates": candidates}
+        if restricted is not None:
+            options["filter"] = restricted
+        if fields is not None:
+            options["fields"] = tuple(fields)
         deadline = time.monotonic() + self.timeout_s
         pending, failures = [], {}
         for shard, client, build in zip(self.shards, self.clients, self.builds):  # all sent before any is awaited
@@ -183,7 +208,9 @@ class ShardedSearcher:
         hits = []
         for position in range(queries):
             merged = merge_top_k([found[position] for found in answered.values()], k)
-            hits.append([Hit(id=h.id, text=h.text, score=h.score, rank=rank) for rank, h in enumerate(merged, 1)])
+            hits.append([Hit(id=h.id, text=h.text, score=h.score, rank=rank) if h.fields is None else
+                         HitWithFields(id=h.id, text=h.text, score=h.score, rank=rank, fields=h.fields)
+                         for rank, h in enumerate(merged, 1)])
         return hits, {"answered": [s for s in self.shards if s in answered],
                       "missing": [s for s in self.shards if s not in answered]}
 
@@ -216,7 +243,8 @@ class ShardedEngine(SearchEngine):
         return self._searcher.cards
 
     def _send(self, queries: Sequence[str], vectors: np.ndarray | None, plan: SearchPlan) -> Fetch:
-        fetch = self._searcher.scatter(vectors, plan.depth, exact=plan.exact, candidates=plan.candidates)
+        fetch = self._searcher.scatter(vectors, plan.depth, exact=plan.exact, candidates=plan.candidates,
+                                       filter=plan.filter, fields=plan.fields)
         return functools.partial(fetch, plan.allow_partial)
 
     def prepare(self, index_dir: Path, *, verify_checksums: bool = True):
@@ -234,4 +262,5 @@ class ShardedEngine(SearchEngine):
             "built_at": max(m.built_at for m in searcher.manifests),
             "bm25": False,
             "shards": searcher.shards,
+            "fields": searcher.field_types,
         }

@@ -20,6 +20,7 @@ from index_builder.build import BuildError, BuildOptions, build_index
 from index_builder.cli import main as cli_main
 from retrieval import index_writer
 from retrieval.index_format import INDEX_FILE, MANIFEST_FILE, PASSAGES_FILE, read_manifest
+from retrieval.text_hashes import TEXT_HASHES_FILE
 from tests.conftest import DEMO, ROOT, SMALL_CORPUS_LINES, head
 
 
@@ -37,7 +38,8 @@ def test_index_directory_holds_manifest_faiss_index_and_passages(small_index, en
     assert manifest.dimension == encoder.dimension == 384
     assert manifest.similarity == "cosine"  # MiniLM's modules.json declares Normalize
     assert manifest.encoder.weights_sha256 == encoder.spec.weights_sha256
-    assert sorted(os.listdir(small_index)) == sorted([MANIFEST_FILE, INDEX_FILE, PASSAGES_FILE, "bm25"])
+    assert sorted(os.listdir(small_index)) == sorted(
+        [MANIFEST_FILE, INDEX_FILE, PASSAGES_FILE, TEXT_HASHES_FILE, "bm25"])
     assert manifest.bm25 is not None and manifest.bm25.library.startswith("bm25s")
     assert {name for name in manifest.files if name.startswith("bm25/")} == {
         f"bm25/{name}" for name in os.listdir(small_index / "bm25")}

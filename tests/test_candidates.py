@@ -19,6 +19,7 @@ from index_builder.cli import main as cli_main
 from retrieval import candidates, dense_index
 from retrieval.index_format import INDEX_FILE, MANIFEST_FILE, IndexFormatError, read_manifest
 from retrieval.searcher import MAX_CANDIDATES, Searcher
+from retrieval.text_hashes import TEXT_HASHES_FILE
 from tests.conftest import DEMO, ROOT, SMALL_CORPUS_LINES
 
 HNSW_FILE = "candidates-hnsw.faiss"
@@ -260,7 +261,7 @@ def test_build_with_ann_publishes_the_index_with_its_structure(small_corpus, tmp
     (card,) = read_manifest(out, verify_checksums=True).candidates
     assert card.params["efSearch"] == 64 and card.depth == 64
     assert sorted(path.name for path in out.iterdir()) == sorted([MANIFEST_FILE, INDEX_FILE, "passages.sqlite",
-                                                                  HNSW_FILE])
+                                                                  TEXT_HASHES_FILE, HNSW_FILE])
 
 
 def test_an_interrupted_hnsw_build_resumes_from_its_checkpoint(small_index, tmp_path, monkeypatch):

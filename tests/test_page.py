@@ -11,9 +11,11 @@ from pathlib import Path
 
 import pytest
 
+from retrieval.searcher import Searcher
 from service.engine import SearchEngine
 from tests.test_admission import serving
 from tests.test_candidates_served import hnsw_engine, hnsw_index  # noqa: F401 - the small index with a HNSW graph
+from tests.test_filters import fields_corpus, fields_index  # noqa: F401 - the small index with metadata fields
 from tests.test_rerank_service import small_cross_encoder  # noqa: F401 - the session fixture
 
 webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed (the dev extra)")
@@ -65,6 +67,7 @@ def test_a_query_typed_and_entered_shows_k_results_and_the_latency_bar(browser, 
         assert not browser.find_element(By.ID, "key").is_displayed()  # no key, no key field
         assert not browser.find_element(By.ID, "rerank").is_displayed()  # no reranker configured
         assert not browser.find_element(By.ID, "exact").is_displayed()  # no candidate structure
+        assert not browser.find_element(By.ID, "filter").is_displayed()  # no metadata fields
         search_from_the_keyboard(browser, query, 5)
         items = wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, "#results li") or None)
         assert len(items) == 5
@@ -117,6 +120,31 @@ def test_rerank_on_asks_the_chosen_reranker_and_the_bar_shows_its_stage(browser,
         assert [item.find_element(By.CLASS_NAME, "hit-id").text for item in items] == [h.id for h in expected.hits]
         assert all("probability" in item.find_element(By.CLASS_NAME, "hit-score").text for item in items)
         assert browser.find_elements(By.CSS_SELECTOR, "#latency .stage-rerank")
+
+
+def test_a_filter_narrows_the_results_and_a_bad_one_shows_the_422_naming_the_field(
+        browser, fields_index, encoder, demo_queries):  # noqa: F811
+    query = demo_queries["q0006"]
+    engine = SearchEngine(Searcher(fields_index, encoder, device="cpu"))
+    with serving(fields_index, engine) as (app, base, port):
+        browser.get(f"{base}/")
+        box = wait(browser, lambda d: d.find_element(By.ID, "filter") if d.find_element(By.ID, "filter").is_displayed()
+                   else None)
+        assert "source (string)" in browser.find_element(By.ID, "filter-note").text
+        box.send_keys('{"source": "wiki", "year": {"$gte": 2000}}')
+        search_from_the_keyboard(browser, query, 5)
+        items = wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, "#answer:not([hidden]) #results li") or None)
+        expected = engine.search(query, 5, filter={"source": "wiki", "year": {"$gte": 2000}}).hits
+        assert [item.find_element(By.CLASS_NAME, "hit-id").text for item in items] == [hit.id for hit in expected]
+        assert all("source: wiki" in item.find_element(By.CLASS_NAME, "hit-fields").text for item in items)
+        box.clear()
+        box.send_keys('{"sourc": "wiki"}', Keys.ENTER)  # Enter in the filter box searches too
+        error = wait(browser, lambda d: d.find_element(By.ID, "error").text or None)
+        assert error.startswith("422") and 'unknown field "sourc"' in error
+        assert browser.find_element(By.ID, "answer").get_attribute("hidden") is not None
+        box.clear()
+        box.send_keys('{"source": wiki}', Keys.ENTER)
+        assert wait(browser, lambda d: d.find_element(By.ID, "error").text.startswith("filter: not valid JSON") or None)
 
 
 def test_on_a_narrow_window_nothing_scrolls_sideways(browser, small_index, engine, demo_queries):

@@ -19,6 +19,7 @@ from index_builder.shard import Shard
 from retrieval.index_format import INDEX_FILE, MANIFEST_FILE, PASSAGES_FILE, manifest_digest, read_manifest
 from retrieval.searcher import Searcher
 from retrieval.sharding import check_shard_set, expand_shard_dirs, shard_folder
+from retrieval.text_hashes import TEXT_HASHES_FILE
 from tests.conftest import demo_corpus_head
 
 LINES = 60
@@ -87,7 +88,8 @@ def test_merged_shards_equal_the_unsharded_build_row_for_row(unsharded, shards, 
     manifest, reference = read_manifest(out, verify_checksums=True), read_manifest(unsharded)
     assert manifest.shard is None and manifest.count == LINES
     assert (manifest.encoder, manifest.corpus) == (reference.encoder, reference.corpus)
-    assert sorted(p.name for p in out.iterdir()) == sorted([MANIFEST_FILE, INDEX_FILE, PASSAGES_FILE, "bm25"])
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        [MANIFEST_FILE, INDEX_FILE, PASSAGES_FILE, TEXT_HASHES_FILE, "bm25"])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["merged"]  # no work folder left behind
     merged, whole = Searcher(out, encoder, device="cpu"), Searcher(unsharded, encoder, device="cpu")
     assert merged.search(whole_rows[41][2], k=1)[0].id == whole_rows[41][1]

@@ -29,7 +29,8 @@ def router(runtime: Runtime, access: Access) -> APIRouter:
         if runtime.engine is None:
             response.status_code = 503
             return Status(status="failed" if runtime.load_error else "loading", detail=runtime.load_error)
-        return Status(status="ready", index=IndexInfo(**runtime.engine.describe()))
+        # Ready either way: a failed reload leaves the previous index serving, and says why here.
+        return Status(status="ready", detail=runtime.reload_error, index=IndexInfo(**runtime.engine.describe()))
 
     # HEAD too, as load balancers' and probes' checks often ask (uvicorn sends no body for it).
     routes.add_api_route("/health", health, methods=["HEAD"], include_in_schema=False)

@@ -44,6 +44,40 @@ def spec_with_limits(app: FastAPI, spec, settings: ServiceSettings, runtime: Run
         app.openapi_schema["components"]["schemas"]["EmbeddingsRequest"]["properties"]["dimensions"] = {
             "anyOf": [{"const": dimension}, {"type": "null"}], "default": None,
             "description": "OpenAI's: only the encoder's own dimension is served (the vectors are not shortened)"}
+        types = runtime.engine.searcher.field_types
+        for name in ("SearchRequest", "BatchSearchRequest"):
+            fields = app.openapi_schema["components"]["schemas"][name]["properties"]
+            fields["filter"] = {"anyOf": [filter_schema(types), {"type": "null"}], "default": None,
+                                "description": fields["filter"]["description"]}
+            fields["fields"] = {"anyOf": [{"type": "boolean"}, {"type": "array", "items": {"enum": list(types)}}
+                                          if types else {"type": "array", "maxItems": 0}],
+                                "default": False, "description": fields["fields"]["description"]}
     return app.openapi_schema
+
+
+LARGEST = 1.7976931348623157e308  # float64's: a JSON number past it is no finite number
+SPEC_DEPTH = 2  # $and, $or and $not nest this deep in the spec (the service takes up to MAX_DEPTH)
+
+
+def filter_schema(types: dict[str, str], depth: int = 0) -> dict:
+    """The filters on the index's fields (`types`) as a JSON schema (retrieval.filters' grammar, the logical
+    operators nested at most SPEC_DEPTH deep): every filter it allows is one the index accepts."""
+    properties = {name: _condition(kind) for name, kind in types.items()}
+    if depth < SPEC_DEPTH:
+        inner = filter_schema(types, depth + 1)
+        properties |= {"$and": {"type": "array", "minItems": 1, "items": inner},
+                       "$or": {"type": "array", "minItems": 1, "items": inner}, "$not": inner}
+    return {"type": "object", "properties": properties, "additionalProperties": False}
+
+
+def _condition(kind: str) -> dict:
+    value = {"string": {"type": "string"}, "string[]": {"type": "string"}, "boolean": {"type": "boolean"},
+             "number": {"type": "number", "minimum": -LARGEST, "maximum": LARGEST}}[kind]
+    operators = {"$eq": value, "$ne": value, "$in": {"type": "array", "items": value},
+                 "$nin": {"type": "array", "items": value}, "$exists": {"type": "boolean"},
+                 **({op: value for op in ("$gt", "$gte", "$lt", "$lte")} if kind == "number" else {})}
+    plain = {"type": "object", "properties": operators, "additionalProperties": False, "minProperties": 1}
+    negated = {**plain, "properties": {**operators, "$not": plain}}
+    return {"anyOf": [value, negated]}
 
 

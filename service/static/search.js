@@ -8,6 +8,7 @@ const STAGES = ["queue", "encode", "retrieve", "rerank"];
 const KEY = "dense-search-api-key";
 const keyRequired = document.body.dataset.keyRequired === "true";
 let cards = [];  // the index's candidate structures with their recall cards (/ready)
+let fields = {};  // the index's metadata fields and their types (/ready): a filter may name them
 
 function headers() {
   const result = { "content-type": "application/json" };
@@ -46,6 +47,13 @@ async function describeIndex() {
     $("rerank-label").hidden = $("reranker-label").hidden = kinds.length === 0;
     cards = index.candidates || [];
     $("exact-label").hidden = cards.length === 0;
+    fields = index.fields || {};
+    const names = Object.keys(fields);
+    $("filter-box").hidden = names.length === 0;
+    if (names.length) {
+      $("filter-note").textContent = `JSON, e.g. {"${names[0]}": {"$in": [...]}}; fields: ` +
+        names.map((name) => `${name} (${fields[name]})`).join(", ");
+    }
   } catch (error) {
     $("index").textContent = "the service is not answering";
   }
@@ -104,6 +112,11 @@ function drawResults(body) {
     }
     const text = Object.assign(document.createElement("p"), { className: "hit-text", textContent: hit.text });
     item.append(head, text);
+    if (hit.fields && Object.keys(hit.fields).length) {
+      const shown = Object.entries(hit.fields).map(([name, value]) =>
+        `${name}: ${Array.isArray(value) ? value.join(", ") : value}`).join(" · ");
+      item.append(Object.assign(document.createElement("p"), { className: "hit-fields muted", textContent: shown }));
+    }
     return item;
   });
   $("results").replaceChildren(...items);
@@ -123,6 +136,19 @@ async function search(event) {
     request.reranker = $("reranker").value;
   }
   if ($("exact").checked && !$("exact-label").hidden) request.exact = true;
+  if (!$("filter-box").hidden) {
+    request.fields = true;  // shown under each result
+    const filter = $("filter").value.trim();
+    if (filter) {
+      try {
+        request.filter = JSON.parse(filter);
+      } catch (error) {
+        $("answer").hidden = true;
+        showError(`filter: not valid JSON (${error.message})`);
+        return;
+      }
+    }
+  }
   showError("");
   try {
     const answer = await fetch("/search", { method: "POST", headers: headers(), body: JSON.stringify(request) });

@@ -1,0 +1,136 @@
+"""`python -m index_builder eval`: the rows to compare (modes, each exact and through each candidate
+structure, each reranked), searched, scored and printed as one table."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from index_builder.evaluate import (
+    CONSISTENCY_DEPTHS,
+    EVAL_MODES,
+    RECALL_AGAINST_EXACT,
+    consistency_factor,
+    eval_rows,
+    format_table,
+    metrics,
+    recall_against_exact,
+    rerank_run,
+    retrieve,
+    run_queries,
+)
+from models.reranker import load_reranker
+from retrieval.index_format import read_manifest
+from retrieval.readers import Run, read_qrels, read_queries, read_run, write_run
+from retrieval.searcher import MAX_K, Searcher, encoder_for
+
+
+def _row_name(folder: Path) -> str:
+    """A reranker's name in the table: its folder's, with the training output's for a checkpoint folder."""
+    folder = folder.resolve()
+    return f"{folder.parent.name}-{folder.name}" if folder.name.startswith("checkpoint-") else folder.name
+
+
+def run_eval(args: argparse.Namespace) -> None:
+    """`eval`: every row's measures in one table (docs/evaluation.md); ValueError for bad input."""
+    names = [_row_name(folder) for folder in args.rerank or []]
+    duplicated = sorted({name for name in names if names.count(name) > 1})
+    if duplicated:
+        raise ValueError(f"--rerank: two folders would both be the table row {duplicated[0]!r}; rename one")
+    if args.compare and args.modes and "dense" not in args.modes:
+        raise ValueError("--compare measures the dense run's consistency with a run: add dense to --modes")
+    if args.rerank and args.depth > MAX_K:
+        raise ValueError(f"--depth must be at most {MAX_K}, got {args.depth}")
+    queries = read_queries(args.queries)
+    qrels = read_qrels(args.qrels)
+    reference = read_run(args.compare) if args.compare else None
+    encoder = encoder_for(read_manifest(args.index), args.device, args.query_max_tokens, args.backend)
+    searcher = Searcher(args.index, encoder, device=args.device)
+    only = _eval_filter(searcher, args.filter)  # {"filter": the parsed filter}, or {}
+    rerankers = {name: load_reranker(folder, device=args.device, backend=encoder.backend)
+                 for name, folder in zip(names, args.rerank or [])}
+    modes = args.modes or (list(EVAL_MODES) if searcher.bm25 is not None else ["dense"])
+    structures = [] if args.exact else list(searcher.structures)
+    unused = [record.kind for record in searcher.manifest.candidates if record.kind not in searcher.structures]
+    if unused and not args.exact:
+        print(f"note: every row is exact: the index's candidate structures ({', '.join(unused)}) serve the CPU "
+              f"only, and --device {args.device} searches on a GPU", file=sys.stderr)
+    rows = eval_rows(modes, structures)
+    approximate = any(row.structure for row in rows)
+    runs, table = {}, {}
+
+    def record(name: str, run: Run, seconds: float, exact_name: str | None) -> None:
+        runs[name] = run
+        table[name] = {**metrics(qrels, run), "ms/query": 1000 * seconds / len(queries)}
+        if approximate:  # exact rows have no recall against themselves
+            table[name][RECALL_AGAINST_EXACT] = None if exact_name is None else recall_against_exact(
+                run, runs[exact_name])
+        if args.runs_dir:
+            args.runs_dir.mkdir(parents=True, exist_ok=True)
+            write_run(args.runs_dir / f"{name}.run", run, tag=name)
+
+    if queries:  # the model's first forward pass is slower: keep it out of the first row's ms/query
+        searcher.batch_search([next(iter(queries.values()))], 10)
+    for row in rows:
+        exact_row = None if row.structure is None else row.mode
+        started = time.perf_counter()
+        record(row.name, run_queries(searcher, queries, args.k, **row.retrieval, **only), time.perf_counter() - started,
+               exact_row)
+        if rerankers:
+            started = time.perf_counter()
+            retrieved = retrieve(searcher, queries, max(args.k, args.depth), **row.retrieval, **only)
+            retrieval_seconds = time.perf_counter() - started
+        for name, reranker in rerankers.items():
+            started = time.perf_counter()
+            run = rerank_run(reranker, queries, retrieved, args.depth, args.k, label=f"{row.name}+{name}")
+            record(f"{row.name}+{name}", run, retrieval_seconds + time.perf_counter() - started,
+                   exact_row and f"{exact_row}+{name}")
+    print(format_table(table))
+    if approximate:
+        _describe_structures(searcher, structures, args.k)
+    comparisons = {"bm25": runs["bm25"]} if "dense" in runs and "bm25" in runs else {}
+    if reference is not None:
+        comparisons[args.compare.name] = reference
+    for name, other in comparisons.items():
+        depth = min(max(map(len, other.values()), default=0), max(CONSISTENCY_DEPTHS))  # the reference's own
+        values = ", ".join(f"C(dense, {n}) = {consistency_factor(runs['dense'], other, n):.4f}"
+                           for n in CONSISTENCY_DEPTHS if n <= args.k)
+        if values:
+            print(f"consistency of dense with {name}'s top {depth}: {values}")
+    through = f", exact and through {', '.join(structures)}" if approximate else ""
+    reranked = f", {len(rerankers)} rerankers at depth {args.depth}" if rerankers else ""
+    print(f"evaluated {len(queries)} queries x {len(modes)} modes at k={args.k}{through}{reranked}")
+
+
+def _eval_filter(searcher: Searcher, given: str | None) -> dict:
+    """--filter's JSON parsed and checked against the index's fields (ValueError saying what is wrong), as
+    the rows' retrieval option; a line says how many passages it keeps. {} without one."""
+    if given is None:
+        return {}
+    try:
+        spec = json.loads(given)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"--filter: not valid JSON ({error})") from None
+    parsed = searcher.parse_filter(spec)
+    matching = searcher.restrictions.of(parsed).count
+    print(f"filter {parsed.spec}: {matching} of {searcher.count} passages match; every row searches among them")
+    return {"filter": parsed}
+
+
+def _describe_structures(searcher: Searcher, structures: list[str], k: int) -> None:
+    """What the approximate rows and their recall column are, and where --k makes them search deeper than a
+    short request would."""
+    depths = {kind: searcher.structures[kind].depth for kind in structures}
+    print("MODE: exact, every vector scanned. MODE@KIND: the dense list from KIND's candidates ("
+          + ", ".join(f"{kind} {depth}" for kind, depth in depths.items())
+          + " per query, at least the list's depth), each scored exactly.")
+    print(f"{RECALL_AGAINST_EXACT}: the share of the exact row's top 10 that the row's top 10 holds, averaged "
+          "over the queries.")
+    shallow = [f"{kind}'s {depth}" for kind, depth in depths.items() if depth < k]
+    if shallow:
+        print(f"note: --k {k} is past {', '.join(shallow)} candidates, so those rows rescore {k} per query, as a "
+              f"request of k={k} is answered; a --k of at most the candidates measures the top 10 that a request "
+              "of k=10 gets.")
