@@ -206,8 +206,9 @@ def _copy_passages(work: Path, old: Path, adding: Path, plan: _Plan) -> None:
             if not np.any(plan.sources == source):
                 continue
             store.execute("ATTACH DATABASE ? AS source", (str(folder / PASSAGES_FILE),))
-            shared = ", ".join(f'"{name}"' for name in columns if name in _columns(store, "source"))
-            source_columns = ", ".join(f'passage."{name}"' for name in columns if name in _columns(store, "source"))
+            names = [name for name in columns if name in _columns(store, "source")]
+            shared = ", ".join(f'"{name}"' for name in names)
+            source_columns = ", ".join(f'passage."{name}"' for name in names)
             with store:
                 store.execute(f"INSERT INTO main.passages (row, {shared}) SELECT plan.new_row, {source_columns} "
                               "FROM temp.plan AS plan JOIN source.passages AS passage ON passage.row = plan.source_row "

@@ -256,9 +256,7 @@ class Searcher:
         if mode != "dense" and self.bm25 is None:
             raise NoBm25Index(f"mode {mode!r} needs a BM25 index; {self.index_dir} was built without --bm25")
         check_candidates(candidates)
-        if structure is not None and structure not in self.structures:
-            loaded = ", ".join(self.structures) or "none"
-            raise ValueError(f"structure {structure!r} is not loaded for {self.index_dir} (loaded: {loaded})")
+        pick_structure(self.structures, structure=structure)  # ValueError for a kind not loaded
         self.parse_filter(filter)
 
     def answered_by(self, exact: bool = False, structure: str | None = None, mode: str = "dense", filter=None,
