@@ -25,7 +25,7 @@ else
     echo "skipped Cranfield: no $CRANFIELD" >&2
 fi
 if [ -f "$SCIFACT/corpus.jsonl" ]; then
-    [ -f "$WORK/scifact-split/qrels-dev.txt" ] || $PY -m training.split --queries "$SCIFACT/queries-train.jsonl" \
+    $PY -m training.split --queries "$SCIFACT/queries-train.jsonl" \
         --qrels "$SCIFACT/qrels-train.tsv" --out "$WORK/scifact-split" --dev-share 0.2 --seed 13
     collections+=("scifact $SCIFACT/corpus.jsonl $WORK/scifact-split/queries-dev.tsv $WORK/scifact-split/qrels-dev.txt")
 else

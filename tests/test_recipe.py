@@ -1,6 +1,6 @@
 """The SciFact recipe (scripts/scifact.sh), run end to end on a BEIR folder made from the demo collection:
-its split holds out a seeded 20% of the judged queries, and the reranker it trains loads in the
-service and reorders results."""
+its split holds out a seeded 20% of the judged queries, grouped so that no abstract is relevant on both
+sides, and the reranker it trains loads in the service and reorders results."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from fastapi.testclient import TestClient
 from service.app import create_app
 from tests.conftest import DEMO, SMALL_CORPUS_LINES, read_tsv
 from tests.test_service import settings_for
-from training.split import split_ids, write_split
+from training.split import groups_of, split_ids, write_split
 
 QUERIES = 60  # q0001..q0060: their relevant passages are within the first 300 corpus lines
 
@@ -43,28 +43,47 @@ def recipe(tmp_path_factory) -> Path:
     return work
 
 
+def split_of(folder: Path) -> dict[str, list[str]]:
+    return {part: [line.split("\t")[0] for line in (folder / f"queries-{part}.tsv").read_text().splitlines()]
+            for part in ("train", "dev")}
+
+
 def test_the_split_holds_out_a_seeded_fifth_of_the_judged_queries(recipe):
-    dev = [line.split("\t")[0] for line in (recipe / "split" / "queries-dev.tsv").read_text().splitlines()]
-    train = [line.split("\t")[0] for line in (recipe / "split" / "queries-train.tsv").read_text().splitlines()]
-    assert len(dev) == QUERIES // 5 and len(train) == QUERIES - QUERIES // 5 and not set(dev) & set(train)
-    assert dev == split_ids(train + dev, 0.2, seed=13)["dev"]  # the same seed always gives the same split
-    assert {line.split()[0] for line in (recipe / "split" / "qrels-dev.txt").read_text().splitlines()} == set(dev)
+    parts = split_of(recipe / "split")
+    assert len(parts["dev"]) == QUERIES // 5 and len(parts["train"]) == QUERIES - QUERIES // 5
+    assert not set(parts["dev"]) & set(parts["train"])
+    for part, ids in parts.items():
+        assert {line.split()[0] for line in (recipe / "split" / f"qrels-{part}.txt").read_text().splitlines()} == set(ids)
 
 
-def test_the_unseen_dev_part_holds_the_dev_queries_whose_passages_no_training_query_judged(tmp_path):
-    # Ten claims over six abstracts: a0 is judged for c0-c3, a1 for c4 and c5, a2-a5 for one claim each. Seed 13
-    # puts c0 c1 c4 c5 c6 in dev: c0 and c1 share a0 with training claims; a1's claims are both in dev.
-    abstract = {f"c{i}": f"a{0 if i < 4 else 1 if i < 6 else i - 4}" for i in range(10)}
-    (tmp_path / "queries.tsv").write_text("".join(f"{q}\tclaim {q}\n" for q in abstract))
-    (tmp_path / "qrels.txt").write_text("".join(f"{q} 0 {a} 1\n" for q, a in abstract.items()))
-    counts = write_split(tmp_path / "queries.tsv", tmp_path / "qrels.txt", tmp_path / "split", dev_share=0.5, seed=13)
-    parts = split_ids(list(abstract), 0.5, seed=13)
-    trained = {abstract[q] for q in parts["train"]}
-    expected = [q for q in parts["dev"] if abstract[q] not in trained]
-    assert expected == ["c4", "c5", "c6"]
-    unseen = [line.split("\t")[0] for line in (tmp_path / "split" / "queries-dev-unseen.tsv").read_text().splitlines()]
-    assert unseen == expected and counts["dev-unseen"] == len(expected)
-    assert {line.split()[0] for line in (tmp_path / "split" / "qrels-dev-unseen.txt").read_text().splitlines()} == set(expected)
+def test_no_abstract_is_relevant_on_both_sides_of_the_split(tmp_path):
+    # Twelve claims over eight abstracts: c0-c3 cite a0; c3 also cites a1, which c4 cites (so c0-c4 are one
+    # group, joined through c3); c5 and c6 cite a2; c7-c11 cite one abstract each.
+    cites = {"c0": ["a0"], "c1": ["a0"], "c2": ["a0"], "c3": ["a0", "a1"], "c4": ["a1"], "c5": ["a2"],
+             "c6": ["a2"], "c7": ["a3"], "c8": ["a4"], "c9": ["a5"], "c10": ["a6"], "c11": ["a7"]}
+    (tmp_path / "queries.tsv").write_text("".join(f"{q}\tclaim {q}\n" for q in cites))
+    (tmp_path / "qrels.txt").write_text("".join(f"{q} 0 {a} 1\n" for q, cited in cites.items() for a in cited))
+    positives = {q: set(cited) for q, cited in cites.items()}
+    assert groups_of(positives) == [["c0", "c1", "c2", "c3", "c4"], ["c10"], ["c11"], ["c5", "c6"], ["c7"], ["c8"],
+                                    ["c9"]]
+    for seed in range(20):
+        counts = write_split(tmp_path / "queries.tsv", tmp_path / "qrels.txt", tmp_path / "split", 0.5, seed)
+        parts = split_of(tmp_path / "split")
+        assert parts == split_ids(positives, 0.5, seed)  # the same judgements and seed give the same split
+        cited = {part: {a for q in ids for a in cites[q]} for part, ids in parts.items()}
+        assert not cited["train"] & cited["dev"]
+        assert sorted(parts["train"] + parts["dev"]) == sorted(cites) and 1 <= counts["dev"] <= 6
+    assert len({tuple(split_ids(positives, 0.5, seed)["dev"]) for seed in range(20)}) > 1  # the seed matters
+
+
+def test_a_split_that_cannot_hold_out_a_group_is_refused(tmp_path):
+    (tmp_path / "queries.tsv").write_text("c0\tone\nc1\ttwo\nc2\tthree\n")
+    (tmp_path / "qrels.txt").write_text("c0 0 a0 1\nc1 0 a0 1\nc1 0 a1 1\nc2 0 a1 1\n")
+    done = subprocess.run([sys.executable, "-m", "training.split", "--queries", str(tmp_path / "queries.tsv"),
+                           "--qrels", str(tmp_path / "qrels.txt"), "--out", str(tmp_path / "split")],
+                          capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 2 and "the largest has 3 of 3 queries" in done.stderr
+    assert not (tmp_path / "split").exists()
 
 
 def test_the_recipe_times_each_step_and_keeps_hard_negative_runs(recipe):
@@ -90,3 +109,29 @@ def test_the_reranker_the_recipe_saves_loads_in_the_service_and_reorders_results
             retrieval_order = sorted(body["results"], key=lambda hit: -hit["retrieval_score"])
             reordered += [hit["id"] for hit in retrieval_order] != [hit["id"] for hit in body["results"]]
     assert reordered > 0
+
+
+def test_titles_become_queries_whose_one_relevant_passage_is_their_own_text_without_the_title(tmp_path):
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps(record) + "\n" for record in [
+        {"_id": "a1", "title": "Aspirin lowers the risk of stroke.", "text": "In 400 patients, aspirin ..."},
+        {"_id": "a2", "title": "Short title", "text": "A passage whose title is too short to be a query."},
+        {"_id": "a3", "title": "Statins  raise\tmuscle pain in the elderly", "text": "A cohort of ..."},
+        {"_id": "a4", "title": "A title with no text to match", "text": ""}]))
+    done = subprocess.run([sys.executable, "-m", "training.pseudo_queries", "--corpus", str(corpus),
+                           "--out", str(tmp_path / "pseudo")], capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0 and "wrote 2 title queries (2 passages left out)" in done.stdout
+    assert (tmp_path / "pseudo" / "queries.tsv").read_text() == (
+        "title:a1\tAspirin lowers the risk of stroke.\ntitle:a3\tStatins raise muscle pain in the elderly\n")
+    assert (tmp_path / "pseudo" / "qrels.txt").read_text() == "title:a1 0 a1 1\ntitle:a3 0 a3 1\n"
+    assert (tmp_path / "pseudo" / "corpus.tsv").read_text() == "a1\tIn 400 patients, aspirin ...\na3\tA cohort of ...\n"
+
+
+def test_a_corpus_without_usable_titles_exits_2_naming_it(tmp_path):
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text(json.dumps({"_id": "a1", "title": "", "text": "no title"}) + "\n")
+    done = subprocess.run([sys.executable, "-m", "training.pseudo_queries", "--corpus", str(corpus),
+                           "--out", str(tmp_path / "pseudo")], capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 2 and f"{corpus}: no passage has a title" in done.stderr
