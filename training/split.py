@@ -8,8 +8,7 @@ claims citing one abstract), directly or through a chain of such queries, form o
 never cut. The groups, each named by its smallest query id and listed in sorted order, are shuffled
 with numpy's generator seeded by `--seed`, and taken in that order into dev while they fit in
 `round(dev_share * n)` queries. A reranker scored on dev is thus scored on passages it never saw as
-positives: a split by query alone lets it pass by remembering them (SciFact, seed 13: 102 of 162 dev
-claims shared an abstract with a training claim).
+positives, and cannot pass by remembering them.
 
 Writes DIR/queries-{train,dev}.tsv (`qid<TAB>text`) and DIR/qrels-{train,dev}.txt (TREC `qid 0 docid rel`).
 """
