@@ -29,6 +29,12 @@ class Passage:
     text: str
     line: int
     fields: dict | None = field(default=None, hash=False)  # JSONL metadata (retrieval.fields); None: none
+    title: str = field(default="", compare=False)  # JSONL's title, which `text` begins with; "" for none
+
+    @property
+    def body(self) -> str:
+        """The text without its title."""
+        return self.text[len(self.title):].lstrip()
 
 
 @dataclass(frozen=True)
@@ -96,7 +102,7 @@ def _parse_jsonl(text: str, line: int) -> Passage | BadLine:
         fields = record_fields(record)
     except ValueError as error:
         return BadLine(line, f"{error} (id {pid!r})")
-    return Passage(str(pid).strip(), body, line, fields or None)
+    return Passage(str(pid).strip(), body, line, fields or None, title.strip())
 
 
 class Digest(Protocol):

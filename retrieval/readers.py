@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Iterator
 
-from retrieval.corpus import BadLine, detect_format, read_corpus
+from retrieval.corpus import BadLine, Passage, detect_format, read_corpus
 
 Qrels = dict[str, dict[str, int]]  # query id -> {passage id: relevance}
 Run = dict[str, list[tuple[str, float]]]  # query id -> [(passage id, score)], best first
@@ -114,10 +114,9 @@ def write_run(path: Path, run: Run, tag: str) -> None:
                 handle.write(f"{qid} Q0 {docid} {rank} {score:.6f} {tag}\n")
 
 
-def read_passages(path: Path) -> dict[str, str]:
-    """Passage id -> text of a whole collection (TSV or JSONL/BEIR, as the index builder reads it),
-    in memory: for training and small tools, not for building an index."""
-    passages: dict[str, str] = {}
+def iter_passages(path: Path) -> Iterator[Passage]:
+    """Each passage of a whole collection (TSV or JSONL/BEIR, as the index builder reads it), in file
+    order; InputFileError at the first line the index builder would refuse, a repeated id included."""
     first_line: dict[str, int] = {}
     try:
         handle = path.open("rb")
@@ -132,7 +131,13 @@ def read_passages(path: Path) -> dict[str, str]:
                     raise InputFileError(f"{path}: line {record.line}: passage id {record.id!r} again "
                                          f"(first on line {first_line[record.id]})")
                 first_line[record.id] = record.line
-                passages[record.id] = record.text
+                yield record
+
+
+def read_passages(path: Path) -> dict[str, str]:
+    """Passage id -> text of a whole collection, in memory: for training and small tools, not for
+    building an index."""
+    passages = {record.id: record.text for record in iter_passages(path)}
     if not passages:
         raise InputFileError(f"{path}: no passages")
     return passages

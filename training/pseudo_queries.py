@@ -4,8 +4,8 @@ Promptagator generate them, taken here from the titles a scientific corpus alrea
 
     python -m training.pseudo_queries --corpus CORPUS.jsonl --out DIR [--min-words 4]
 
-Reads a JSONL or BEIR corpus (`{"_id", "title", "text"}`); a passage with a title of fewer than
-`--min-words` words or no text is left out. Writes DIR/queries.tsv (`title:ID<TAB>title`),
+Reads a corpus as the index builder does (JSONL or BEIR `{"_id", "title", "text"}`; a TSV has no
+titles); a passage with a title of fewer than `--min-words` words or no text is left out. Writes DIR/queries.tsv (`title:ID<TAB>title`),
 DIR/qrels.txt (`title:ID 0 ID 1`) and DIR/corpus.tsv (`ID<TAB>text`: the passages without titles, so a
 pair is not matched by repeating the query). No judgement is read: only the passages themselves.
 """
@@ -13,14 +13,13 @@ pair is not matched by repeating the query). No judgement is read: only the pass
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
 
 from tqdm import tqdm
 
-from retrieval.readers import InputFileError, lines
+from retrieval.readers import InputFileError, iter_passages
 
 PREFIX = "title:"
 
@@ -28,23 +27,14 @@ PREFIX = "title:"
 def write_pseudo_queries(corpus: Path, out: Path, min_words: int = 4) -> tuple[int, int]:
     """Writes the three files; returns (queries written, passages left out)."""
     queries, qrels, passages, skipped = [], [], [], 0
-    for number, line in tqdm(lines(corpus), desc="passages", unit=" passages"):
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise InputFileError(f"{corpus}: line {number}: not valid JSON ({error.msg})") from None
-        if not isinstance(record, dict):
-            raise InputFileError(f"{corpus}: line {number}: expected a JSON object")
-        pid = str(record.get("_id", record.get("id", ""))).strip()
-        title, text = (" ".join(str(record.get(key) or "").split()) for key in ("title", "text"))
-        if not pid:
-            raise InputFileError(f"{corpus}: line {number}: no _id")
+    for passage in tqdm(iter_passages(corpus), desc="passages", unit=" passages"):
+        title, text = " ".join(passage.title.split()), " ".join(passage.body.split())
         if len(title.split()) < min_words or not text:
             skipped += 1
             continue
-        queries.append(f"{PREFIX}{pid}\t{title}\n")
-        qrels.append(f"{PREFIX}{pid} 0 {pid} 1\n")
-        passages.append(f"{pid}\t{text}\n")
+        queries.append(f"{PREFIX}{passage.id}\t{title}\n")
+        qrels.append(f"{PREFIX}{passage.id} 0 {passage.id} 1\n")
+        passages.append(f"{passage.id}\t{text}\n")
     if not queries:
         raise InputFileError(f"{corpus}: no passage has a title of {min_words} words or more and a text")
     out.mkdir(parents=True, exist_ok=True)

@@ -47,13 +47,17 @@ def groups_of(positives: dict[str, set[str]]) -> list[list[str]]:
 
 def split_ids(positives: dict[str, set[str]], dev_share: float, seed: int) -> dict[str, list[str]]:
     """{"train": ids, "dev": ids}, each in sorted order; the same judgements, share and seed give the same split."""
-    groups = groups_of(positives)
-    target = round(dev_share * len(positives))
+    return split_groups(groups_of(positives), dev_share, seed)
+
+
+def split_groups(groups: list[list[str]], dev_share: float, seed: int) -> dict[str, list[str]]:
+    """split_ids over groups_of's groups."""
+    ordered = sorted(qid for group in groups for qid in group)
+    target = round(dev_share * len(ordered))
     dev: set[str] = set()
     for index in np.random.default_rng(seed).permutation(len(groups)):
         if len(dev) + len(groups[index]) <= target:
             dev.update(groups[index])
-    ordered = sorted(positives)
     return {"train": [q for q in ordered if q not in dev], "dev": [q for q in ordered if q in dev]}
 
 
@@ -65,17 +69,18 @@ def write_split(queries: Path, qrels: Path, out: Path, dev_share: float = 0.2, s
     positives = {qid: docids for qid, docids in relevant(judged).items() if qid in texts}
     if len(positives) < 2:
         raise InputFileError(f"{qrels}: fewer than 2 queries of {queries} have a relevant judgement")
-    parts = split_ids(positives, dev_share, seed)
+    groups = groups_of(positives)
+    parts = split_groups(groups, dev_share, seed)
     if not parts["dev"] or not parts["train"]:
         raise InputFileError(f"{qrels}: no grouped split holds out {dev_share} of the queries: their relevant "
                              f"passages join them into groups too large (the largest has "
-                             f"{max(map(len, groups_of(positives)))} of {len(positives)} queries)")
+                             f"{max(map(len, groups))} of {len(positives)} queries)")
     out.mkdir(parents=True, exist_ok=True)
     for part, ids in parts.items():
         (out / f"queries-{part}.tsv").write_text("".join(f"{q}\t{' '.join(texts[q].split())}\n" for q in ids))
         (out / f"qrels-{part}.txt").write_text(
             "".join(f"{q} 0 {docid} {rel}\n" for q in ids for docid, rel in sorted(judged[q].items())))
-    return {**{part: len(ids) for part, ids in parts.items()}, "groups": len(groups_of(positives))}
+    return {**{part: len(ids) for part, ids in parts.items()}, "groups": len(groups)}
 
 
 def build_parser() -> argparse.ArgumentParser:
