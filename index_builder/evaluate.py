@@ -99,9 +99,14 @@ def metrics(qrels: Qrels, run: Run) -> dict[str, float]:
     """The issue's measures, averaged over the run's queries that have judgements (trec_eval's
     convention); a query of the run with no hits counts 0. Judged queries the run does not hold are left
     out: ir-measures alone would count each as 0, so evaluating a subset of a qrels file's queries would
-    read lower than it is."""
+    read lower than it is. Each list is scored in its own order, not by its scores: trec_eval sorts by
+    score and breaks exact ties by passage id, which would rank RRF's many ties otherwise than we answer."""
     qrels = {qid: judged for qid, judged in qrels.items() if qid in run}
-    scored = [ir_measures.ScoredDoc(qid, docid, score) for qid, ranked in run.items() for docid, score in ranked]
+    scored = [
+        ir_measures.ScoredDoc(qid, docid, float(-rank))
+        for qid, ranked in run.items()
+        for rank, (docid, _) in enumerate(ranked)
+    ]
     values = ir_measures.calc_aggregate(list(MEASURES.values()), qrels, scored)
     return {name: values[measure] for name, measure in MEASURES.items()}
 

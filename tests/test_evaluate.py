@@ -44,6 +44,14 @@ def test_metrics_average_over_the_evaluated_queries_not_every_judged_one(tmp_pat
     assert metrics(qrels, {"q1": [("d1", 1.0)]})["nDCG@10"] == pytest.approx(1.0)
 
 
+@pytest.mark.parametrize("order", [["d1", "d2"], ["d2", "d1"]])
+def test_metrics_score_a_list_in_its_own_order_when_scores_tie(tmp_path, order):
+    # RRF gives exact ties often; the answer's order, not the passage ids, decides the rank.
+    (tmp_path / "qrels").write_text("q1 0 d2 1\n")
+    values = metrics(read_qrels(tmp_path / "qrels"), {"q1": [(pid, 0.5) for pid in order]})
+    assert values["MRR@10"] == pytest.approx(1 / (order.index("d2") + 1))
+
+
 def test_consistency_factor_is_the_mean_share_found_in_the_reference_top_1000():
     run = {"q1": [("a", 3), ("b", 2), ("c", 1), ("d", 0)], "q2": [("x", 1), ("y", 0)]}
     reference = {"q1": [("a", 9), ("c", 8), ("z", 7)], "q2": [("q", 1)]}
