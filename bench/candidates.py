@@ -8,8 +8,8 @@ Synthetic: N x 384 unit vectors around 1,000 gaussian cluster centres (noise SIG
 queries drawn alike, recall@10 against their exact top 10.
 --index: an index's own stored vectors (real embeddings: bench/wordnet.py makes one of 117k passages), 1,000
 held-out passages as queries, each searched with itself excluded (as `index_builder ann`'s recall card is).
-For binary, int8 and hnsw (retrieval.candidates; hnsw once per --ef-construction): build seconds, then at
-several depths recall@10 and @100 and ms per single query, with the ratio to the flat scan's.
+For binary, int8, hnsw and ivf (retrieval.candidates; hnsw once per --ef-construction): build seconds, then at
+several depths (ivf: several nprobe) recall@10 and @100 and ms per single query, with the ratio to the flat scan's.
 """
 import argparse
 import sys
@@ -87,6 +87,7 @@ def main() -> None:
 
     plans = [("binary", {}, (400, 1000, 4000)), ("int8", {}, (100, 256, 1000))]
     plans += [("hnsw", {"efConstruction": ef}, (64, 128, 256, 512)) for ef in args.ef_construction]
+    plans += [("ivf", {}, (16, 32, 64, 128, 256))]  # nprobe, at the default depth
     for kind, params, depths in plans:
         if kind not in args.kinds:
             continue
@@ -94,13 +95,18 @@ def main() -> None:
         structure = candidates.build(flat, kind, params, progress=False)
         built = time.perf_counter() - started
         for depth in depths:
+            if kind == "ivf":
+                structure.params["nprobe"], depth = depth, structure.depth
             structure.depth = depth
             if kind == "hnsw":
                 structure.params["efSearch"] = depth
             card = recall(structure)
             ms = timed_single(lambda q: candidates.search(structure, flat, q, 10, depth))
-            setting = f"efConstruction {params['efConstruction']}, efSearch {depth}" if kind == "hnsw" else \
-                f"{depth} candidates"
+            setting = f"{depth} candidates"
+            if kind == "hnsw":
+                setting = f"efConstruction {params['efConstruction']}, efSearch {depth}"
+            elif kind == "ivf":
+                setting = f"nlist {structure.params['nlist']}, nprobe {structure.params['nprobe']}, {setting}"
             print(f"{kind} (built in {built:.1f} s): {setting}: recall@10 {card.recall_at_10:.4f}, @100 "
                   f"{card.recall_at_100:.4f}; {ms:.2f} ms/query ({ms_exact / ms:.0f}x the flat scan's speed)",
                   flush=True)

@@ -1,7 +1,7 @@
 """Scale: synthetic collections far past the demo's, on the CPU and on a GPU.
 
     python bench/scale.py [--sizes 1000000 5000000] [--dimension 384] [--queries 200] [--repeats 3] [--work DIR] [--keep]
-    python bench/scale.py --structures hnsw binary int8 [--no-loads] [--ef-construction N] [--clients 32] [--seconds 20]
+    python bench/scale.py --structures hnsw ivf binary int8 [--no-loads] [--ef-construction N] [--clients 32] [--seconds 20]
                           [--root DIR [--no-serve]]
     python bench/scale.py --device cuda [--sizes 8841823] [--dimension 768] [--passages 20000] [--batch-size 256]
 
@@ -26,8 +26,9 @@ as it is (the flat scan) and then with each candidate structure (`python -m inde
 a generation of hard links beside it), one service at a time: its RSS after load, single-query /search p50
 and p99 (round trip and the service's `latency_ms.retrieve`), throughput of --clients clients for
 --seconds, recall@10 of its answers against the flat scan's on the same queries, and its recall card
-(held-out passages); each a ratio against the flat scan measured in the same run. hnsw under
---target-recall on the queries is served again with twice the candidates (SEARCH_CANDIDATES), up to 4,096.
+(held-out passages); each a ratio against the flat scan measured in the same run. hnsw or ivf under
+--target-recall on the queries is served again with twice the candidates (SEARCH_CANDIDATES: hnsw's search
+twice as wide, ivf's twice the lists), up to 4,096.
 --root keeps the indexes and reuses them: `--no-serve` builds them while the machine is busy, a later run
 serves them alone.
 
@@ -71,7 +72,7 @@ sys.path.insert(0, str(ROOT))
 
 from index_builder.build import BuildOptions, build_index  # noqa: E402
 from models.encoder import BiEncoder, default_model_path  # noqa: E402
-from retrieval import dense_index, index_writer  # noqa: E402
+from retrieval import candidates, dense_index, index_writer  # noqa: E402
 from retrieval.index_format import INDEX_FILE, MANIFEST_FILE, CorpusRecord, EncoderRecord, read_manifest  # noqa: E402
 
 DEMO_CORPUS = ROOT / "data" / "demo" / "corpus.tsv"
@@ -349,9 +350,9 @@ def bench_structures(base: Path, kinds: list[str], args: argparse.Namespace, que
                        recall=overlap_at_10(row["found"], flat["found"]))
             print_structure_row(kind, row, flat, depth, args, len(queries))
             rows[kind if depth == record.depth else f"{kind}@{depth}"] = row
-            if row["recall"] >= args.target_recall or kind != "hnsw" or depth >= 4096:
+            if row["recall"] >= args.target_recall or kind not in ("hnsw", "ivf") or depth >= 4096:
                 break
-            depth *= 2  # hnsw under the target: the same graph searched wider (SEARCH_CANDIDATES)
+            depth *= 2  # under the target: the same graph searched wider, or twice the lists (SEARCH_CANDIDATES)
         if not args.keep and args.root is None:
             shutil.rmtree(variant)
     return rows
@@ -621,14 +622,14 @@ def main() -> None:
     parser.add_argument("--work", type=Path, help="folder for the indexes (default: the system's temporary folder)")
     parser.add_argument("--keep", action="store_true", help="keep the indexes built")
     parser.add_argument("--sigma", type=float, default=0.05, help="noise a dimension around each cluster centre")
-    parser.add_argument("--structures", nargs="+", choices=["hnsw", "binary", "int8"], default=[],
+    parser.add_argument("--structures", nargs="+", choices=list(candidates.KINDS), default=[],
                         help="candidate structures served, each against the flat scan (CPU)")
     parser.add_argument("--ef-construction", type=int, help="hnsw's, passed to `index_builder ann` (default its own)")
     parser.add_argument("--root", type=Path, help="keep the indexes here, and reuse those an earlier run left")
     parser.add_argument("--no-serve", dest="serve", action="store_false",
                         help="with --structures: build the indexes and structures only (serve them in a later run)")
     parser.add_argument("--target-recall", type=float, default=0.99,
-                        help="hnsw served again with twice the candidates while its recall@10 is under this")
+                        help="hnsw or ivf served again with twice the candidates while its recall@10 is under this")
     parser.add_argument("--clients", type=int, default=32, help="concurrent clients for the throughput figure")
     parser.add_argument("--seconds", type=float, default=20.0, help="of load per service for the throughput figure")
     parser.add_argument("--reference-size", type=int, default=10_000,

@@ -32,7 +32,9 @@ class AnnOptions:
     m: int | None = None  # hnsw: links per node (default 32)
     ef_construction: int | None = None  # hnsw: search width while building (default 200)
     ef_search: int | None = None  # hnsw: search width while searching (default 128)
-    candidates: int | None = None  # rescored per query by default (default: efSearch, or the scan's)
+    nlist: int | None = None  # ivf: lists (default: the power of two nearest 4 sqrt(passages))
+    nprobe: int | None = None  # ivf: lists a query scans (default 32)
+    candidates: int | None = None  # rescored per query by default (default: efSearch, or the kind's)
     queries: Path | None = None  # recall measured on these queries, else on held-out passages
     sample: int = RECALL_SAMPLE
     recall_threshold: float = RECALL_THRESHOLD
@@ -40,13 +42,15 @@ class AnnOptions:
 
     def params(self) -> dict[str, int]:
         """The structure's parameters; BuildError for flags that do not apply to the kind."""
-        given = [flag for flag, value in (("--m", self.m), ("--ef-construction", self.ef_construction),
-                                          ("--ef-search", self.ef_search)) if value is not None]
-        if self.kind != "hnsw" and given:
-            raise BuildError(f"{', '.join(given)}: for kind hnsw only, not {self.kind}")
+        for owner, flags in (("hnsw", (("--m", self.m), ("--ef-construction", self.ef_construction),
+                                       ("--ef-search", self.ef_search))),
+                             ("ivf", (("--nlist", self.nlist), ("--nprobe", self.nprobe)))):
+            given = [flag for flag, value in flags if value is not None]
+            if self.kind != owner and given:
+                raise BuildError(f"{', '.join(given)}: for kind {owner} only, not {self.kind}")
         try:
             params = structure_params(self.kind, M=self.m, efConstruction=self.ef_construction,
-                                      efSearch=self.ef_search)
+                                      efSearch=self.ef_search, nlist=self.nlist, nprobe=self.nprobe)
         except ValueError as error:
             raise BuildError(str(error)) from None
         if self.candidates is not None and not 1 <= self.candidates <= MAX_CANDIDATES:
@@ -75,6 +79,8 @@ def raise_recall_hint(record: CandidateRecord) -> str:
     """The flag that raises a structure's recall."""
     if record.kind == "hnsw":
         return f"raise --ef-search (now {record.params['efSearch']}), or --candidates (now {record.depth})"
+    if record.kind == "ivf":
+        return f"raise --nprobe (now {record.params['nprobe']}), or --candidates (now {record.depth})"
     return f"raise --candidates (now {record.depth}), the candidates rescored"
 
 

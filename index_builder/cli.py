@@ -62,9 +62,15 @@ def _add_ann_flags(parser: argparse.ArgumentParser) -> None:
                         help=f"hnsw: search width while building (default {hnsw['efConstruction']})")
     parser.add_argument("--ef-search", type=_positive, metavar="N",
                         help=f"hnsw: search width while searching (default {hnsw['efSearch']}); raises recall")
+    ivf = candidates.IVF_PARAMS
+    parser.add_argument("--nlist", type=_positive, metavar="N",
+                        help="ivf: k-means lists (default: the power of two nearest 4 sqrt(passages))")
+    parser.add_argument("--nprobe", type=_positive, metavar="N",
+                        help=f"ivf: lists a query scans (default {ivf['nprobe']}); raises recall")
     parser.add_argument("--candidates", type=_positive, metavar="N",
-                        help="candidates rescored exactly per query by default (hnsw: --ef-search; binary: "
-                        f"{candidates.SCAN_DEPTH['binary']}; int8: {candidates.SCAN_DEPTH['int8']}); raises recall")
+                        help="candidates rescored exactly per query by default (hnsw: --ef-search; ivf: "
+                        f"{candidates.IVF_DEPTH}; binary: {candidates.SCAN_DEPTH['binary']}; int8: "
+                        f"{candidates.SCAN_DEPTH['int8']}); raises recall")
     parser.add_argument("--queries", type=Path, metavar="FILE",
                         help="measure recall on these queries (TSV qid<TAB>query or BEIR JSONL) instead of "
                         f"{candidates.RECALL_SAMPLE} held-out passages (each searched with itself excluded)")
@@ -77,8 +83,8 @@ def _add_ann_flags(parser: argparse.ArgumentParser) -> None:
 
 def _ann_options(args: argparse.Namespace, kind: str) -> AnnOptions:
     return AnnOptions(kind, m=args.m, ef_construction=args.ef_construction, ef_search=args.ef_search,
-                      candidates=args.candidates, queries=args.queries, sample=args.sample,
-                      recall_threshold=args.recall_threshold, device=args.device)
+                      nlist=args.nlist, nprobe=args.nprobe, candidates=args.candidates, queries=args.queries,
+                      sample=args.sample, recall_threshold=args.recall_threshold, device=args.device)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -119,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="torch, or ONNX Runtime on the CPU (onnx; onnx-int8: int8 weights), recorded in the manifest")
     build.add_argument("--bm25", action="store_true", help="also build a BM25 index (bm25s) over the same passages")
     build.add_argument("--ann", choices=candidates.KINDS, metavar="KIND",
-                       help="also build an approximate candidate structure (hnsw, binary or int8; see `ann`)")
+                       help="also build an approximate candidate structure (hnsw, ivf, binary or int8; see `ann`)")
     build.add_argument("--shard", type=_shard, metavar="i/N",
                        help="keep only records i, i+N, i+2N, ... (0-based) of the corpus; combine with `merge`")
     build.add_argument("--shards", type=_positive, metavar="N",
@@ -143,8 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="index directory (replaced atomically), or the folder of a build --shards N (a structure in "
                      "each shard)")
     ann.add_argument("--kind", choices=candidates.KINDS, required=True,
-                     help="hnsw (a graph over the stored vectors), binary (sign bits, Hamming scan) or int8 "
-                     "(8-bit codes, scan); candidates are rescored exactly from the stored vectors")
+                     help="hnsw (a graph over the stored vectors), ivf (k-means lists of 8-bit codes, the nearest "
+                     "scanned), binary (sign bits, Hamming scan) or int8 (8-bit codes, scan); candidates are rescored "
+                     "exactly from the stored vectors")
     ann.add_argument("--device", default="auto", help="where --queries are encoded: auto, cpu, cuda or cuda:N")
     _add_ann_flags(ann)
 
@@ -207,7 +214,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _check_build_flags(args: argparse.Namespace) -> None:
     """BuildError (one line, exit 2) for flags that cannot work together, before anything is loaded."""
     given = [flag for flag, value in (("--m", args.m), ("--ef-construction", args.ef_construction),
-                                      ("--ef-search", args.ef_search), ("--candidates", args.candidates),
+                                      ("--ef-search", args.ef_search), ("--nlist", args.nlist),
+                                      ("--nprobe", args.nprobe), ("--candidates", args.candidates),
                                       ("--queries", args.queries)) if value is not None]
     if args.ann is None and given:
         raise BuildError(f"{', '.join(given)} need --ann KIND")

@@ -7,6 +7,8 @@ approximate answer can differ from the exact one only by passages the structure 
     hnsw    a HNSW graph (faiss IndexHNSWFlat, inner product) over index.faiss's vectors: the file holds the graph
             only (written with IO_FLAG_SKIP_STORAGE) and the loaded graph reads the flat index's vectors, so
             they are not held twice (memory-mapped, they are the page cache's, not the process's).
+    ivf     an inverted file: k-means lists (their centres in a small HNSW graph) holding the vectors' 8-bit codes
+            (faiss IndexIVFScalarQuantizer, inner product); a query scans the nprobe lists nearest to it.
     binary  the vectors' sign bits (d/8 bytes a passage) in a faiss IndexBinaryFlat, scanned by Hamming distance.
     int8    the vectors quantized to 8 bits a dimension (IndexScalarQuantizer QT_8bit, inner product), scanned.
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,8 +30,18 @@ from tqdm import tqdm
 from retrieval import dense_index
 from retrieval.index_format import CandidateRecord, FileRecord, IndexFormatError
 
-KINDS = ("hnsw", "binary", "int8")
+KINDS = ("hnsw", "ivf", "binary", "int8")
 HNSW_PARAMS = {"M": 32, "efConstruction": 200, "efSearch": 128}
+# nlist: by default the power of two nearest 4 sqrt(N) (faiss's guide: 4 to 16 sqrt(N)), at most N / 39 (the
+# training points faiss asks a list for).
+IVF_PARAMS = {"nlist": 0, "nprobe": 32}
+IVF_DEPTH = 128
+IVF_QUANTIZER_M = 32  # links of the graph over the lists' centres
+# Its search width, adding and searching: at faiss's default (16) some vectors were filed in a list far from
+# their nearest, where no query looks (recall stopped at 0.94 on 5M however many lists were scanned). k-means
+# assigns through the same graph at the default, several times faster: only where the centres fall depends on it.
+IVF_COARSE_EF = 256
+IVF_TRAIN_PER_LIST = 64
 # Candidates rescored by default. HNSW: its efSearch, since its search holds that many candidates at the end
 # anyway (returning them all costs only their rescoring). The scans: what recall@10 0.98 needed on 200k
 # clustered 384-d vectors with neighbours as far apart as real ones (sign bits rank coarsely, 8-bit codes closely).
@@ -53,29 +66,38 @@ class Structure:
     depth: int
 
 
+PARAMS = {"hnsw": HNSW_PARAMS, "ivf": IVF_PARAMS, "binary": {}, "int8": {}}
+
+
 def structure_params(kind: str, **given: int | None) -> dict[str, int]:
-    """The parameters of a `kind` structure: HNSW's defaults overridden by `given` (M, efConstruction,
-    efSearch; None: the default); ValueError for an unknown kind, a value under 1, or HNSW parameters given to
-    a scan."""
+    """The parameters of a `kind` structure: its defaults (PARAMS) overridden by `given` (None: the default;
+    ivf's nlist 0: chosen from the passages at build, see ivf_lists); ValueError for an unknown kind, a value
+    under 1, or a parameter of another kind."""
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
     given = {name: value for name, value in given.items() if value is not None}
-    if kind != "hnsw":
-        if given:
-            raise ValueError(f"{', '.join(given)}: for kind hnsw only, not {kind}")
-        return {}
-    unknown = set(given) - set(HNSW_PARAMS)
+    unknown = set(given) - set(PARAMS[kind])
     if unknown:
-        raise ValueError(f"unknown hnsw parameters {sorted(unknown)}; known: {', '.join(HNSW_PARAMS)}")
-    params = {**HNSW_PARAMS, **given}
-    low = [f"{name} {value}" for name, value in params.items() if value < 1]
+        owners = [other for other in KINDS if set(unknown) <= set(PARAMS[other])]
+        if owners:
+            raise ValueError(f"{', '.join(sorted(unknown))}: for kind {owners[0]} only, not {kind}")
+        raise ValueError(f"unknown {kind} parameters {sorted(unknown)}; known: {', '.join(PARAMS[kind]) or 'none'}")
+    low = [f"{name} {value}" for name, value in given.items() if value < 1 and (name, value) != ("nlist", 0)]
     if low:
-        raise ValueError(f"hnsw parameters must be at least 1, got {', '.join(low)}")
-    return params
+        raise ValueError(f"{kind} parameters must be at least 1, got {', '.join(low)}")
+    return {**PARAMS[kind], **given}
+
+
+def ivf_lists(total: int) -> int:
+    """ivf's default nlist for `total` passages."""
+    wanted = 2 ** round(np.log2(max(4 * np.sqrt(max(total, 1)), 1)))
+    return max(1, min(wanted, total // 39))
 
 
 def default_depth(kind: str, params: dict[str, int]) -> int:
-    return params["efSearch"] if kind == "hnsw" else SCAN_DEPTH[kind]
+    if kind == "hnsw":
+        return params["efSearch"]
+    return IVF_DEPTH if kind == "ivf" else SCAN_DEPTH[kind]
 
 
 def build(flat: faiss.IndexFlat, kind: str, params: dict[str, int] | None = None, *, depth: int | None = None,
@@ -88,6 +110,9 @@ def build(flat: faiss.IndexFlat, kind: str, params: dict[str, int] | None = None
     total = flat.ntotal
     if kind == "hnsw":
         index = _resumed_hnsw(flat, params, checkpoint, identity) or _new_hnsw(flat.d, params)
+    elif kind == "ivf":
+        params = {**params, "nlist": params["nlist"] or ivf_lists(total)}
+        index = _trained_ivf(flat, params["nlist"], progress)
     elif kind == "binary":
         index = faiss.IndexBinaryFlat(_binary_bits(flat.d))
     else:
@@ -115,6 +140,31 @@ def _new_hnsw(dimension: int, params: dict[str, int]) -> faiss.Index:
     index.hnsw.efConstruction = params["efConstruction"]
     index.hnsw.efSearch = params["efSearch"]
     return index
+
+
+def _trained_ivf(flat: faiss.IndexFlat, nlist: int, progress: bool) -> faiss.Index:
+    """An empty IVF index whose nlist centres are k-means over a seeded sample of `flat`'s vectors."""
+    quantizer = faiss.IndexHNSWFlat(flat.d, IVF_QUANTIZER_M, faiss.METRIC_INNER_PRODUCT)
+    index = faiss.IndexIVFScalarQuantizer(quantizer, flat.d, nlist, faiss.ScalarQuantizer.QT_8bit,
+                                          faiss.METRIC_INNER_PRODUCT)
+    quantizer.this.disown()
+    index.own_fields = True
+    index.cp.seed = RECALL_SEED
+    if flat.ntotal:
+        size = min(flat.ntotal, IVF_TRAIN_PER_LIST * nlist)
+        sample = np.random.default_rng(RECALL_SEED).choice(flat.ntotal, size=size, replace=False)
+        if progress:
+            print(f"training ivf: k-means of {len(sample):,} vectors into {nlist:,} lists", file=sys.stderr, flush=True)
+        index.train(flat.reconstruct_batch(np.sort(sample)))
+    quantizer.hnsw.efSearch = IVF_COARSE_EF
+    return index
+
+
+def ivf_probes(structure: Structure, depth: int) -> int:
+    """Lists an ivf query scans for `depth` candidates: nprobe at the default depth, proportionally more for
+    more candidates (as hnsw's search widens to the candidates asked for), at most every list."""
+    nprobe = structure.params["nprobe"]
+    return min(structure.params["nlist"], max(nprobe, -(-nprobe * depth // structure.depth)))
 
 
 def _binary_bits(dimension: int) -> int:
@@ -193,7 +243,8 @@ def load(path: Path, record: CandidateRecord, flat: faiss.IndexFlat, expected: F
     except RuntimeError as error:  # FAISS's parse error, for a file damaged and not verified
         raise IndexFormatError(f"{path}: not a readable {record.kind} structure "
                                f"({str(error).strip().splitlines()[-1]})") from None
-    wanted = {"hnsw": faiss.IndexHNSWFlat, "binary": faiss.IndexBinaryFlat, "int8": faiss.IndexScalarQuantizer}
+    wanted = {"hnsw": faiss.IndexHNSWFlat, "ivf": faiss.IndexIVFScalarQuantizer, "binary": faiss.IndexBinaryFlat,
+              "int8": faiss.IndexScalarQuantizer}
     dimension = _binary_bits(flat.d) if record.kind == "binary" else flat.d
     if not isinstance(index, wanted[record.kind]) or index.ntotal != flat.ntotal or index.d != dimension:
         raise IndexFormatError(f"{path}: a {type(index).__name__} of {index.ntotal} {index.d}-d rows, not the "
@@ -210,6 +261,13 @@ def candidates(structure: Structure, query_vectors: np.ndarray, depth: int, sele
     vectors = np.ascontiguousarray(query_vectors, dtype=np.float32)
     if structure.kind == "hnsw":
         search = faiss.SearchParametersHNSW(efSearch=max(structure.params["efSearch"], depth))
+        if selector is not None:
+            search.sel = selector
+        return structure.index.search(vectors, depth, params=search)[1]
+    if structure.kind == "ivf":
+        nprobe = ivf_probes(structure, depth)
+        coarse = faiss.SearchParametersHNSW(efSearch=max(IVF_COARSE_EF, 2 * nprobe))
+        search = faiss.SearchParametersIVF(nprobe=nprobe, quantizer_params=coarse)
         if selector is not None:
             search.sel = selector
         return structure.index.search(vectors, depth, params=search)[1]

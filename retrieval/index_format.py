@@ -80,9 +80,9 @@ class CandidateRecord(BaseModel):
     """One approximate candidate structure (retrieval.candidates) and its recall card: recall@10 and
     @100 of the approximate path (candidates, rescored exactly) against the exact flat search."""
 
-    kind: Literal["hnsw", "binary", "int8"]
+    kind: Literal["hnsw", "ivf", "binary", "int8"]
     file: str  # relative to the directory, also listed (with its checksum) in `files`
-    params: dict[str, int]  # hnsw: M, efConstruction, efSearch; binary and int8: none
+    params: dict[str, int]  # hnsw: M, efConstruction, efSearch; ivf: nlist, nprobe; binary and int8: none
     depth: int  # candidates rescored per query by default (at least k), the depth recall was measured at
     recall_at_10: float
     recall_at_100: float

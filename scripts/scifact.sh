@@ -30,7 +30,8 @@ DEVICE=${DEVICE:-auto}
 SPLIT=$WORK/split
 TRAIN=(--corpus "$DATA/corpus.jsonl" --queries "$SPLIT/queries-train.tsv" --qrels "$SPLIT/qrels-train.txt")
 NEGATIVES=(--negatives-run "$WORK/train-runs/dense.run" "$WORK/train-runs/bm25.run" --negatives-depth 100)
-DEV=(--queries "$SPLIT/queries-dev.tsv" --qrels "$SPLIT/qrels-dev.txt" --k 100 --device "$DEVICE")
+# --exact: rows of the exact search only, where an index also carries candidate structures
+DEV=(--queries "$SPLIT/queries-dev.tsv" --qrels "$SPLIT/qrels-dev.txt" --k 100 --device "$DEVICE" --exact)
 
 if [ ! -f "$DATA/corpus.jsonl" ]; then
     echo "error: no SciFact data at $DATA (set SCIFACT)" >&2

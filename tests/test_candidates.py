@@ -291,3 +291,50 @@ def test_an_interrupted_hnsw_build_resumes_from_its_checkpoint(small_index, tmp_
     assert card.recall_at_10 == 1.0
     other = candidates.build(flat, "hnsw", progress=False, checkpoint=checkpoint, identity="other vectors")
     assert other.index.ntotal == SMALL_CORPUS_LINES  # a checkpoint of other vectors is not resumed
+
+
+@pytest.fixture(scope="module")
+def ivf_index(tmp_path_factory, small_index) -> Path:
+    """The small index with an ivf structure of 8 lists, 2 scanned for 20 candidates, added by `ann`."""
+    index = copy_of(small_index, tmp_path_factory.mktemp("ivf"))
+    assert cli_main(["ann", "--index", str(index), "--kind", "ivf", "--nlist", "8", "--nprobe", "2",
+                     "--candidates", "20"]) == 0
+    return index
+
+
+def test_ivf_records_its_lists_and_probes_in_the_card(ivf_index, small_index, tmp_path):
+    (card,) = read_manifest(ivf_index, verify_checksums=True).candidates
+    assert card.kind == "ivf" and card.file == "candidates-ivf.faiss"
+    assert card.params == {"nlist": 8, "nprobe": 2} and card.depth == 20
+    # by default nlist follows the passages (4 sqrt(300) is near 64) but leaves faiss 39 training points a list
+    report = add_structure(copy_of(small_index, tmp_path), AnnOptions("ivf"), progress=False)
+    assert report.record.params == {"nlist": SMALL_CORPUS_LINES // 39, "nprobe": candidates.IVF_PARAMS["nprobe"]}
+    assert report.record.depth == candidates.IVF_DEPTH
+    assert candidates.ivf_lists(5_000_000) == 8192 and candidates.ivf_lists(1_000_000) == 4096
+
+
+def test_ivf_answers_carry_exact_scores_and_more_probes_find_more(ivf_index, encoder, queries, stored_vectors):
+    searcher = Searcher(ivf_index, encoder, device="cpu", verify_checksums=True)
+    assert searcher.answered_by() == "approximate:ivf"
+    vectors = searcher.encode(queries)
+    narrow = searcher.rank(queries, vectors, 10)  # 20 candidates from 2 lists of 8
+    for vector, ranked in zip(vectors, narrow):
+        rows = [row for row, _ in ranked]
+        np.testing.assert_allclose([score for _, score in ranked], stored_vectors[rows] @ vector, rtol=0, atol=1e-6)
+    exact = [[row for row, _ in ranked] for ranked in searcher.rank(queries, vectors, 10, exact=True)]
+
+    def recall(found):
+        return np.mean([len(set(e) & {row for row, _ in f}) / 10 for e, f in zip(exact, found)])
+
+    # up to the default 20 candidates a query scans nprobe lists; 4x as many candidates, 4x the lists: all 8
+    structure = searcher.structures["ivf"]
+    assert candidates.ivf_probes(structure, 10) == 2 and candidates.ivf_probes(structure, 80) == 8
+    assert recall(narrow) < 1.0
+    assert recall(searcher.rank(queries, vectors, 10, candidates=80)) == 1.0
+
+
+def test_ivf_flags_are_for_ivf_only(small_index, capsys):
+    assert cli_main(["ann", "--index", str(small_index), "--kind", "hnsw", "--nprobe", "4"]) == 2
+    assert capsys.readouterr().err.strip() == "error: --nprobe: for kind ivf only, not hnsw"
+    assert cli_main(["ann", "--index", str(small_index), "--kind", "ivf", "--m", "16"]) == 2
+    assert capsys.readouterr().err.strip() == "error: --m: for kind hnsw only, not ivf"
