@@ -20,10 +20,16 @@ import numpy as np
 from index_builder import out_lock
 from index_builder.errors import BuildError
 from retrieval import index_writer
-from retrieval.candidates import HELD_OUT, MAX_CANDIDATES, RECALL_SAMPLE, RECALL_THRESHOLD, structure_params
+from retrieval.candidates import (HELD_OUT, KINDS, MAX_CANDIDATES, PARAMS, RECALL_SAMPLE, RECALL_THRESHOLD,
+                                  structure_params)
 from retrieval.index_format import CandidateRecord, read_manifest
 from retrieval.readers import read_queries
 from retrieval.sharding import check_shard_set, expand_shard_dirs
+
+
+# The AnnOptions field of each structure parameter (retrieval.candidates.PARAMS says which kind has it); its
+# flag is the field's name, as `--ef-search` is `ef_search`'s.
+FIELDS = {"M": "m", "efConstruction": "ef_construction", "efSearch": "ef_search", "nlist": "nlist", "nprobe": "nprobe"}
 
 
 @dataclass
@@ -40,17 +46,25 @@ class AnnOptions:
     recall_threshold: float = RECALL_THRESHOLD
     device: str = "auto"  # where --queries are encoded
 
+    @classmethod
+    def of(cls, kind: str, params: dict[str, int], **others) -> AnnOptions:
+        """Options for a `kind` structure with `params` by their names in retrieval.candidates.PARAMS."""
+        return cls(kind, **{FIELDS[name]: value for name, value in params.items()}, **others)
+
+    def given(self) -> dict[str, int]:
+        """The structure parameters set, by their names in retrieval.candidates.PARAMS."""
+        values = {name: getattr(self, field) for name, field in FIELDS.items()}
+        return {name: value for name, value in values.items() if value is not None}
+
     def params(self) -> dict[str, int]:
         """The structure's parameters; BuildError for flags that do not apply to the kind."""
-        for owner, flags in (("hnsw", (("--m", self.m), ("--ef-construction", self.ef_construction),
-                                       ("--ef-search", self.ef_search))),
-                             ("ivf", (("--nlist", self.nlist), ("--nprobe", self.nprobe)))):
-            given = [flag for flag, value in flags if value is not None]
-            if self.kind != owner and given:
-                raise BuildError(f"{', '.join(given)}: for kind {owner} only, not {self.kind}")
+        given = self.given()
+        for owner in KINDS:
+            flags = ["--" + FIELDS[name].replace("_", "-") for name in given if name in PARAMS[owner]]
+            if self.kind != owner and flags:
+                raise BuildError(f"{', '.join(flags)}: for kind {owner} only, not {self.kind}")
         try:
-            params = structure_params(self.kind, M=self.m, efConstruction=self.ef_construction,
-                                      efSearch=self.ef_search, nlist=self.nlist, nprobe=self.nprobe)
+            params = structure_params(self.kind, **given)
         except ValueError as error:
             raise BuildError(str(error)) from None
         if self.candidates is not None and not 1 <= self.candidates <= MAX_CANDIDATES:

@@ -139,11 +139,8 @@ def rebuilt_structures(manifest: Manifest, given: Sequence[AnnOptions] = ()) -> 
             print(f"note: {record.kind}'s recall is measured again on held-out passages, not {record.recall_queries}",
                   file=sys.stderr)
         capped = record.recall_queries != HELD_OUT or record.sample >= manifest.count
-        params = record.params
-        structures.append(AnnOptions(record.kind, m=params.get("M"), ef_construction=params.get("efConstruction"),
-                                     ef_search=params.get("efSearch"), nlist=params.get("nlist"),
-                                     nprobe=params.get("nprobe"), candidates=record.depth,
-                                     sample=max(record.sample, RECALL_SAMPLE) if capped else record.sample))
+        structures.append(AnnOptions.of(record.kind, record.params, candidates=record.depth,
+                                        sample=max(record.sample, RECALL_SAMPLE) if capped else record.sample))
     return [*structures, *given]
 
 
