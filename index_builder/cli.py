@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from index_builder import out_lock
-from index_builder.ann import AnnOptions, add_structures
+from index_builder.ann import FIELDS, AnnOptions, add_structures
 from index_builder.build import BuildError, BuildOptions, build_index
 from index_builder.changes import ChangeOptions, apply_changes
 from index_builder.corpus_file import check_corpus_file
@@ -82,9 +82,9 @@ def _add_ann_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _ann_options(args: argparse.Namespace, kind: str) -> AnnOptions:
-    return AnnOptions(kind, m=args.m, ef_construction=args.ef_construction, ef_search=args.ef_search,
-                      nlist=args.nlist, nprobe=args.nprobe, candidates=args.candidates, queries=args.queries,
-                      sample=args.sample, recall_threshold=args.recall_threshold, device=args.device)
+    return AnnOptions(kind, **{field: getattr(args, field) for field in FIELDS.values()}, candidates=args.candidates,
+                      queries=args.queries, sample=args.sample, recall_threshold=args.recall_threshold,
+                      device=args.device)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -213,10 +213,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _check_build_flags(args: argparse.Namespace) -> None:
     """BuildError (one line, exit 2) for flags that cannot work together, before anything is loaded."""
-    given = [flag for flag, value in (("--m", args.m), ("--ef-construction", args.ef_construction),
-                                      ("--ef-search", args.ef_search), ("--nlist", args.nlist),
-                                      ("--nprobe", args.nprobe), ("--candidates", args.candidates),
-                                      ("--queries", args.queries)) if value is not None]
+    given = ["--" + field.replace("_", "-") for field in (*FIELDS.values(), "candidates", "queries")
+             if getattr(args, field) is not None]
     if args.ann is None and given:
         raise BuildError(f"{', '.join(given)} need --ann KIND")
     if args.ann is not None:
