@@ -333,8 +333,12 @@ def test_ivf_answers_carry_exact_scores_and_more_probes_find_more(ivf_index, enc
     assert recall(searcher.rank(queries, vectors, 10, candidates=80)) == 1.0
 
 
-def test_ivf_flags_are_for_ivf_only(small_index, capsys):
+def test_ivf_flags_are_for_ivf_only(small_index, tmp_path, capsys):
     assert cli_main(["ann", "--index", str(small_index), "--kind", "hnsw", "--nprobe", "4"]) == 2
     assert capsys.readouterr().err.strip() == "error: --nprobe: for kind ivf only, not hnsw"
     assert cli_main(["ann", "--index", str(small_index), "--kind", "ivf", "--m", "16"]) == 2
     assert capsys.readouterr().err.strip() == "error: --m: for kind hnsw only, not ivf"
+    assert cli_main(["build", "--corpus", str(DEMO / "corpus.tsv"), "--out", str(tmp_path / "out"), "--nprobe", "4",
+                     "--candidates", "10"]) == 2
+    assert capsys.readouterr().err.strip() == "error: --nprobe, --candidates need --ann KIND"
+    assert not (tmp_path / "out").exists()
