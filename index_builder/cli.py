@@ -182,6 +182,10 @@ def build_parser() -> argparse.ArgumentParser:
                           "ROW+DIRNAME (OUTPUT-checkpoint-N for a training checkpoint)")
     evaluate.add_argument("--depth", type=_positive, default=100,
                           help="with --rerank: passages of each mode's list the reranker rescores (default 100)")
+    evaluate.add_argument("--retrieval-weight", type=float, nargs="+", metavar="W",
+                          help="with --rerank: a row per weight W of the first stage's score blended with the "
+                          "reranker's, ROW+DIRNAME~wW, ordered as a request's retrieval_weight orders them "
+                          "(0: the reranker alone, the ROW+DIRNAME row; default 0); the reranker reads each list once")
     evaluate.add_argument("--query-max-tokens", type=_positive, help="override the index's query token limit")
     evaluate.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     evaluate.add_argument("--backend", choices=BACKENDS,

@@ -18,7 +18,7 @@ from index_builder.evaluate import (
     format_table,
     metrics,
     recall_against_exact,
-    rerank_run,
+    rerank_runs,
     retrieve,
     run_queries,
 )
@@ -44,6 +44,11 @@ def run_eval(args: argparse.Namespace) -> None:
         raise ValueError("--compare measures the dense run's consistency with a run: add dense to --modes")
     if args.rerank and args.depth > MAX_K:
         raise ValueError(f"--depth must be at most {MAX_K}, got {args.depth}")
+    weights = list(dict.fromkeys(args.retrieval_weight or [0.0]))
+    if any(not 0 <= weight <= 100 for weight in weights):
+        raise ValueError(f"--retrieval-weight: each weight must be from 0 to 100, got {weights}")
+    if args.retrieval_weight and not args.rerank:
+        raise ValueError("--retrieval-weight blends a reranker's score with the first stage's: add --rerank")
     queries = read_queries(args.queries)
     qrels = read_qrels(args.qrels)
     reference = read_run(args.compare) if args.compare else None
@@ -85,9 +90,12 @@ def run_eval(args: argparse.Namespace) -> None:
             retrieval_seconds = time.perf_counter() - started
         for name, reranker in rerankers.items():
             started = time.perf_counter()
-            run = rerank_run(reranker, queries, retrieved, args.depth, args.k, label=f"{row.name}+{name}")
-            record(f"{row.name}+{name}", run, retrieval_seconds + time.perf_counter() - started,
-                   exact_row and f"{exact_row}+{name}")
+            reranked = rerank_runs(reranker, queries, retrieved, args.depth, args.k, weights,
+                                   label=f"{row.name}+{name}")
+            seconds = retrieval_seconds + time.perf_counter() - started
+            for weight, run in reranked.items():
+                record(f"{row.name}+{name}{_blended(weight)}", run, seconds,
+                       exact_row and f"{exact_row}+{name}{_blended(weight)}")
     print(format_table(table))
     if approximate:
         _describe_structures(searcher, structures, args.k)
@@ -101,8 +109,17 @@ def run_eval(args: argparse.Namespace) -> None:
         if values:
             print(f"consistency of dense with {name}'s top {depth}: {values}")
     through = f", exact and through {', '.join(structures)}" if approximate else ""
+    blends = [weight for weight in weights if weight]
+    if rerankers and blends:
+        print("ROW+RERANKER~wW: the reranked passages ordered by z(reranker) + W * z(first stage), each score "
+              "standardised over them (SEARCH_RERANK_RETRIEVAL_WEIGHT W).")
     reranked = f", {len(rerankers)} rerankers at depth {args.depth}" if rerankers else ""
     print(f"evaluated {len(queries)} queries x {len(modes)} modes at k={args.k}{through}{reranked}")
+
+
+def _blended(weight: float) -> str:
+    """A reranked row's suffix for its retrieval weight: none for the reranker's order alone."""
+    return f"~w{weight:g}" if weight else ""
 
 
 def _eval_filter(searcher: Searcher, given: str | None) -> dict:

@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from models.reranker import Reranker
 from retrieval.readers import Qrels, Run
-from retrieval.rerank import rerank
+from retrieval.rerank import reordered
 from retrieval.searcher import Hit, Searcher
 
 MEASURES = {"MRR@10": RR @ 10, "nDCG@10": nDCG @ 10, "Recall@100": R @ 100, "Recall@1000": R @ 1000, "MAP": AP}
@@ -81,18 +81,23 @@ def run_queries(searcher: Searcher, queries: Mapping[str, str], k: int, batch_si
     return as_run(retrieve(searcher, queries, k, batch_size, **retrieval))
 
 
-def rerank_run(reranker: Reranker, queries: Mapping[str, str], retrieved: Mapping[str, list[Hit]], depth: int,
-               k: int, label: str = "reranking") -> Run:
-    """Each retrieved list's top `depth` rescored by `reranker` and sorted by its score, as the service
-    reranks; the rest of its top `k` follows in retrieval order, so a measure deeper than `depth` (Recall@100
-    after reranking 20) sees the same passages as the retrieval row. A tail hit's score is put below every
-    reranked score (the two kinds of score are not comparable, and a run is ordered by score)."""
-    run = {}
+def rerank_runs(reranker: Reranker, queries: Mapping[str, str], retrieved: Mapping[str, list[Hit]], depth: int,
+                k: int, weights: Sequence[float] = (0.0,), label: str = "reranking") -> dict[float, Run]:
+    """For each retrieval weight (retrieval.rerank.reordered; 0: the reranker's score alone), each retrieved
+    list's top `depth` rescored by `reranker` and ordered as the service orders them; the reranker reads each
+    list once for all the weights. The rest of its top `k` follows in retrieval order, so a measure deeper
+    than `depth` (Recall@100 after reranking 20) sees the same passages as the retrieval row. A tail hit's
+    score is put below every reranked score (the two kinds of score are not comparable, and a run is ordered
+    by score)."""
+    runs: dict[float, Run] = {weight: {} for weight in weights}
     for qid, hits in tqdm(retrieved.items(), desc=label, unit=" queries", leave=False):
-        head = [(hit.id, hit.score) for hit in rerank(reranker, queries[qid], hits[:depth], k)]
-        floor = min((score for _, score in head), default=0.0)
-        run[qid] = head + [(hit.id, floor - i) for i, hit in enumerate(hits[depth:k], start=1)]
-    return run
+        head = hits[:depth]
+        scores = reranker.score(queries[qid], [hit.text for hit in head])
+        for weight, run in runs.items():
+            top = [(hit.id, hit.score) for hit in reordered(head, scores, k, weight)]
+            floor = min((score for _, score in top), default=0.0)
+            run[qid] = top + [(hit.id, floor - i) for i, hit in enumerate(hits[depth:k], start=1)]
+    return runs
 
 
 def metrics(qrels: Qrels, run: Run) -> dict[str, float]:

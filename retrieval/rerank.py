@@ -4,17 +4,42 @@ for the service's engine and for offline evaluation, so both rank alike."""
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Sequence
+
+import numpy as np
 
 from models.reranker import Reranker
 from retrieval.searcher import Hit
 
+BLEND = "blend"  # the score kind of a blended order
 
-def rerank(reranker: Reranker, query: str, hits: list[Hit], k: int) -> list[Hit]:
-    """The best `k` of `hits` by `reranker`'s score (ties keep retrieval order); the reranker's score
-    becomes `score` and the first-stage score is kept as `retrieval_score`."""
-    scores = reranker.score(query, [hit.text for hit in hits])
-    order = sorted(range(len(hits)), key=lambda i: (-scores[i], i))[:k]
+
+def rerank(reranker: Reranker, query: str, hits: list[Hit], k: int, retrieval_weight: float = 0.0) -> list[Hit]:
+    """The best `k` of `hits` by `reranker`'s score, or by its blend with the first stage's (`reordered`)."""
+    return reordered(hits, reranker.score(query, [hit.text for hit in hits]), k, retrieval_weight)
+
+
+def reordered(hits: list[Hit], scores: Sequence[float], k: int, retrieval_weight: float = 0.0) -> list[Hit]:
+    """The best `k` of `hits` given their reranker `scores` (ties keep retrieval order). With a
+    `retrieval_weight` w > 0 the order is by z(reranker) + w * z(first stage), each score standardised over
+    these hits (their mean subtracted, divided by their standard deviation): the two kinds of score are on
+    unrelated scales, and a first stage that agrees with the reranker is evidence too. `score` is what the
+    order is by; the reranker's own is `rerank_score`, the first stage's `retrieval_score`."""
+    scores = np.asarray(scores, dtype=np.float64)
+    if retrieval_weight:
+        first = np.array([hit.score for hit in hits], dtype=np.float64)
+        value = standardised(scores) + retrieval_weight * standardised(first)
+    else:
+        value = scores
+    order = sorted(range(len(hits)), key=lambda i: (-value[i], i))[:k]
     return [
-        replace(hits[i], score=float(scores[i]), rank=rank, retrieval_score=hits[i].score)
+        replace(hits[i], score=float(value[i]), rank=rank, retrieval_score=hits[i].score,
+                rerank_score=float(scores[i]))
         for rank, i in enumerate(order, start=1)
     ]
+
+
+def standardised(values: np.ndarray) -> np.ndarray:
+    """z-scores; all zero where the values are all equal (one hit, or a reranker that cannot tell them apart)."""
+    spread = values.std()
+    return (values - values.mean()) / spread if spread > 0 else np.zeros_like(values)

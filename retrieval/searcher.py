@@ -47,6 +47,7 @@ class Hit:
     score: float
     rank: int  # 1-based
     retrieval_score: float | None = None  # set when a reranker rescored the hit: its first-stage score
+    rerank_score: float | None = None  # and the reranker's own (`score` is a blend of both where asked)
 
 
 @dataclass(frozen=True)

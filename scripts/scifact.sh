@@ -32,6 +32,8 @@ TRAIN=(--corpus "$DATA/corpus.jsonl" --queries "$SPLIT/queries-train.tsv" --qrel
 NEGATIVES=(--negatives-run "$WORK/train-runs/dense.run" "$WORK/train-runs/bm25.run" --negatives-depth 100)
 # --exact: rows of the exact search only, where an index also carries candidate structures
 DEV=(--queries "$SPLIT/queries-dev.tsv" --qrels "$SPLIT/qrels-dev.txt" --k 100 --device "$DEVICE" --exact)
+# Each reranked row also blended with its first stage (z-scores, first stage at weight 1 and 2): one scoring
+BLEND=(--retrieval-weight 0 1 2)
 
 if [ ! -f "$DATA/corpus.jsonl" ]; then
     echo "error: no SciFact data at $DATA (set SCIFACT)" >&2
@@ -54,7 +56,7 @@ generative_rows() {  # generative_rows MODEL:MODE ...: each dev row at depth GEN
         table="$WORK/table-${row%%:*}-$depth-${row##*:}.txt"
         [ -f "$table" ] && continue
         $PY -m index_builder eval --index "$WORK/index" "${DEV[@]}" --modes "${row##*:}" \
-            --rerank "$(newest "$WORK/models/${row%%:*}")" --depth "$depth" | tee "$table.partial"
+            --rerank "$(newest "$WORK/models/${row%%:*}")" --depth "$depth" "${BLEND[@]}" | tee "$table.partial"
         mv "$table.partial" "$table"
     done
 }
@@ -118,9 +120,9 @@ step() {
         # Co-attention is fast enough for depth 100 on every mode; monoBERT is timed at depth 20 on a CPU.
         local modes=(dense bm25 hybrid-interleave hybrid-rrf)
         $PY -m index_builder eval --index "$WORK/index" "${DEV[@]}" --modes "${modes[@]}" \
-            --rerank "$(newest "$WORK/models/coattention")" --depth 100 | tee "$WORK/table-coattention-100.txt"
+            --rerank "$(newest "$WORK/models/coattention")" --depth 100 "${BLEND[@]}" | tee "$WORK/table-coattention-100.txt"
         $PY -m index_builder eval --index "$WORK/index" "${DEV[@]}" --modes "${modes[@]}" \
-            --rerank "$(newest "$WORK/models/monobert")" --depth "${MONOBERT_DEPTH:-20}" \
+            --rerank "$(newest "$WORK/models/monobert")" --depth "${MONOBERT_DEPTH:-20}" "${BLEND[@]}" \
             | tee "$WORK/table-monobert-${MONOBERT_DEPTH:-20}.txt"
         $PY -m index_builder eval --index "$WORK/index-biencoder" "${DEV[@]}" --modes dense hybrid-interleave \
             hybrid-rrf | tee "$WORK/table-biencoder.txt" ;;

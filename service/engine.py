@@ -16,7 +16,7 @@ from models.reranker import Reranker, load_reranker, reranker_kind
 from retrieval.fields import UnknownField, chosen_fields
 from retrieval.filters import Filter, FilterError
 from retrieval.index_format import INDEX_FILE, PASSAGES_FILE, read_manifest
-from retrieval.rerank import rerank
+from retrieval.rerank import BLEND, rerank
 from retrieval.searcher import EncoderMismatch, Hit, Searcher, encoder_for
 from service.errors import NotServable, OverLimit
 
@@ -65,6 +65,7 @@ class SearchPlan:
     candidates: int | None = None  # with a structure: candidates scored exactly per query (None: its own)
     rerank_depth: int | None = None  # with a reranker: passages rescored (>= k)
     reranker: str | None = None  # a configured reranker's kind
+    retrieval_weight: float = 0.0  # with a reranker: the first stage's weight in the blend (0: reranker alone)
     allow_partial: bool = False  # sharded serving: answer from the shards that answered (one index: no effect)
     filter: Filter | None = None  # only the passages it matches (retrieval.filters), checked against the index
     fields: tuple[str, ...] | None = None  # metadata fields returned with each hit (None: none)
@@ -139,8 +140,9 @@ class Run:
         reranking = time.perf_counter()  # after `wait`, once the model thread is free for it
         if self.reranks:
             model = self.engine.rerankers[plan.reranker]
-            hits = [rerank(model, query, found, plan.k) for query, found in zip(self.queries, hits)]
-            score_kind = model.score_kind
+            hits = [rerank(model, query, found, plan.k, plan.retrieval_weight)
+                    for query, found in zip(self.queries, hits)]
+            score_kind = BLEND if plan.retrieval_weight else model.score_kind
         reranked = time.perf_counter()
         timings = StageTimings(
             encode=1000 * (self.encoded - self.started),
@@ -192,10 +194,12 @@ class SearchEngine:
         return self._searcher
 
     def plan(self, k: int, *, rerank_depth: int | None = None, reranker: str | None = None,
-             max_rerank_depth: int | None = None, allow_partial: bool = False, **retrieval) -> SearchPlan:
+             retrieval_weight: float = 0.0, max_rerank_depth: int | None = None, allow_partial: bool = False,
+             **retrieval) -> SearchPlan:
         """`k` hits by `retrieval` (mode, fusion, lead; see Searcher), with `rerank_depth` the top
         `rerank_depth` (>= k, <= `max_rerank_depth`) rescored by `reranker` (a kind; default: the first
-        configured), checked once: NotServable for what this service or its index cannot do,
+        configured) and ordered by its score, or by its blend with the first stage's at `retrieval_weight`
+        (retrieval.rerank.reordered), checked once: NotServable for what this service or its index cannot do,
         OverLimit for a value past a limit or not usable (a filter that does not fit the index's fields, a
         field to return it lacks). `allow_partial` matters to a sharded engine only. `retrieval` may hold
         `filter` (as JSON gives it; retrieval.filters) and `fields` (names, or True for all)."""
@@ -220,7 +224,8 @@ class SearchEngine:
             raise OverLimit(("filter", *error.path), str(error)) from None
         except UnknownField as error:
             raise OverLimit(("fields", error.position), str(error)) from None
-        plan = SearchPlan(k, rerank_depth=rerank_depth, reranker=reranker, allow_partial=allow_partial, **retrieval)
+        plan = SearchPlan(k, rerank_depth=rerank_depth, reranker=reranker, allow_partial=allow_partial,
+                          retrieval_weight=retrieval_weight if rerank_depth is not None else 0.0, **retrieval)
         _check(searcher, plan)
         return plan
 

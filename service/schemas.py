@@ -11,11 +11,14 @@ from pydantic.json_schema import SkipJsonSchema
 from retrieval.searcher import MAX_CANDIDATES, MAX_K, Fusion, Mode
 
 RerankerKind = Literal["monobert", "coattention", "generative"]
-ScoreKind = Literal["cosine", "inner_product", "bm25", "rrf", "interleave", "probability", "logit", "log_likelihood"]
+ScoreKind = Literal["cosine", "inner_product", "bm25", "rrf", "interleave", "probability", "logit", "log_likelihood",
+                    "blend"]
 SCORE_KIND_DESCRIPTION = (
     "what `score` holds: cosine or inner_product (dense retrieval, by the encoder's similarity), bm25, "
     "rrf or interleave (1 / position) for hybrid fusion; when reranked, the reranker's score: probability "
-    "(monobert's P(relevant)), logit (coattention) or log_likelihood (generative: log p(query | passage))"
+    "(monobert's P(relevant)), logit (coattention) or log_likelihood (generative: log p(query | passage)); "
+    "blend when reranked with a retrieval_weight: z(reranker) + retrieval_weight * z(first stage), each score "
+    "standardised over the reranked passages"
 )
 
 
@@ -66,6 +69,12 @@ ALLOW_PARTIAL = Field(False, description=(
     "`shards` lists which answered) instead of a 503 naming it; ignored by a service over one index"))
 
 
+RETRIEVAL_WEIGHT = Field(None, ge=0, le=100, description=(
+    "when reranked: the first stage's weight beside the reranker's, w in z(reranker) + w * z(first stage), each "
+    "score standardised over the reranked passages; 0: the reranker's order alone (default "
+    "SEARCH_RERANK_RETRIEVAL_WEIGHT)"))
+
+
 class ShardsReport(BaseModel):
     """Sharded serving only: the shards (as `i/N`) whose passages the results are drawn from."""
 
@@ -83,6 +92,7 @@ class SearchRequest(RetrievalOptions):
         None, ge=1, le=MAX_K, description="passages the reranker rescores (>= k; default SEARCH_RERANK_DEPTH or k)"
     )
     reranker: RerankerKind | None = Field(None, description="which configured reranker (default: the first)")
+    retrieval_weight: float | None = RETRIEVAL_WEIGHT
     allow_partial: bool = ALLOW_PARTIAL
 
 
@@ -94,6 +104,7 @@ class BatchSearchRequest(RetrievalOptions):
     rerank: bool = False
     depth: int | None = Field(None, ge=1, le=MAX_K)
     reranker: RerankerKind | None = None
+    retrieval_weight: float | None = RETRIEVAL_WEIGHT
     allow_partial: bool = ALLOW_PARTIAL
 
 
@@ -103,6 +114,8 @@ class SearchHit(BaseModel):
     score: float = Field(description="higher is better; its kind is the response's `score_kind`")
     rank: int
     retrieval_score: float | None = Field(None, description="when reranked: the first-stage score")
+    rerank_score: float | None = Field(None, description="when reranked: the reranker's score (also `score` "
+                                                         "unless blended with a retrieval_weight)")
     fields: dict[str, bool | float | str | list[str]] | None = Field(
         None, description="only when the request asks `fields`: those the passage has, by name")
 

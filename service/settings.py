@@ -55,6 +55,11 @@ class ServiceSettings(BaseSettings):
         100, ge=1, le=1000, description="Passages rescored when a request gives no depth (at most max_rerank_depth).",
     )
     max_rerank_depth: int = Field(1000, ge=1, le=1000, description="Largest depth a request may ask for.")
+    rerank_retrieval_weight: float = Field(
+        0.0, ge=0, le=100, description="Weight of the first stage's score beside the reranker's when a request "
+        "gives none: reranked passages are ordered by z(reranker) + w * z(first stage), each standardised over "
+        "them; 0: by the reranker's score alone.",
+    )
 
     exact_search: bool = Field(
         False, description="Answer every search by the full scan, even over an index that carries a candidate "

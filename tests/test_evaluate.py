@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 
 from index_builder.build import BuildOptions, build_index
@@ -124,6 +125,29 @@ def test_eval_rerank_ranks_as_the_reranker_called_by_hand(small_index, searcher,
             assert [docid for docid, _ in ranked] == expected + tail, (mode, qid)
 
 
+def test_eval_adds_a_row_per_retrieval_weight_ordered_by_the_blend_a_request_gets(small_index, searcher, demo_queries,
+                                                                                  tmp_path, capsys):
+    folder = tiny_bert(tmp_path / "one-logit", num_labels=1)
+    queries = {q: demo_queries[q] for q in ("q0001", "q0002")}
+    (tmp_path / "q.tsv").write_text("".join(f"{q}\t{text}\n" for q, text in queries.items()))
+    (tmp_path / "qrels").write_text("q0001 0 p00154 1\n")
+    args = ["eval", "--index", str(small_index), "--queries", str(tmp_path / "q.tsv"), "--qrels", str(tmp_path / "qrels"),
+            "--modes", "dense", "--rerank", str(folder), "--depth", "20", "--k", "20", "--retrieval-weight", "0", "2",
+            "--runs-dir", str(tmp_path / "runs"), "--device", "cpu"]
+    assert cli_main(args) == 0
+    printed = capsys.readouterr().out
+    assert "\ndense+one-logit " in printed and "\ndense+one-logit~w2 " in printed
+    by_hand = CrossEncoder(folder, device="cpu")
+    blended = read_run(tmp_path / "runs" / "dense+one-logit~w2.run")
+    for qid, query in queries.items():
+        hits = searcher.search(query, k=20)
+        scores = np.asarray(by_hand.score(query, [hit.text for hit in hits]), dtype=np.float64)
+        first = np.array([hit.score for hit in hits], dtype=np.float64)
+        blend = (scores - scores.mean()) / scores.std() + 2 * (first - first.mean()) / first.std()
+        expected = [hits[i].id for i in sorted(range(20), key=lambda i: (-blend[i], i))]
+        assert [docid for docid, _ in sorted(blended[qid], key=lambda pair: -pair[1])] == expected, qid
+
+
 def test_eval_reranked_rows_hold_k_passages_when_depth_exceeds_k(small_index, demo_queries, tmp_path):
     folder = tiny_bert(tmp_path / "one-logit", num_labels=1)
     (tmp_path / "q.tsv").write_text(f"q0001\t{demo_queries['q0001']}\n")
@@ -144,6 +168,9 @@ def test_eval_refuses_options_it_cannot_honour_before_loading_anything(tmp_path,
                                                    "add dense to --modes"),
         (["--rerank", str(tmp_path / "a" / "final"), str(tmp_path / "b" / "final")],
          "--rerank: two folders would both be the table row 'final'; rename one"),
+        (["--retrieval-weight", "1"], "--retrieval-weight blends a reranker's score with the first stage's: add --rerank"),
+        (["--rerank", str(tmp_path / "a"), "--retrieval-weight", "-1"],
+         "--retrieval-weight: each weight must be from 0 to 100, got [-1.0]"),
     ]
     for extra, reason in cases:
         assert cli_main(common + extra) == 2

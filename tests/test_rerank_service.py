@@ -94,3 +94,57 @@ def test_ready_stats_and_metrics_name_the_reranker(small_index, searcher, small_
 def test_a_reranker_that_is_not_configured_is_a_400(rerank_app):
     response = one(rerank_app, "POST", "/search", {"query": "paths", "rerank": True, "reranker": "coattention"})
     assert response.status_code == 400 and "'coattention' is not configured here; configured: monobert" in response.text
+
+
+def _z(values):
+    mean = sum(values) / len(values)
+    spread = (sum((v - mean) ** 2 for v in values) / len(values)) ** 0.5
+    return [(v - mean) / spread for v in values]
+
+
+def test_a_retrieval_weight_orders_by_the_blend_of_both_standardised_scores(rerank_app, searcher, small_cross_encoder,
+                                                                             demo_queries):
+    query = demo_queries["q0003"]
+    retrieved = searcher.search(query, 20)
+    reranker = [float(s) for s in small_cross_encoder.score(query, [hit.text for hit in retrieved])]
+    blend = [r + 1.5 * f for r, f in zip(_z(reranker), _z([hit.score for hit in retrieved]))]
+    order = sorted(range(20), key=lambda i: -blend[i])[:5]
+    body = one(rerank_app, "POST", "/search",
+               {"query": query, "k": 5, "rerank": True, "depth": 20, "retrieval_weight": 1.5}).json()
+    assert body["score_kind"] == "blend"
+    assert [r["id"] for r in body["results"]] == [retrieved[i].id for i in order]
+    assert [r["score"] for r in body["results"]] == pytest.approx([blend[i] for i in order], abs=1e-4)
+    assert [r["rerank_score"] for r in body["results"]] == pytest.approx([reranker[i] for i in order], abs=1e-5)
+    assert [r["retrieval_score"] for r in body["results"]] == pytest.approx([retrieved[i].score for i in order],
+                                                                            abs=1e-5)
+
+
+def test_a_large_retrieval_weight_keeps_the_first_stage_order_and_zero_is_the_reranker_alone(rerank_app, searcher,
+                                                                                            demo_queries):
+    query = demo_queries["q0005"]
+    first = [hit.id for hit in searcher.search(query, 10)]
+    heavy = one(rerank_app, "POST", "/search",
+                {"query": query, "k": 10, "rerank": True, "depth": 10, "retrieval_weight": 100}).json()
+    assert [r["id"] for r in heavy["results"]] == first
+    alone = one(rerank_app, "POST", "/search", {"query": query, "k": 10, "rerank": True, "depth": 10}).json()
+    zero = one(rerank_app, "POST", "/search",
+               {"query": query, "k": 10, "rerank": True, "depth": 10, "retrieval_weight": 0}).json()
+    assert zero["results"] == alone["results"] and zero["score_kind"] == alone["score_kind"] == "probability"
+    assert all(r["score"] == r["rerank_score"] for r in alone["results"])
+
+
+def test_the_retrieval_weight_setting_is_the_default_a_request_overrides(small_index, searcher, small_cross_encoder):
+    settings = ServiceSettings(index_dir=small_index, device="cpu", rerankers=[small_cross_encoder.path],
+                               rerank_retrieval_weight=2.0)
+    app = create_app(settings, SearchEngine(searcher, {"monobert": small_cross_encoder}))
+    request = {"query": "paths", "k": 3, "rerank": True, "depth": 10}
+    assert one(app, "POST", "/search", request).json()["score_kind"] == "blend"
+    assert one(app, "POST", "/search", {**request, "retrieval_weight": 0}).json()["score_kind"] == "probability"
+    batch = one(app, "POST", "/search/batch", {"queries": ["paths"], "k": 3, "rerank": True, "depth": 10}).json()
+    assert batch["score_kind"] == "blend"
+    assert one(app, "POST", "/search", {"query": "paths", "k": 3}).json()["score_kind"] == "cosine"  # not reranked
+
+
+def test_a_negative_retrieval_weight_is_a_422_naming_it(rerank_app):
+    response = one(rerank_app, "POST", "/search", {"query": "paths", "rerank": True, "retrieval_weight": -1})
+    assert response.status_code == 422 and response.json()["detail"][0]["loc"] == ["body", "retrieval_weight"]

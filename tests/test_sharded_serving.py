@@ -89,7 +89,7 @@ def client(base_url):
 
 
 def expected(hits) -> list[dict]:
-    return [{"id": h.id, "text": h.text, "score": h.score, "rank": h.rank, "retrieval_score": None} for h in hits]
+    return [{"id": h.id, "text": h.text, "score": h.score, "rank": h.rank, "retrieval_score": None, "rerank_score": None} for h in hits]
 
 
 def test_ready_names_the_shards_and_counts_every_passage(client):
