@@ -303,6 +303,8 @@ def search(structure: Structure, flat: faiss.IndexFlat, query_vectors: np.ndarra
     searched exactly instead, so every query gets min(k, ntotal) rows."""
     vectors = np.ascontiguousarray(query_vectors, dtype=np.float32)
     depth = min(max(k, depth or structure.depth), flat.ntotal)
+    if depth == 0:  # no passages (every one deleted): FAISS asks a structure for at least one row
+        return dense_index.search(flat, vectors, k)
     scores, rows = rescore(flat, vectors, candidates(structure, vectors, depth), k)
     short = np.any(rows[:, :min(k, flat.ntotal)] < 0, axis=1)
     if np.any(short):

@@ -145,6 +145,15 @@ def test_an_index_without_structures_behaves_as_before(small_index, searcher, qu
         searcher.search(queries[0], structure="hnsw")
 
 
+@pytest.mark.parametrize("kind", ["hnsw", "ivf", "binary", "int8"])
+def test_a_structure_over_no_passages_answers_with_no_rows(kind):
+    # An index whose every passage was deleted (update --delete) still carries its structures.
+    flat = faiss.IndexFlatIP(8)
+    structure = candidates.build(flat, kind, progress=False)
+    scores, rows = candidates.search(structure, flat, np.ones((2, 8), dtype=np.float32), 5)
+    assert rows.shape == (2, 5) and (rows == -1).all()
+
+
 def test_rescore_orders_equal_scores_by_row_as_the_flat_search_does():
     rng = np.random.default_rng(0)
     vectors = rng.standard_normal((40, 16)).astype(np.float32)
