@@ -15,6 +15,9 @@
 #   biencoder    RepBERT bi-encoder from MiniLM (paper 000: in-batch + mined hard negatives, with
 #                a softmax over them in place of eq. 4's hinge), and its index -> $WORK/models/biencoder, $WORK/index-biencoder
 #   table        the dev-split table of every pipeline                -> $WORK/table-*.txt
+#   distil       monoBERT distilled from the generative MLE reranker (after `generative`): its scores of
+#                hybrid-rrf's top 8 for each training claim, then the listwise KL to them -> $WORK/teacher,
+#                $WORK/models/monobert-distil, $WORK/table-monobert-distil-20.txt
 #   generative   generative rerankers from SmolLM2-135M (paper 003: MLE, and RLL) and their rows, one
 #                at a time: not in `all` (hours on a CPU; see docs/experiments/scifact.md); resumable
 #                -> $WORK/models/generative-{mle,rll}, $WORK/table-generative-*-20-MODE.txt
@@ -116,6 +119,19 @@ step() {
             --negatives 15 --batch-size 4 --lr 5e-5 --max-steps "${STEPS_GENERATIVE_RLL:-400}" --save-every 10 \
             --resume --device "$DEVICE" --output "$WORK/models/generative-rll"
         generative_rows generative-rll:hybrid-rrf ;;
+    distil)
+        local teacher
+        teacher=$(newest "$WORK/models/generative-mle")
+        [ -d "$WORK/teacher" ] || timed teacher $PY -m index_builder eval --index "$WORK/index" \
+            --queries "$SPLIT/queries-train.tsv" --qrels "$SPLIT/qrels-train.txt" --k 8 --device "$DEVICE" --exact \
+            --modes hybrid-rrf --rerank "$teacher" --depth 8 --runs-dir "$WORK/teacher"
+        [ -d "$WORK/models/monobert-distil" ] || timed monobert-distil $PY -m training.train_cross_encoder \
+            "${TRAIN[@]}" --objective distil --teacher-run "$WORK/teacher/hybrid-rrf+generative-mle-$(basename "$teacher").run" \
+            --batch-size 2 --lr 5e-5 --max-steps "${STEPS_MONOBERT_DISTIL:-150}" --max-tokens 256 --save-every 50 \
+            --device "$DEVICE" --output "$WORK/models/monobert-distil"
+        $PY -m index_builder eval --index "$WORK/index" "${DEV[@]}" --modes hybrid-rrf \
+            --rerank "$(newest "$WORK/models/monobert-distil")" --depth 20 "${BLEND[@]}" \
+            | tee "$WORK/table-monobert-distil-20.txt" ;;
     table)
         # Co-attention is fast enough for depth 100 on every mode; monoBERT is timed at depth 20 on a CPU.
         local modes=(dense bm25 hybrid-interleave hybrid-rrf)
@@ -129,7 +145,7 @@ step() {
     all)
         for name in split index runs monobert coattention biencoder table; do step $name; done ;;
     *)
-        echo "error: unknown step $1 (split, index, runs, monobert, coattention, biencoder, table, generative, all)" >&2
+        echo "error: unknown step $1 (split, index, runs, monobert, coattention, biencoder, table, generative, distil, all)" >&2
         exit 2 ;;
     esac
 }

@@ -11,7 +11,13 @@ from transformers import BertConfig, BertForSequenceClassification, BertModel, B
 
 from models.cross_encoder import CrossEncoder
 from models.encoder import default_model_path
-from training.losses import group_softmax_loss, in_batch_softmax_loss, multilabel_margin_loss, relevance_cross_entropy
+from training.losses import (
+    group_softmax_loss,
+    in_batch_softmax_loss,
+    listwise_distillation_loss,
+    multilabel_margin_loss,
+    relevance_cross_entropy,
+)
 
 QUERY = "Return the absolute version of a path."
 PASSAGES = [
@@ -134,6 +140,23 @@ def test_group_softmax_loss_ranks_each_positive_against_its_own_groups_negatives
     assert group_softmax_loss(one_logit, [2, 3]).item() == pytest.approx((first + second) / 2, abs=1e-6)
     with pytest.raises(ValueError, match="5 pairs, but groups of 4"):
         group_softmax_loss(one_logit, [2, 2])
+
+
+def test_distillation_loss_is_the_kl_of_the_standardised_teacher_to_the_student_per_group():
+    # Group 1: teacher log-likelihoods -10, -40 (z: 1, -1), student logits 0, 0. Group 2: teacher all equal
+    # (uniform), student 1, 0, 0 from a one-logit head.
+    logits = torch.tensor([[0.0], [0.0], [1.0], [0.0], [0.0]])
+    targets = torch.tensor([-10.0, -40.0, -5.0, -5.0, -5.0])
+    p = [math.exp(1) / (math.exp(1) + math.exp(-1)), math.exp(-1) / (math.exp(1) + math.exp(-1))]
+    first = sum(pi * (math.log(pi) - math.log(0.5)) for pi in p)
+    q = [math.e / (math.e + 2), 1 / (math.e + 2), 1 / (math.e + 2)]
+    second = sum((1 / 3) * (math.log(1 / 3) - math.log(qi)) for qi in q)
+    assert listwise_distillation_loss(logits, targets, [2, 3]).item() == pytest.approx((first + second) / 2, abs=1e-6)
+    # A student that orders as the teacher, at the teacher's spread, has nothing left to learn.
+    assert listwise_distillation_loss(torch.tensor([[1.0], [-1.0]]), torch.tensor([-10.0, -40.0]), [2]).item() == \
+        pytest.approx(0.0, abs=1e-7)
+    with pytest.raises(ValueError, match="groups of 4"):
+        listwise_distillation_loss(logits, targets, [2, 2])
 
 
 def test_cross_entropy_equals_eq_1_by_hand_for_two_label_and_one_logit_heads():

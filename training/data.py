@@ -46,6 +46,7 @@ class Collection:
     positives: dict[str, set[str]]
     pairs: list[tuple[str, str]]
     negatives: dict[str, list[str]] = field(default_factory=dict)  # hard negatives; absent = sample at random
+    teacher: Run = field(default_factory=dict)  # a teacher reranker's scored list per query (distillation)
     _passage_ids: list[str] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
@@ -62,6 +63,21 @@ class Collection:
             if pool:
                 self.negatives[qid] = pool
                 covered += 1
+        return covered
+
+    def use_teacher(self, run: Run) -> int:
+        """A teacher reranker's run (its passages of each query, with its scores) to distil; returns how many
+        training queries it covers. A judged positive missing from a query's list joins it at the list's best
+        teacher score: judged relevant, it is at least as good as what the teacher put first."""
+        covered = 0
+        for qid, positives in self.positives.items():
+            scored = [(pid, score) for pid, score in run.get(qid, []) if pid in self.passages]
+            if not scored:
+                continue
+            best = max(score for _, score in scored)
+            listed = {pid for pid, _ in scored}
+            self.teacher[qid] = scored + [(pid, best) for pid in sorted(positives) if pid not in listed]
+            covered += 1
         return covered
 
     def sample_negatives(self, qid: str, count: int, rng: np.random.Generator) -> list[str]:
@@ -185,4 +201,17 @@ def sampled_groups(data: Collection, batch_index: int, batch_size: int, negative
         qid, pid = data.pairs[position]
         sampled = data.sample_negatives(qid, negatives, rng) if negatives else []
         groups.append((data.queries[qid], [data.passages[p] for p in [pid, *sampled]]))
+    return groups
+
+
+def teacher_groups(data: Collection, batch_index: int, batch_size: int,
+                   seed: int) -> list[tuple[str, list[str], list[float]]]:
+    """Micro-batch `batch_index` for distillation: (query text, passage texts, teacher scores), one per
+    query the teacher covers, drawn in the order of `batch_size` queries a batch (reproducible on resume)."""
+    qids = sorted(data.teacher)
+    groups = []
+    for position in batch_positions(len(qids), batch_size, batch_index, seed):
+        scored = data.teacher[qids[position]]
+        groups.append((data.queries[qids[position]], [data.passages[pid] for pid, _ in scored],
+                       [score for _, score in scored]))
     return groups

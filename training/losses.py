@@ -6,6 +6,8 @@
 - `relevance_cross_entropy`: monoBERT's cross-entropy, paper 004 eq. 1.
 - `group_softmax_loss`: the cross-encoder's alternative, a softmax over each query's positive and
   its sampled negatives (localized contrastive estimation, Gao et al. 2021).
+- `listwise_distillation_loss`: the cross-encoder trained to order each query's list as a teacher
+  reranker scores it (knowledge distillation; the teacher: the generative reranker).
 - `mle_loss`, `lul_loss`, `rll_loss`: the generative reranker's objectives, paper 003 eqs. 2-5. They
   take per-token log-probabilities of the query tokens (and `<eoq>`) given a passage, as
   `GenerativeReranker.token_logprobs` returns them: `logprobs` (pairs, T), 0 at padding, and the
@@ -103,6 +105,27 @@ def group_softmax_loss(logits: torch.Tensor, group_sizes: list[int]) -> torch.Te
     if scores.shape[0] != sum(group_sizes):
         raise ValueError(f"{scores.shape[0]} pairs, but groups of {sum(group_sizes)} in all")
     losses = [torch.logsumexp(group, dim=0) - group[0] for group in torch.split(scores, group_sizes)]
+    return torch.stack(losses).mean()
+
+
+def listwise_distillation_loss(logits: torch.Tensor, targets: torch.Tensor, group_sizes: list[int]) -> torch.Tensor:
+    """KL(teacher || student) over each group's passages, averaged over the groups of a batch.
+
+    The pairs of `logits` come in consecutive groups of `group_sizes`, each one query's passages; `targets`
+    holds the teacher's score of each pair. The teacher's distribution over a group is the softmax of its
+    scores standardised over the group (z-scores: a log-likelihood's spread of tens of nats would otherwise
+    make it a one-hot), the student's the softmax of its `relevance_logit`s. A group whose teacher scores are
+    all equal teaches a uniform order.
+    """
+    scores = relevance_logit(logits).float()
+    if scores.shape[0] != sum(group_sizes) or targets.shape[0] != scores.shape[0]:
+        raise ValueError(f"{scores.shape[0]} pairs and {targets.shape[0]} targets, but groups of {sum(group_sizes)}")
+    losses = []
+    for student, teacher in zip(torch.split(scores, group_sizes), torch.split(targets.float(), group_sizes)):
+        spread = teacher.std(unbiased=False)
+        teacher = (teacher - teacher.mean()) / spread if spread > 0 else torch.zeros_like(teacher)
+        target = torch.softmax(teacher, dim=0)
+        losses.append((target * (torch.log(target) - torch.log_softmax(student, dim=0))).sum())
     return torch.stack(losses).mean()
 
 

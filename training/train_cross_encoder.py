@@ -1,5 +1,7 @@
-"""Fine-tunes the monoBERT cross-encoder (paper 004, section 2) with cross-entropy (eq. 1), or with
-`--objective group`, a softmax over each query's positive and negatives (training.losses.group_softmax_loss).
+"""Fine-tunes the monoBERT cross-encoder (paper 004, section 2) with cross-entropy (eq. 1), with
+`--objective group`, a softmax over each query's positive and negatives (training.losses.group_softmax_loss),
+or with `--objective distil`, to order each training query's list as a teacher reranker scored it
+(`--teacher-run`: a reranked row's run of `eval --runs-dir`; training.losses.listwise_distillation_loss).
 
 Each micro-batch holds `--batch-size` (query, relevant passage) pairs; each brings its
 positive and `--negatives` sampled negatives, so a micro-batch is
@@ -32,8 +34,9 @@ import torch
 
 from models.cross_encoder import CrossEncoder
 from models.encoder import default_model_path
-from training.data import TrainingDataError
-from training.losses import group_softmax_loss, relevance_cross_entropy
+from retrieval.readers import read_run
+from training.data import TrainingDataError, teacher_groups
+from training.losses import group_softmax_loss, listwise_distillation_loss, relevance_cross_entropy
 from training.trainer import GroupTrainee, add_negatives_arguments, add_training_arguments, load_training_data, run_cli
 
 
@@ -41,9 +44,11 @@ from training.trainer import GroupTrainee, add_negatives_arguments, add_training
 class CrossEncoderTrainee(GroupTrainee):
     """A CrossEncoder whose weights are being fine-tuned on positives and sampled negatives."""
 
-    objective: str = "pointwise"  # or "group" (see --objective)
+    objective: str = "pointwise"  # or "group", "distil" (see --objective)
 
     def loss(self, batch_index: int) -> torch.Tensor:
+        if self.objective == "distil":
+            return self._distillation_loss(batch_index)
         pairs, labels, sizes = [], [], []
         for query, passages in self.groups(batch_index):
             pairs += self.ranker.tokenize(query, passages)
@@ -54,6 +59,15 @@ class CrossEncoderTrainee(GroupTrainee):
             return group_softmax_loss(logits, sizes)
         return relevance_cross_entropy(logits, torch.tensor(labels, device=logits.device))
 
+    def _distillation_loss(self, batch_index: int) -> torch.Tensor:
+        pairs, targets, sizes = [], [], []
+        for query, passages, scores in teacher_groups(self.data, batch_index, self.batch_size, self.seed):
+            pairs += self.ranker.tokenize(query, passages)
+            targets += scores
+            sizes.append(len(passages))
+        logits = self.ranker.logits(pairs)
+        return listwise_distillation_loss(logits, torch.tensor(targets, device=logits.device), sizes)
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -62,9 +76,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--init", type=Path, default=None, help="starting BERT folder (default: the packaged MiniLM)")
     add_negatives_arguments(parser, 1, "sampled negatives per positive (default 1)")
-    parser.add_argument("--objective", choices=("pointwise", "group"), default="pointwise",
+    parser.add_argument("--objective", choices=("pointwise", "group", "distil"), default="pointwise",
                         help="pointwise: eq. 1's cross-entropy on each pair (default); group: a softmax over each "
-                        "positive and its negatives (localized contrastive estimation; use several --negatives)")
+                        "positive and its negatives (localized contrastive estimation; use several --negatives); "
+                        "distil: each query's list of --teacher-run ordered as the teacher scored it (a batch is "
+                        "--batch-size queries)")
+    parser.add_argument("--teacher-run", type=Path, metavar="RUN",
+                        help="with --objective distil: a TREC run of a teacher reranker's scores (a reranked row of "
+                        "eval --runs-dir); a judged positive the run lacks joins its query's list at the best score")
     parser.add_argument("--query-max-tokens", type=int, default=64, help="query tokens kept of a pair (default 64)")
     parser.add_argument("--max-tokens", type=int, default=512,
                         help="tokens of a query-passage pair, special tokens included (default 512)")
@@ -85,7 +104,14 @@ def _build(args: argparse.Namespace, start: Path | None):
         batch_size=args.batch_size,
         fp16=False,
     )
+    if (args.objective == "distil") != (args.teacher_run is not None):
+        raise TrainingDataError("--objective distil and --teacher-run go together")
     data = load_training_data(args)
+    if args.teacher_run is not None:
+        covered = data.use_teacher(read_run(args.teacher_run))
+        if not covered:
+            raise TrainingDataError(f"{args.teacher_run}: no query of the qrels has a passage of the corpus in it")
+        print(f"teacher scores from {args.teacher_run} for {covered} of {len(data.positives)} queries", file=sys.stderr)
     about = {"model": "cross-encoder", "started_from": str(init), "pairs": len(data.pairs),
              "objective": args.objective}
     return CrossEncoderTrainee(encoder, data, args.batch_size, args.negatives, args.seed, args.objective), about
