@@ -124,7 +124,7 @@ step() {
         teacher=$(newest "$WORK/models/generative-mle")
         [ -d "$WORK/teacher" ] || timed teacher $PY -m index_builder eval --index "$WORK/index" \
             --queries "$SPLIT/queries-train.tsv" --qrels "$SPLIT/qrels-train.txt" --k 8 --device "$DEVICE" --exact \
-            --modes hybrid-rrf --rerank "$teacher" --depth 8 --runs-dir "$WORK/teacher"
+            --modes hybrid-rrf --rerank "$teacher" --depth 8 --retrieval-weight 0 1 --runs-dir "$WORK/teacher"
         [ -d "$WORK/models/monobert-distil" ] || timed monobert-distil $PY -m training.train_cross_encoder \
             "${TRAIN[@]}" --objective distil --teacher-run "$WORK/teacher/hybrid-rrf+generative-mle-$(basename "$teacher").run" \
             --batch-size 2 --lr 5e-5 --max-steps "${STEPS_MONOBERT_DISTIL:-150}" --max-tokens 256 --save-every 50 \
@@ -140,6 +140,9 @@ step() {
         $PY -m index_builder eval --index "$WORK/index" "${DEV[@]}" --modes "${modes[@]}" \
             --rerank "$(newest "$WORK/models/monobert")" --depth "${MONOBERT_DEPTH:-20}" "${BLEND[@]}" \
             | tee "$WORK/table-monobert-${MONOBERT_DEPTH:-20}.txt"
+        # The cheap pipeline tried: int8 queries and monoBERT through ONNX Runtime, depth 8.
+        $PY -m index_builder eval --index "$WORK/index" "${DEV[@]}" --modes hybrid-rrf --backend onnx-int8 \
+            --rerank "$(newest "$WORK/models/monobert")" --depth 8 "${BLEND[@]}" | tee "$WORK/table-monobert-int8-8.txt"
         $PY -m index_builder eval --index "$WORK/index-biencoder" "${DEV[@]}" --modes dense hybrid-interleave \
             hybrid-rrf | tee "$WORK/table-biencoder.txt" ;;
     all)
