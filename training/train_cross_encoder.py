@@ -113,7 +113,7 @@ def _build(args: argparse.Namespace, start: Path | None):
             raise TrainingDataError(f"{args.teacher_run}: no query of the qrels has a passage of the corpus in it")
         print(f"teacher scores from {args.teacher_run} for {covered} of {len(data.positives)} queries", file=sys.stderr)
     about = {"model": "cross-encoder", "started_from": str(init), "pairs": len(data.pairs),
-             "objective": args.objective}
+             "objective": args.objective, **({"teacher_run": str(args.teacher_run)} if args.teacher_run else {})}
     return CrossEncoderTrainee(encoder, data, args.batch_size, args.negatives, args.seed, args.objective), about
 
 
