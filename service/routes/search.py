@@ -28,7 +28,7 @@ def plan(settings: ServiceSettings, engine: SearchEngine, request: SearchRequest
         retrieval["candidates"] = settings.candidates
     weight = settings.rerank_retrieval_weight if request.retrieval_weight is None else request.retrieval_weight
     return engine.plan(request.k, rerank_depth=depth, reranker=request.reranker if request.rerank else None,
-                       retrieval_weight=weight if request.rerank else 0.0, max_rerank_depth=settings.max_rerank_depth,
+                       retrieval_weight=weight, max_rerank_depth=settings.max_rerank_depth,
                        allow_partial=request.allow_partial, **retrieval)
 
 
