@@ -361,8 +361,10 @@ def test_a_damaged_shard_folder_exits_2_with_the_replicas_own_error_naming_the_f
     data = bytearray(damaged.read_bytes())
     data[-1] ^= 0xFF  # one bit pattern of the last vector changed
     damaged.write_bytes(bytes(data))
+    # Serve tries a failing replica 3 times by default, each a new worker loading the shard; once says the same.
+    env = {**command_env(), "RAY_SERVE_MAX_PER_REPLICA_RETRY_COUNT": "1"}
     done = subprocess.run(serve_command(shards, "--shard-cpus", "0", "--ingress-cpus", "0"), cwd=ROOT,
-                          env=command_env(), capture_output=True, text=True, timeout=300)
+                          env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 2, done.stderr[-3000:]
     assert done.stderr.strip().splitlines()[-1] == (
         f"error: the application could not start: shard-1: retrieval.index_format.IndexFormatError: {damaged}: "
