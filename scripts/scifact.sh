@@ -15,6 +15,8 @@
 #   biencoder    RepBERT bi-encoder from MiniLM (paper 000: in-batch + mined hard negatives, with
 #                a softmax over them in place of eq. 4's hinge), and its index -> $WORK/models/biencoder, $WORK/index-biencoder
 #   table        the dev-split table of every pipeline                -> $WORK/table-*.txt
+#   monobert-group  monoBERT trained by a softmax over each claim's positive and 3 mined negatives, its
+#                checkpoints every 100 steps scored on dev, blended -> $WORK/models/monobert-group, $WORK/table-monobert-group-20.txt
 #   distil       monoBERT distilled from the generative MLE reranker (after `generative`): its scores of
 #                hybrid-rrf's top 8 for each training claim, then the listwise KL to them -> $WORK/teacher,
 #                $WORK/models/monobert-distil, $WORK/table-monobert-distil-20.txt
@@ -119,6 +121,14 @@ step() {
             --negatives 15 --batch-size 4 --lr 5e-5 --max-steps "${STEPS_GENERATIVE_RLL:-400}" --save-every 10 \
             --resume --device "$DEVICE" --output "$WORK/models/generative-rll"
         generative_rows generative-rll:hybrid-rrf ;;
+    monobert-group)
+        [ -d "$WORK/models/monobert-group" ] || timed monobert-group $PY -m training.train_cross_encoder "${TRAIN[@]}" \
+            "${NEGATIVES[@]}" --negatives 3 --objective group --batch-size 4 --lr 3e-5 \
+            --max-steps "${STEPS_MONOBERT_GROUP:-300}" --max-tokens 256 --save-every 100 --keep-checkpoints 0 \
+            --device "$DEVICE" --output "$WORK/models/monobert-group"
+        $PY -m index_builder eval --index "$WORK/index" "${DEV[@]}" --modes hybrid-rrf \
+            --rerank "$WORK"/models/monobert-group/checkpoint-* --depth 20 --retrieval-weight 0 1 2 3 \
+            | tee "$WORK/table-monobert-group-20.txt" ;;
     distil)
         local teacher
         teacher=$(newest "$WORK/models/generative-mle")
@@ -148,7 +158,7 @@ step() {
     all)
         for name in split index runs monobert coattention biencoder table; do step $name; done ;;
     *)
-        echo "error: unknown step $1 (split, index, runs, monobert, coattention, biencoder, table, generative, distil, all)" >&2
+        echo "error: unknown step $1 (split, index, runs, monobert, coattention, biencoder, table, monobert-group, generative, distil, all)" >&2
         exit 2 ;;
     esac
 }
