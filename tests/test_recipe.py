@@ -24,7 +24,7 @@ QUERIES = 60  # q0001..q0060: their relevant passages are within the first 300 c
 
 @pytest.fixture(scope="module")
 def recipe(tmp_path_factory) -> Path:
-    """WORK of `scifact.sh split index runs monobert` on a tiny BEIR collection (4 monoBERT steps)."""
+    """WORK of `scifact.sh split index runs monobert` on a tiny BEIR collection (1 monoBERT step)."""
     data = tmp_path_factory.mktemp("beir")
     passages = list(read_tsv(DEMO / "corpus.tsv").items())[:SMALL_CORPUS_LINES]
     (data / "corpus.jsonl").write_text(
@@ -36,7 +36,7 @@ def recipe(tmp_path_factory) -> Path:
         f"{qid}\t{pid}\t{rel}\n" for qid, _, pid, rel in qrels))
     work = data / "work"
     env = {**os.environ, "SCIFACT": str(data), "WORK": str(work), "PYTHON": sys.executable, "DEVICE": "cpu",
-           "STEPS_MONOBERT": "4"}
+           "STEPS_MONOBERT": "1"}
     done = subprocess.run(["bash", "scripts/scifact.sh", "split", "index", "runs", "monobert"], env=env,
                           cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-2000:]
