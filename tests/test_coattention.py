@@ -21,7 +21,7 @@ from models.coattention import (
 from models.reranker import Reranker, load_reranker
 from tests.conftest import DEMO, read_tsv
 from tests.single_thread import one_thread  # noqa: F401
-from tests.test_training import candidate_lists, demo, demo_split, mrr_at_10  # noqa: F401
+from tests.test_training import demo, demo_split, held_out, mrr_at_10  # noqa: F401
 from training.train_coattention import main as train_main
 
 TINY = dict(hidden=16, feature_dim=8, query_max_words=16, passage_max_words=48, dropout=0.0)
@@ -126,9 +126,8 @@ def test_bad_input_exits_2_with_one_line(tmp_path, capsys):
     assert code == 2 and len(err) == 1 and err[0].startswith("error:") and "missing.tsv" in err[0]
 
 
-def test_coattention_learns_to_rank_held_out_queries(tmp_path, demo_split, demo, capsys):
+def test_coattention_learns_to_rank_held_out_queries(tmp_path, demo_split, demo, held_out, capsys):
     """Trained on 300 demo queries, the relevant passage of 40 others rises well above 9 random ones."""
-    candidates = candidate_lists(demo, demo_split["held_out"][-40:], size=10)
     common = [*demo_split["train"], *TINY_CLI, "--batch-size", "8", "--seed", "13"]
     assert train_main([*common, "--max-steps", "0", "--output", str(tmp_path / "untrained")]) == 0
     trained_run = [*common, "--max-steps", "120", "--save-every", "120", "--output", str(tmp_path / "trained")]
@@ -136,7 +135,7 @@ def test_coattention_learns_to_rank_held_out_queries(tmp_path, demo_split, demo,
     assert "coattention: 120 steps" in capsys.readouterr().out
 
     def held_out_mrr(checkpoint):
-        return mrr_at_10(demo, candidates, load_reranker(checkpoint, device="cpu").score)
+        return mrr_at_10(demo, held_out, load_reranker(checkpoint, device="cpu").score)
 
     untrained = held_out_mrr(tmp_path / "untrained" / "checkpoint-0000000")
     trained = held_out_mrr(tmp_path / "trained" / "checkpoint-0000120")

@@ -15,7 +15,7 @@ from models.generative import BOQ, EOQ, GenerativeReranker, new_small_model
 from models.reranker import Reranker, load_reranker
 from tests.conftest import DEMO, read_tsv
 from tests.single_thread import one_thread  # noqa: F401
-from tests.test_training import candidate_lists, demo, demo_split, mrr_at_10  # noqa: F401
+from tests.test_training import demo, demo_split, held_out, mrr_at_10  # noqa: F401
 from training.losses import log1m_exp, lul_loss, mle_loss, rll_loss
 from training.train_generative import main as train_main
 
@@ -190,11 +190,6 @@ def test_smollm2_from_its_gguf_file_fine_tunes_and_saves_a_checkpoint_that_loads
     reranker = load_reranker(checkpoint, device="cpu")
     assert isinstance(reranker, GenerativeReranker) and reranker.architecture == "causal"
     assert np.isfinite(reranker.score(QUERY, ["os.path.abspath: Return an absolute path.", "sockets"])).all()
-
-
-@pytest.fixture(scope="module")
-def held_out(demo, demo_split) -> dict[str, list[str]]:
-    return candidate_lists(demo, demo_split["held_out"][-40:], size=10)
 
 
 @pytest.fixture(scope="module")
