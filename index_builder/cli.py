@@ -190,6 +190,9 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     evaluate.add_argument("--backend", choices=BACKENDS,
                           help="encode the queries with this backend (default: the one the index was built with)")
+    evaluate.add_argument("--rerank-backend", choices=BACKENDS,
+                          help="with --rerank: run a monoBERT reranker on this backend, e.g. onnx-int8 beside torch "
+                          "queries (default: the queries' backend)")
 
     update = commands.add_parser("update", help="apply added, replaced and deleted passages to an index")
     update.add_argument("--index", type=Path, required=True, help="index directory (replaced atomically)")

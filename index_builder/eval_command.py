@@ -49,13 +49,15 @@ def run_eval(args: argparse.Namespace) -> None:
         raise ValueError(f"--retrieval-weight: each weight must be from 0 to 100, got {weights}")
     if args.retrieval_weight and not args.rerank:
         raise ValueError("--retrieval-weight blends a reranker's score with the first stage's: add --rerank")
+    if args.rerank_backend and not args.rerank:
+        raise ValueError("--rerank-backend is the backend a reranker runs on: add --rerank")
     queries = read_queries(args.queries)
     qrels = read_qrels(args.qrels)
     reference = read_run(args.compare) if args.compare else None
     encoder = encoder_for(read_manifest(args.index), args.device, args.query_max_tokens, args.backend)
     searcher = Searcher(args.index, encoder, device=args.device)
     only = _eval_filter(searcher, args.filter)  # {"filter": the parsed filter}, or {}
-    rerankers = {name: load_reranker(folder, device=args.device, backend=encoder.backend)
+    rerankers = {name: load_reranker(folder, device=args.device, backend=args.rerank_backend or encoder.backend)
                  for name, folder in zip(names, args.rerank or [])}
     modes = args.modes or (list(EVAL_MODES) if searcher.bm25 is not None else ["dense"])
     structures = [] if args.exact else list(searcher.structures)

@@ -103,6 +103,8 @@ class OnnxTransformer:
         options.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_ENABLE_ALL
         if threads:
             options.intra_op_num_threads = threads
+        # Idle pool threads would spin for the next run, taking the cores torch encodes the next query on.
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         self.file = file
         self.session = onnxruntime.InferenceSession(str(file), options, providers=["CPUExecutionProvider"])
 

@@ -14,9 +14,19 @@ from retrieval.searcher import Hit
 BLEND = "blend"  # the score kind of a blended order
 
 
-def rerank(reranker: Reranker, query: str, hits: list[Hit], k: int, retrieval_weight: float = 0.0) -> list[Hit]:
-    """The best `k` of `hits` by `reranker`'s score, or by its blend with the first stage's (`reordered`)."""
-    return reordered(hits, reranker.score(query, [hit.text for hit in hits]), k, retrieval_weight)
+def rerank(reranker: Reranker, query: str, hits: list[Hit], k: int, retrieval_weight: float = 0.0,
+           depth: int | None = None) -> list[Hit]:
+    """The best `k` of `hits`' top `depth` (default: all of them) by `reranker`'s score, or by its blend with
+    the first stage's (`reordered`); with `depth` < `k`, the next hits follow in retrieval order (`unranked`)."""
+    head = hits[:depth]
+    top = reordered(head, reranker.score(query, [hit.text for hit in head]), k, retrieval_weight)
+    return top + unranked(hits[len(head):k], after=len(top))
+
+
+def unranked(hits: list[Hit], after: int) -> list[Hit]:
+    """Hits below the rerank depth, ranked from `after` + 1 in retrieval order: `score` and `retrieval_score`
+    the first stage's, no `rerank_score`."""
+    return [replace(hit, rank=rank, retrieval_score=hit.score) for rank, hit in enumerate(hits, start=after + 1)]
 
 
 def reordered(hits: list[Hit], scores: Sequence[float], k: int, retrieval_weight: float = 0.0) -> list[Hit]:

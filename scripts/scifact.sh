@@ -14,7 +14,8 @@
 #                words, to train on a CPU: COATTENTION_HIDDEN=200 for the paper's) -> $WORK/models/coattention
 #   biencoder    RepBERT bi-encoder from MiniLM (paper 000: in-batch + mined hard negatives, with
 #                a softmax over them in place of eq. 4's hinge), and its index -> $WORK/models/biencoder, $WORK/index-biencoder
-#   table        the dev-split table of every pipeline                -> $WORK/table-*.txt
+#   table        the dev-split table of every pipeline, with the fast one: the bi-encoder's hybrid-rrf and an
+#                int8 monoBERT at depth 4 (SEARCH_RERANK_BACKEND=onnx-int8)  -> $WORK/table-*.txt
 #   monobert-group  monoBERT trained by a softmax over each claim's positive and 3 mined negatives, its
 #                checkpoints every 100 steps scored on dev, blended -> $WORK/models/monobert-group, $WORK/table-monobert-group-20.txt
 #   distil       monoBERT distilled from the generative MLE reranker (after `generative`): its scores of
@@ -82,7 +83,7 @@ step() {
             --runs-dir "$WORK/train-runs" --device "$DEVICE" ;;
     monobert)
         [ -d "$WORK/models/monobert" ] || timed monobert $PY -m training.train_cross_encoder "${TRAIN[@]}" \
-            "${NEGATIVES[@]}" --negatives 1 --batch-size 8 --lr 3e-5 --max-steps "${STEPS_MONOBERT:-600}" \
+            "${NEGATIVES[@]}" --negatives 1 --batch-size 8 --lr 3e-5 --max-steps "${STEPS_MONOBERT:-300}" \
             --max-tokens 256 --save-every 1000 --device "$DEVICE" --output "$WORK/models/monobert" ;;
     coattention)
         [ -d "$WORK/models/coattention" ] || timed coattention $PY -m training.train_coattention "${TRAIN[@]}" \
@@ -150,11 +151,16 @@ step() {
         $PY -m index_builder eval --index "$WORK/index" "${DEV[@]}" --modes "${modes[@]}" \
             --rerank "$(newest "$WORK/models/monobert")" --depth "${MONOBERT_DEPTH:-20}" "${BLEND[@]}" \
             | tee "$WORK/table-monobert-${MONOBERT_DEPTH:-20}.txt"
-        # The cheap pipeline tried: int8 queries and monoBERT through ONNX Runtime, depth 8.
-        $PY -m index_builder eval --index "$WORK/index" "${DEV[@]}" --modes hybrid-rrf --backend onnx-int8 \
-            --rerank "$(newest "$WORK/models/monobert")" --depth 8 "${BLEND[@]}" | tee "$WORK/table-monobert-int8-8.txt"
-        $PY -m index_builder eval --index "$WORK/index-biencoder" "${DEV[@]}" --modes dense hybrid-interleave \
-            hybrid-rrf | tee "$WORK/table-biencoder.txt" ;;
+        $PY -m index_builder eval --index "$WORK/index-biencoder" "${DEV[@]}" --modes dense bm25 hybrid-interleave \
+            hybrid-rrf | tee "$WORK/table-biencoder.txt"
+        # The fine-tuned bi-encoder's hybrid-rrf reranked by monoBERT: at depth 20, and the pipeline under 150 ms
+        # a query on a CPU, torch queries and an int8 monoBERT (ONNX Runtime) at depth 4.
+        $PY -m index_builder eval --index "$WORK/index-biencoder" "${DEV[@]}" --modes hybrid-rrf \
+            --rerank "$(newest "$WORK/models/monobert")" --depth 20 --retrieval-weight 0 1 2 3 \
+            | tee "$WORK/table-biencoder-monobert-20.txt"
+        $PY -m index_builder eval --index "$WORK/index-biencoder" "${DEV[@]}" --modes hybrid-rrf \
+            --rerank "$(newest "$WORK/models/monobert")" --rerank-backend onnx-int8 --depth 4 --retrieval-weight 0 1 2 3 \
+            | tee "$WORK/table-biencoder-monobert-int8-4.txt" ;;
     all)
         for name in split index runs monobert coattention biencoder table; do step $name; done ;;
     *)

@@ -63,7 +63,7 @@ class SearchPlan:
     lead: str = "dense"
     exact: bool = False  # the full scan even where the index carries a candidate structure
     candidates: int | None = None  # with a structure: candidates scored exactly per query (None: its own)
-    rerank_depth: int | None = None  # with a reranker: passages rescored (>= k)
+    rerank_depth: int | None = None  # with a reranker: passages rescored (the rest of k follow unscored)
     reranker: str | None = None  # a configured reranker's kind
     retrieval_weight: float = 0.0  # with a reranker: the first stage's weight in the blend (0: reranker alone)
     allow_partial: bool = False  # sharded serving: answer from the shards that answered (one index: no effect)
@@ -72,8 +72,8 @@ class SearchPlan:
 
     @property
     def depth(self) -> int:
-        """Passages retrieved: the rerank depth, or k."""
-        return self.rerank_depth or self.k
+        """Passages retrieved: k, or the rerank depth where it is deeper."""
+        return max(self.rerank_depth or 0, self.k)
 
     @property
     def retrieval(self) -> dict:
@@ -140,7 +140,7 @@ class Run:
         reranking = time.perf_counter()  # after `wait`, once the model thread is free for it
         if self.reranks:
             model = self.engine.rerankers[plan.reranker]
-            hits = [rerank(model, query, found, plan.k, plan.retrieval_weight)
+            hits = [rerank(model, query, found, plan.k, plan.retrieval_weight, plan.rerank_depth)
                     for query, found in zip(self.queries, hits)]
             score_kind = BLEND if plan.retrieval_weight else model.score_kind
         reranked = time.perf_counter()
@@ -178,14 +178,14 @@ class SearchEngine:
     def open(
         cls, index_dir: Path, *, device: str = "auto", query_max_tokens: int | None = None,
         verify_checksums: bool = True, rerankers: Sequence[Path] = (), backend: Backend | None = None,
-        mmap: bool = False, fp16: bool = False,
+        rerank_backend: Backend | None = None, mmap: bool = False, fp16: bool = False,
     ) -> "SearchEngine":
         """`rerankers`: reranker folders (see models.reranker), at most one of each kind; `backend`:
-        the query encoder's (default: the one the index was built with), which a monoBERT reranker
-        runs on too; `mmap`, `fp16`: how the vectors are held (retrieval.dense_index.load_index)."""
+        the query encoder's (default: the one the index was built with); `rerank_backend`: a monoBERT
+        reranker's (default: the query encoder's); `mmap`, `fp16`: how the vectors are held (retrieval.dense_index.load_index)."""
         manifest = read_manifest(index_dir)  # the Searcher verifies, from the bytes it loads
         encoder = encoder_for(manifest, device, query_max_tokens, backend)
-        loaded = load_rerankers(rerankers, device, encoder.backend)
+        loaded = load_rerankers(rerankers, device, rerank_backend or encoder.backend)
         return cls(Searcher(index_dir, encoder, device=device, verify_checksums=verify_checksums, mmap=mmap or None, fp16=fp16),
                    loaded, query_max_tokens, backend)
 
@@ -197,9 +197,9 @@ class SearchEngine:
              retrieval_weight: float = 0.0, max_rerank_depth: int | None = None, allow_partial: bool = False,
              **retrieval) -> SearchPlan:
         """`k` hits by `retrieval` (mode, fusion, lead; see Searcher), with `rerank_depth` the top
-        `rerank_depth` (>= k, <= `max_rerank_depth`) rescored by `reranker` (a kind; default: the first
-        configured) and ordered by its score, or by its blend with the first stage's at `retrieval_weight`
-        (retrieval.rerank.reordered), checked once: NotServable for what this service or its index cannot do,
+        `rerank_depth` (<= `max_rerank_depth`; the rest of k follow in retrieval order) rescored by `reranker`
+        (a kind; default: the first configured) and ordered by its score, or by its blend with the first
+        stage's at `retrieval_weight` (retrieval.rerank.reordered), checked once: NotServable for what this service or its index cannot do,
         OverLimit for a value past a limit or not usable (a filter that does not fit the index's fields, a
         field to return it lacks). `allow_partial` matters to a sharded engine only. `retrieval` may hold
         `filter` (as JSON gives it; retrieval.filters) and `fields` (names, or True for all)."""
@@ -212,9 +212,6 @@ class SearchEngine:
             if max_rerank_depth is not None and rerank_depth > max_rerank_depth:
                 raise OverLimit(("depth",), f"depth={rerank_depth} is over the max_rerank_depth limit of "
                                             f"{max_rerank_depth} (SEARCH_MAX_RERANK_DEPTH)", rerank_depth)
-            if rerank_depth < k:
-                raise OverLimit(("depth",), f"depth={rerank_depth} is smaller than k={k}: rescore at least k",
-                                rerank_depth)
             reranker = reranker or self.default_reranker
         searcher = self._searcher
         try:

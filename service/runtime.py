@@ -131,7 +131,7 @@ class Runtime:
             engine = SearchEngine.open(
                 settings.index_dir, device=settings.device, query_max_tokens=settings.query_max_tokens,
                 verify_checksums=settings.verify_checksums, rerankers=settings.rerankers, backend=settings.backend,
-                mmap=settings.index_mmap, fp16=settings.gpu_fp16,
+                rerank_backend=settings.rerank_backend, mmap=settings.index_mmap, fp16=settings.gpu_fp16,
             )
             engine.warm_up()
             self._settle()  # before the engine is served, so no request waits for its collection

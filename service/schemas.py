@@ -89,7 +89,8 @@ class SearchRequest(RetrievalOptions):
     truncate: bool = TRUNCATE
     rerank: bool = Field(False, description="rescore the top `depth` passages with the configured reranker")
     depth: int | None = Field(
-        None, ge=1, le=MAX_K, description="passages the reranker rescores (>= k; default SEARCH_RERANK_DEPTH or k)"
+        None, ge=1, le=MAX_K, description="passages the reranker rescores (default SEARCH_RERANK_DEPTH); "
+        "below it, the rest of the k follow in retrieval order, with no rerank_score"
     )
     reranker: RerankerKind | None = Field(None, description="which configured reranker (default: the first)")
     retrieval_weight: float | None = RETRIEVAL_WEIGHT

@@ -33,6 +33,10 @@ class ServiceSettings(BaseSettings):
         None, description="The query encoder's backend: torch, or ONNX Runtime on the CPU (onnx; onnx-int8: int8 "
         "weights), exported once into $XDG_CACHE_HOME/dense-search/onnx; unset: the one the index was built with.",
     )
+    rerank_backend: Backend | None = Field(
+        None, description="The monoBERT reranker's backend (torch, onnx or onnx-int8), apart from the query "
+        "encoder's: int8 reranking beside full-precision queries; unset: the query encoder's.",
+    )
     query_max_tokens: int | None = Field(
         None, ge=1, description="Query token limit in place of the index's own; unset: the index's.",
     )

@@ -100,6 +100,7 @@ class SearchIngress:
         settings = self.settings
         engine = ShardedEngine.over(self.clients, device=settings.device, query_max_tokens=settings.query_max_tokens,
                                     rerankers=settings.rerankers, backend=settings.backend,
+                                    rerank_backend=settings.rerank_backend,
                                     timeout_s=settings.shard_timeout_s)
         log.info("ready: %s", engine.describe())
         return create_app(settings, engine)

@@ -223,13 +223,13 @@ class ShardedEngine(SearchEngine):
     @classmethod
     def over(cls, clients: Sequence[ShardClient], *, device: str = "auto", query_max_tokens: int | None = None,
              rerankers: Sequence[Path] = (), backend: Backend | None = None,
-             timeout_s: float = 10.0) -> "ShardedEngine":
+             rerank_backend: Backend | None = None, timeout_s: float = 10.0) -> "ShardedEngine":
         """The engine over `clients`, all N shards of one build in any order (ValueError otherwise), with
         the encoder their manifests name, loaded here; `timeout_s`: how long a search waits for a shard."""
         first = Manifest.model_validate(clients[0].describe()["manifest"])
         encoder = encoder_for(first, device, query_max_tokens, backend)
         searcher = ShardedSearcher(clients, encoder, timeout_s)
-        return cls(searcher, load_rerankers(rerankers, device, encoder.backend), query_max_tokens, backend)
+        return cls(searcher, load_rerankers(rerankers, device, rerank_backend or encoder.backend), query_max_tokens, backend)
 
     # A search waits for the shards' answers (Run.wait): the served engine waits off the model thread,
     # which encodes the next batch meanwhile, so a silent shard holds only the requests that need it.

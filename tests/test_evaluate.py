@@ -169,6 +169,7 @@ def test_eval_refuses_options_it_cannot_honour_before_loading_anything(tmp_path,
         (["--rerank", str(tmp_path / "a" / "final"), str(tmp_path / "b" / "final")],
          "--rerank: two folders would both be the table row 'final'; rename one"),
         (["--retrieval-weight", "1"], "--retrieval-weight blends a reranker's score with the first stage's: add --rerank"),
+        (["--rerank-backend", "onnx-int8"], "--rerank-backend is the backend a reranker runs on: add --rerank"),
         (["--rerank", str(tmp_path / "a"), "--retrieval-weight", "-1"],
          "--retrieval-weight: each weight must be from 0 to 100, got [-1.0]"),
     ]

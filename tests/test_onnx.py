@@ -80,6 +80,21 @@ def test_onnx_cross_encoder_scores_equal_torchs(tmp_path, onnx_cache):
     np.testing.assert_allclose(onnx_scores, torch_scores, atol=1e-5)
 
 
+def test_a_monobert_may_run_int8_beside_full_precision_queries(tmp_path, monkeypatch, small_index, onnx_cache):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    folder = tiny_bert(tmp_path / "tiny-monobert")
+    engine = SearchEngine.open(small_index, device="cpu", rerankers=[folder], rerank_backend="onnx-int8")
+    assert engine.searcher.encoder.backend == "torch"
+    assert engine.rerankers["monobert"].backend == "onnx-int8"
+    int8 = engine.rerankers["monobert"].score(QUERY, PASSAGES)
+    fp32 = CrossEncoder(folder, device="cpu", backend="onnx", onnx_cache=onnx_cache).score(QUERY, PASSAGES)
+    # int8 weights: near the fp32 scores, not equal to them.
+    np.testing.assert_allclose(int8, fp32, atol=1e-3)
+    assert not np.allclose(int8, fp32, atol=1e-6)
+    # Unset, the reranker runs on the queries' backend, as before.
+    assert SearchEngine.open(small_index, device="cpu", rerankers=[folder]).rerankers["monobert"].backend == "torch"
+
+
 def test_a_backend_that_cannot_run_is_refused_naming_it():
     with pytest.raises(ValueError, match="backend must be one of torch, onnx, onnx-int8"):
         BiEncoder(device="cpu", backend="tensorrt")

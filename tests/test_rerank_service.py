@@ -51,15 +51,29 @@ def test_rerank_depth_defaults_to_the_setting_and_bounds_the_candidates(rerank_a
     assert {h["id"] for h in hits} == {hit.id for hit in searcher.search(query, 30)}  # depth 30 = k: a reordering
 
 
-def test_rerank_depth_limits_give_422(rerank_app):
+def test_rerank_depth_past_the_limit_gives_422(rerank_app):
     over = one(rerank_app, "POST", "/search", {"query": "paths", "rerank": True, "depth": 60})
-    assert over.status_code == 422 and "max_rerank_depth limit of 50 (SEARCH_MAX_RERANK_DEPTH)" in over.text
-    under = one(rerank_app, "POST", "/search", {"query": "paths", "k": 10, "rerank": True, "depth": 5})
-    assert under.status_code == 422 and under.json()["detail"][0]["loc"] == ["body", "depth"]
-    # With no depth sent, a k past the limit is the field named, not a depth the client never sent.
-    wide = one(rerank_app, "POST", "/search", {"query": "paths", "k": 60, "rerank": True})
-    assert wide.status_code == 422 and wide.json()["detail"][0]["loc"] == ["body", "k"]
-    assert "k=60 is over the max_rerank_depth limit of 50" in wide.text
+    assert over.status_code == 422 and over.json()["detail"][0]["loc"] == ["body", "depth"]
+    assert "max_rerank_depth limit of 50 (SEARCH_MAX_RERANK_DEPTH)" in over.text
+
+
+def test_a_depth_under_k_rescores_that_many_and_the_rest_follow_in_retrieval_order(
+        rerank_app, searcher, small_cross_encoder, demo_queries):
+    query = demo_queries["q0005"]
+    body = one(rerank_app, "POST", "/search", {"query": query, "k": 10, "rerank": True, "depth": 4}).json()
+    retrieved = searcher.search(query, 10)
+    scores = small_cross_encoder.score(query, [hit.text for hit in retrieved[:4]])
+    head = sorted(range(4), key=lambda i: -scores[i])
+    assert [r["id"] for r in body["results"]] == [retrieved[i].id for i in head] + [hit.id for hit in retrieved[4:]]
+    assert [r["rank"] for r in body["results"]] == list(range(1, 11))
+    assert all(r["rerank_score"] is not None for r in body["results"][:4])
+    tail = body["results"][4:]
+    assert all(r["rerank_score"] is None for r in tail)
+    assert [r["score"] for r in tail] == [r["retrieval_score"] for r in tail]
+    assert [r["score"] for r in tail] == pytest.approx([hit.score for hit in retrieved[4:]], abs=1e-5)
+    # With no depth sent, SEARCH_RERANK_DEPTH (30) is rescored, even under a larger k.
+    wide = one(rerank_app, "POST", "/search", {"query": query, "k": 40, "rerank": True}).json()["results"]
+    assert [r["rerank_score"] is None for r in wide] == [False] * 30 + [True] * 10
 
 
 def test_a_default_rerank_depth_past_the_limit_is_cut_to_it(small_index, searcher, small_cross_encoder):

@@ -6,7 +6,6 @@ from fastapi import APIRouter, Request, Response
 
 from service import limits
 from service.engine import SearchEngine, SearchPlan, SearchResult
-from service.errors import OverLimit
 from service.routes.access import Access
 from service.routes.answers import GONE, json_answer, unless_gone
 from service.runtime import Runtime
@@ -17,10 +16,7 @@ from service.settings import ServiceSettings
 def plan(settings: ServiceSettings, engine: SearchEngine, request: SearchRequest | BatchSearchRequest) -> SearchPlan:
     """The request checked once, into the plan the engine runs (OverLimit: 422, NotServable: 400)."""
     limits.check_k(settings, request.k)
-    if request.rerank and request.depth is None and request.k > settings.max_rerank_depth:
-        raise OverLimit(("k",), f"k={request.k} is over the max_rerank_depth limit of {settings.max_rerank_depth} "
-                                "(SEARCH_MAX_RERANK_DEPTH): a reranked request rescores at least k passages", request.k)
-    default = max(min(settings.rerank_depth, settings.max_rerank_depth), request.k)  # k <= the limit here
+    default = min(settings.rerank_depth, settings.max_rerank_depth)
     depth = (request.depth or default) if request.rerank else None
     retrieval = request.retrieval()
     retrieval["exact"] = retrieval["exact"] or settings.exact_search
