@@ -182,7 +182,8 @@ class SearchEngine:
     ) -> "SearchEngine":
         """`rerankers`: reranker folders (see models.reranker), at most one of each kind; `backend`:
         the query encoder's (default: the one the index was built with); `rerank_backend`: a monoBERT
-        reranker's (default: the query encoder's); `mmap`, `fp16`: how the vectors are held (retrieval.dense_index.load_index)."""
+        reranker's (default: the query encoder's); `mmap`, `fp16`: how the vectors are held
+        (retrieval.dense_index.load_index)."""
         manifest = read_manifest(index_dir)  # the Searcher verifies, from the bytes it loads
         encoder = encoder_for(manifest, device, query_max_tokens, backend)
         loaded = load_rerankers(rerankers, device, rerank_backend or encoder.backend)
@@ -199,9 +200,9 @@ class SearchEngine:
         """`k` hits by `retrieval` (mode, fusion, lead; see Searcher), with `rerank_depth` the top
         `rerank_depth` (<= `max_rerank_depth`; the rest of k follow in retrieval order) rescored by `reranker`
         (a kind; default: the first configured) and ordered by its score, or by its blend with the first
-        stage's at `retrieval_weight` (retrieval.rerank.reordered), checked once: NotServable for what this service or its index cannot do,
-        OverLimit for a value past a limit or not usable (a filter that does not fit the index's fields, a
-        field to return it lacks). `allow_partial` matters to a sharded engine only. `retrieval` may hold
+        stage's at `retrieval_weight` (retrieval.rerank.reordered), checked once: NotServable for what this
+        service or its index cannot do, OverLimit for a value past a limit or not usable (a filter that does
+        not fit the index's fields, a field to return it lacks). `allow_partial` matters to a sharded engine only. `retrieval` may hold
         `filter` (as JSON gives it; retrieval.filters) and `fields` (names, or True for all)."""
         if rerank_depth is not None:
             if not self.rerankers:

@@ -229,7 +229,8 @@ class ShardedEngine(SearchEngine):
         first = Manifest.model_validate(clients[0].describe()["manifest"])
         encoder = encoder_for(first, device, query_max_tokens, backend)
         searcher = ShardedSearcher(clients, encoder, timeout_s)
-        return cls(searcher, load_rerankers(rerankers, device, rerank_backend or encoder.backend), query_max_tokens, backend)
+        loaded = load_rerankers(rerankers, device, rerank_backend or encoder.backend)
+        return cls(searcher, loaded, query_max_tokens, backend)
 
     # A search waits for the shards' answers (Run.wait): the served engine waits off the model thread,
     # which encodes the next batch meanwhile, so a silent shard holds only the requests that need it.
