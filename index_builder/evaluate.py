@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from models.reranker import Reranker
 from retrieval.readers import Qrels, Run
-from retrieval.rerank import reordered
+from retrieval.rerank import rescored
 from retrieval.searcher import Hit, Searcher
 
 MEASURES = {"MRR@10": RR @ 10, "nDCG@10": nDCG @ 10, "Recall@100": R @ 100, "Recall@1000": R @ 1000, "MAP": AP}
@@ -83,7 +83,7 @@ def run_queries(searcher: Searcher, queries: Mapping[str, str], k: int, batch_si
 
 def rerank_runs(reranker: Reranker, queries: Mapping[str, str], retrieved: Mapping[str, list[Hit]], depth: int,
                 k: int, weights: Sequence[float] = (0.0,), label: str = "reranking") -> dict[float, Run]:
-    """For each retrieval weight (retrieval.rerank.reordered; 0: the reranker's score alone), each retrieved
+    """For each retrieval weight (retrieval.rerank.rescored; 0: the reranker's score alone), each retrieved
     list's top `depth` rescored by `reranker` and ordered as the service orders them; the reranker reads each
     list once for all the weights. The rest of its top `k` follows in retrieval order, so a measure deeper
     than `depth` (Recall@100 after reranking 20) sees the same passages as the retrieval row. A tail hit's
@@ -93,10 +93,12 @@ def rerank_runs(reranker: Reranker, queries: Mapping[str, str], retrieved: Mappi
     for qid, hits in tqdm(retrieved.items(), desc=label, unit=" queries", leave=False):
         head = hits[:depth]
         scores = reranker.score(queries[qid], [hit.text for hit in head])
+        scored = min(len(head), k)
         for weight, run in runs.items():
-            top = [(hit.id, hit.score) for hit in reordered(head, scores, k, weight)]
+            ranked = rescored(hits, scores, k, weight)
+            top = [(hit.id, hit.score) for hit in ranked[:scored]]
             floor = min((score for _, score in top), default=0.0)
-            run[qid] = top + [(hit.id, floor - i) for i, hit in enumerate(hits[depth:k], start=1)]
+            run[qid] = top + [(hit.id, floor - i) for i, hit in enumerate(ranked[scored:], start=1)]
     return runs
 
 

@@ -17,16 +17,18 @@ BLEND = "blend"  # the score kind of a blended order
 def rerank(reranker: Reranker, query: str, hits: list[Hit], k: int, retrieval_weight: float = 0.0,
            depth: int | None = None) -> list[Hit]:
     """The best `k` of `hits`' top `depth` (default: all of them) by `reranker`'s score, or by its blend with
-    the first stage's (`reordered`); with `depth` < `k`, the next hits follow in retrieval order (`unranked`)."""
+    the first stage's (`rescored`)."""
     head = hits[:depth]
-    top = reordered(head, reranker.score(query, [hit.text for hit in head]), k, retrieval_weight)
-    return top + unranked(hits[len(head):k], after=len(top))
+    return rescored(hits, reranker.score(query, [hit.text for hit in head]), k, retrieval_weight)
 
 
-def unranked(hits: list[Hit], after: int) -> list[Hit]:
-    """Hits below the rerank depth, ranked from `after` + 1 in retrieval order: `score` and `retrieval_score`
-    the first stage's, no `rerank_score`."""
-    return [replace(hit, rank=rank, retrieval_score=hit.score) for rank, hit in enumerate(hits, start=after + 1)]
+def rescored(hits: list[Hit], scores: Sequence[float], k: int, retrieval_weight: float = 0.0) -> list[Hit]:
+    """`hits`' first len(`scores`), which a reranker scored, ordered by `reordered`; with fewer than `k` of
+    them, the next hits follow in retrieval order: `score` and `retrieval_score` the first stage's, no
+    `rerank_score`."""
+    top = reordered(hits[:len(scores)], scores, k, retrieval_weight)
+    tail = hits[len(scores):k]
+    return top + [replace(hit, rank=rank, retrieval_score=hit.score) for rank, hit in enumerate(tail, len(top) + 1)]
 
 
 def reordered(hits: list[Hit], scores: Sequence[float], k: int, retrieval_weight: float = 0.0) -> list[Hit]:

@@ -202,8 +202,9 @@ class SearchEngine:
         (a kind; default: the first configured) and ordered by its score, or by its blend with the first
         stage's at `retrieval_weight` (retrieval.rerank.reordered), checked once: NotServable for what this
         service or its index cannot do, OverLimit for a value past a limit or not usable (a filter that does
-        not fit the index's fields, a field to return it lacks). `allow_partial` matters to a sharded engine only. `retrieval` may hold
-        `filter` (as JSON gives it; retrieval.filters) and `fields` (names, or True for all)."""
+        not fit the index's fields, a field to return it lacks). `allow_partial` matters to a sharded engine
+        only. `retrieval` may hold `filter` (as JSON gives it; retrieval.filters) and `fields` (names, or True
+        for all)."""
         if rerank_depth is not None:
             if not self.rerankers:
                 raise NotServable("rerank: no reranker is configured on this service (set SEARCH_RERANKERS)")
