@@ -307,9 +307,25 @@ def test_cross_encoder_trains_from_a_triples_file(tmp_path, capsys):
     assert (model.query_max_tokens, model.max_tokens) == (16, 48)
 
 
+def test_frozen_layers_keep_their_starting_weights_while_the_layers_above_train(tmp_path):
+    triples = tmp_path / "triples.tsv"
+    triples.write_text("what is a path\tos.path: Common pathname manipulations.\tjson: JSON encoder and decoder.\n")
+    start = tiny_bert(tmp_path / "random-bert", num_labels=None, hidden=32, layers=2)
+    argv = ["--init", str(start), "--triples", str(triples), "--batch-size", "1", "--lr", "1e-2", "--query-max-tokens",
+            "16", "--max-tokens", "48", "--freeze-layers", "1"]
+    for steps in (0, 2):
+        assert train_cross_encoder([*argv, "--output", str(tmp_path / f"run-{steps}"), "--max-steps", str(steps)]) == 0
+    before = load_file(tmp_path / "run-0" / "checkpoint-0000000" / "model.safetensors")
+    after = load_file(tmp_path / "run-2" / "checkpoint-0000002" / "model.safetensors")
+    moved = {name for name in before if not torch.equal(before[name], after[name])}
+    assert not {name for name in moved if ".embeddings." in name or ".layer.0." in name}
+    assert {name for name in moved if ".layer.1." in name} and {name for name in moved if "classifier" in name}
+
+
 @pytest.mark.parametrize(
     "change, reason",
     [
+        (["--freeze-layers", "7"], "--freeze-layers must be between 0 and 6"),
         (["--qrels", "missing-qrels.txt"], "missing-qrels.txt: cannot read"),
         (["--triples", "t.tsv"], "either --triples or --corpus"),
         (["--max-steps", "-1"], "--max-steps must be >= 0"),

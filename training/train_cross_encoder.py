@@ -20,7 +20,8 @@ A dense run for `--negatives-run` (the retriever the reranker will serve behind)
 writes `RUNS/dense.run` (`--modes bm25` gives a BM25 run).
 
 Training starts from `--init`, any BERT folder (default: the packaged MiniLM); a plain
-encoder gets a new, randomly initialised two-label head, seeded by `--seed`.
+encoder gets a new, randomly initialised two-label head, seeded by `--seed`. `--freeze-layers N`
+keeps the embeddings and the lowest N transformer layers as they start.
 """
 
 from __future__ import annotations
@@ -87,8 +88,23 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--query-max-tokens", type=int, default=64, help="query tokens kept of a pair (default 64)")
     parser.add_argument("--max-tokens", type=int, default=512,
                         help="tokens of a query-passage pair, special tokens included (default 512)")
+    parser.add_argument("--freeze-layers", type=int, default=0, metavar="N",
+                        help="keep the embeddings and the lowest N transformer layers as they start (default 0: "
+                        "every weight trains)")
     add_training_arguments(parser, lr=3e-6, batch_size=8, pairs="query, positive")
     return parser
+
+
+def freeze_lower_layers(model: torch.nn.Module, layers: int) -> None:
+    """Stops the gradient to the embeddings and the lowest `layers` transformer layers of a BERT model."""
+    base = model.base_model
+    if not 0 <= layers <= len(base.encoder.layer):
+        raise TrainingDataError(f"--freeze-layers must be between 0 and {len(base.encoder.layer)} (the model's "
+                                f"layers), got {layers}")
+    if layers == 0:
+        return
+    for module in (base.embeddings, *base.encoder.layer[:layers]):
+        module.requires_grad_(False)
 
 
 def _build(args: argparse.Namespace, start: Path | None):
@@ -104,6 +120,7 @@ def _build(args: argparse.Namespace, start: Path | None):
         batch_size=args.batch_size,
         fp16=False,
     )
+    freeze_lower_layers(encoder.model, args.freeze_layers)
     if (args.objective == "distil") != (args.teacher_run is not None):
         raise TrainingDataError("--objective distil and --teacher-run go together")
     data = load_training_data(args)
@@ -113,7 +130,8 @@ def _build(args: argparse.Namespace, start: Path | None):
             raise TrainingDataError(f"{args.teacher_run}: no query of the qrels has a passage of the corpus in it")
         print(f"teacher scores from {args.teacher_run} for {covered} of {len(data.positives)} queries", file=sys.stderr)
     about = {"model": "cross-encoder", "started_from": str(init), "pairs": len(data.pairs),
-             "objective": args.objective, **({"teacher_run": str(args.teacher_run)} if args.teacher_run else {})}
+             "objective": args.objective, "frozen_layers": args.freeze_layers,
+             **({"teacher_run": str(args.teacher_run)} if args.teacher_run else {})}
     return CrossEncoderTrainee(encoder, data, args.batch_size, args.negatives, args.seed, args.objective), about
 
 
