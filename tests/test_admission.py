@@ -367,9 +367,11 @@ def test_the_spec_declares_every_refusal_a_search_may_get(small_index, engine, k
 def test_latency_counts_the_wait_for_the_model_thread_on_paths_that_do_not_micro_batch(small_index, engine,
                                                                                       demo_queries, path):
     with serving(small_index, engine, microbatch=False) as (app, base, port):
-        gate = threading.Event()
+        gate, holding = threading.Event(), threading.Event()
         executor = app.state.runtime.executor
-        executor.submit(gate.wait)  # other work holds the model thread
+        executor.submit(lambda: (holding.set(), gate.wait()))  # other work holds the model thread
+        # Until the thread has taken that work, it is the one in the queue: the search must be.
+        assert holding.wait(60)
         query = demo_queries["q0001"]
         body = {"query": query} if path == "/search" else {"queries": [query]}
         answers = []
