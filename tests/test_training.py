@@ -289,6 +289,9 @@ def test_an_interrupted_run_resumes_exactly_where_it_stopped(tmp_path, demo_spli
     assert "batch_size=2" in capsys.readouterr().err
     assert cli([*argv, "--max-steps", "8", "--resume", "--lr", "5e-4"]) == 2  # would come back from the checkpoint
     assert "lr=0.001" in capsys.readouterr().err
+    if cli is train_cross_encoder:  # the layers that train are the run's too
+        assert cli([*argv, "--max-steps", "8", "--resume", "--freeze-layers", "1"]) == 2
+        assert "frozen_layers=0, not 1" in capsys.readouterr().err
 
 
 def test_cross_encoder_trains_from_a_triples_file(tmp_path, capsys):

@@ -177,7 +177,7 @@ def train(
     about = dict(about or {})
     step = 0
     if start is not None:
-        state = _restore(start, settings, optimizer, scheduler)
+        state = _restore(start, settings, optimizer, scheduler, about)
         step = state["step"]
         about["started_from"] = state.get("started_from")  # the run's origin, not the checkpoint
     first_step = step
@@ -217,15 +217,15 @@ def train(
     return TrainResult(step - first_step, step, seconds, mean_loss, checkpoint)
 
 
-def _restore(start: Path, settings: TrainSettings, optimizer, scheduler) -> dict:
-    """Loads optimizer and scheduler state from checkpoint `start`; returns its trainer state."""
+def _restore(start: Path, settings: TrainSettings, optimizer, scheduler, about: dict) -> dict:
+    """Loads optimizer and scheduler state from checkpoint `start`; returns its trainer state. What the
+    trainee says of its run (`about`: objective, frozen layers, pairs ...) must match the checkpoint's too."""
     state = json.loads((start / STATE_FILE).read_text())
-    for name in RESUME_MUST_MATCH:
-        if state["settings"][name] != getattr(settings, name):
-            raise TrainingDataError(
-                f"{start}: was trained with {name}={state['settings'][name]}, not {getattr(settings, name)}; "
-                "resume with the same value"
-            )
+    recorded = [(name, state["settings"][name], getattr(settings, name)) for name in RESUME_MUST_MATCH]
+    recorded += [(name, state[name], value) for name, value in about.items() if name != "started_from" and name in state]
+    for name, was, now in recorded:
+        if was != now:
+            raise TrainingDataError(f"{start}: was trained with {name}={was}, not {now}; resume with the same value")
     saved = torch.load(start / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
     optimizer.load_state_dict(saved["optimizer"])
     scheduler.load_state_dict(saved["scheduler"])
