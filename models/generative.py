@@ -162,27 +162,41 @@ class GenerativeReranker:
     def generate_questions(self, passage: str, count: int = 3, *, max_new_tokens: int = 32, top_k: int = 50,
                            top_p: float = 0.95, temperature: float = 1.0, seed: int | None = None) -> list[str]:
         """`count` questions sampled from p(query | passage) with top-k and nucleus sampling (paper 003, 3.5)."""
-        (passage_ids, _), = self.tokenize("", [passage])
+        return self.sample_questions([passage], count, max_new_tokens=max_new_tokens, top_k=top_k, top_p=top_p,
+                                     temperature=temperature, seed=seed)[0]
+
+    def sample_questions(self, passages: Sequence[str], count: int = 1, *, max_new_tokens: int = 32, top_k: int = 50,
+                         top_p: float = 0.95, temperature: float = 1.0, seed: int | None = None) -> list[list[str]]:
+        """`count` questions for each of `passages`, sampled as `generate_questions` does, in one batch: on a
+        CPU a decoding step costs about as much for a batch as for one passage."""
+        pairs = self.tokenize("", passages)
         if seed is not None:
             torch.manual_seed(seed)
         sampling = dict(do_sample=True, top_k=top_k, top_p=top_p, temperature=temperature,
                         max_new_tokens=max_new_tokens, num_return_sequences=count, eos_token_id=self.eoq_id,
                         pad_token_id=self.pad_id, forced_bos_token_id=None, forced_eos_token_id=None)
+        if self.architecture == "seq2seq":  # the encoder is padded on the right, as for scoring
+            inputs = [passage_ids for passage_ids, _ in pairs]
+        else:  # the prompts on the left, so that every one ends where generation starts
+            inputs = [[self.bos_id, *passage_ids, self.boq_id] for passage_ids, _ in pairs]
+        width = max(map(len, inputs))
+        pads = [[self.pad_id] * (width - len(ids)) for ids in inputs]
+        left = self.architecture == "causal"
+        ids = torch.tensor([pad + row if left else row + pad for row, pad in zip(inputs, pads)], device=self.device)
+        mask = torch.tensor([[0] * len(pad) + [1] * len(row) if left else [1] * len(row) + [0] * len(pad)
+                             for row, pad in zip(inputs, pads)], device=self.device)
         with torch.inference_mode():
             if self.architecture == "seq2seq":
-                encoder = torch.tensor([passage_ids], device=self.device)
-                decoder = torch.tensor([[self.boq_id]], device=self.device)  # generate repeats it `count` times
-                generated = self.model.generate(input_ids=encoder, attention_mask=torch.ones_like(encoder),
-                                                decoder_input_ids=decoder, **sampling)[:, 1:]
+                decoder = torch.full((len(inputs), 1), self.boq_id, device=self.device)  # repeated `count` times
+                generated = self.model.generate(input_ids=ids, attention_mask=mask, decoder_input_ids=decoder,
+                                                **sampling)[:, 1:]
             else:
-                prompt = torch.tensor([[self.bos_id, *passage_ids, self.boq_id]], device=self.device)
-                generated = self.model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt),
-                                                **sampling)[:, prompt.shape[1]:]
+                generated = self.model.generate(input_ids=ids, attention_mask=mask, **sampling)[:, width:]
         questions = []
         for row in generated.tolist():
             row = row[: row.index(self.eoq_id)] if self.eoq_id in row else row
             questions.append(self.tokenizer.decode(row, skip_special_tokens=True).strip())
-        return questions
+        return [questions[i * count:(i + 1) * count] for i in range(len(inputs))]
 
     def save(self, folder: str | Path) -> None:
         """A folder `load_reranker` (and this class) loads back: model, tokenizer and reranker.json."""

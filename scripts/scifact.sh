@@ -24,6 +24,9 @@
 #   generative   the generative reranker from SmolLM2-135M fine-tuned by MLE (paper 003 eq. 2), its rows
 #                on both hybrid-rrf first stages, and SmolLM2 untrained: not in `all` (hours on a CPU; see
 #                docs/experiments/scifact.md); resumable -> $WORK/models/generative-mle, $WORK/table-generative-*-20-MODE.txt
+#   monobert-generated  monoBERT trained on the training claims and on claims the MLE reranker writes for a
+#                seeded sample of the corpus's abstracts (InPars), its checkpoints scored on dev over the bi-encoder's
+#                hybrid-rrf (after `generative` and `biencoder`) -> $WORK/generated, $WORK/models/monobert-generated
 #   generative-rll  the same fine-tuned by RLL (eq. 5) instead, and its row; not in `all`; resumable
 #                -> $WORK/models/generative-rll, $WORK/table-generative-rll-20-hybrid-rrf.txt
 #
@@ -159,6 +162,28 @@ step() {
         $PY -m index_builder eval --index "$WORK/index" "${DEV[@]}" --modes hybrid-rrf \
             --rerank "$(newest "$WORK/models/monobert-distil")" --depth 20 "${BLEND[@]}" \
             | tee "$WORK/table-monobert-distil-20.txt" ;;
+    monobert-generated)
+        # InPars-style (after `generative` and `biencoder`): the MLE reranker writes a claim for each of a seeded
+        # GENERATED_PASSAGES abstracts of the corpus (no judgement read), mined like the training claims and
+        # trained on beside them; each checkpoint scored over the bi-encoder's hybrid-rrf at depth 20.
+        local generated="$WORK/generated"
+        [ -f "$generated/qrels.txt" ] || timed generated $PY -m training.pseudo_queries --corpus "$DATA/corpus.jsonl" \
+            --out "$generated" --generator "$(newest "$WORK/models/generative-mle")" \
+            --passages "${GENERATED_PASSAGES:-1000}" --device "$DEVICE"
+        [ -f "$generated/runs/bm25.run" ] || $PY -m index_builder eval --index "$WORK/index" \
+            --queries "$generated/queries.tsv" --qrels "$generated/qrels.txt" --modes dense bm25 --k 100 \
+            --runs-dir "$generated/runs" --device "$DEVICE"
+        cat "$SPLIT/queries-train.tsv" "$generated/queries.tsv" > "$generated/queries-with-train.tsv"
+        cat "$SPLIT/qrels-train.txt" "$generated/qrels.txt" > "$generated/qrels-with-train.txt"
+        [ -d "$WORK/models/monobert-generated" ] || timed monobert-generated $PY -m training.train_cross_encoder \
+            --corpus "$DATA/corpus.jsonl" --queries "$generated/queries-with-train.tsv" \
+            --qrels "$generated/qrels-with-train.txt" --negatives-run "$WORK/train-runs/dense.run" \
+            "$WORK/train-runs/bm25.run" "$generated/runs/dense.run" "$generated/runs/bm25.run" --negatives-depth 100 \
+            --negatives 1 --batch-size 8 --lr 3e-5 --max-steps "${STEPS_MONOBERT_GENERATED:-450}" --max-tokens 256 \
+            --save-every 150 --keep-checkpoints 0 --device "$DEVICE" --output "$WORK/models/monobert-generated"
+        $PY -m index_builder eval --index "$WORK/index-biencoder" "${DEV[@]}" --modes hybrid-rrf \
+            --rerank "$WORK"/models/monobert-generated/checkpoint-* --depth 20 --retrieval-weight 0 1 2 3 \
+            | tee "$WORK/table-biencoder-monobert-generated-20.txt" ;;
     table)
         # Co-attention is fast enough for depth 100 on every mode; monoBERT is timed at depth 20 on a CPU.
         local modes=(dense bm25 hybrid-interleave hybrid-rrf)
@@ -180,7 +205,7 @@ step() {
     all)
         for name in split index runs monobert coattention biencoder table; do step $name; done ;;
     *)
-        echo "error: unknown step $1 (split, index, runs, monobert, coattention, biencoder, table, monobert-group, generative, generative-rll, distil, all)" >&2
+        echo "error: unknown step $1 (split, index, runs, monobert, coattention, biencoder, table, monobert-group, monobert-generated, generative, generative-rll, distil, all)" >&2
         exit 2 ;;
     esac
 }

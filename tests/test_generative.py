@@ -88,6 +88,15 @@ def test_generates_questions_from_a_passage_by_sampling(reranker, passages):
     assert reranker.generate_questions(passages[0], 3, max_new_tokens=8, seed=1) == first  # seeded
 
 
+def test_padding_never_changes_a_sampled_question(reranker, passages):
+    mixed = [passages[i] for i in (0, 3, 7, 40)]  # 5 to 48+ tokens: the short ones padded in a batch
+    # top_k=1 leaves one token to sample at each step: what a passage gets is fixed by the passage alone.
+    batched = reranker.sample_questions(mixed, 2, max_new_tokens=8, top_k=1)
+    assert batched == [reranker.sample_questions([p], 2, max_new_tokens=8, top_k=1)[0] for p in mixed]
+    assert all(len(questions) == 2 and questions[0] == questions[1] for questions in batched)
+    assert reranker.sample_questions(mixed[::-1], 2, max_new_tokens=8, top_k=1) == batched[::-1]
+
+
 def test_checkpoint_round_trip_through_load_reranker(reranker, tmp_path, passages):
     reranker.save(tmp_path / "saved")
     record = json.loads((tmp_path / "saved" / "reranker.json").read_text())

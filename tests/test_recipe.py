@@ -135,3 +135,60 @@ def test_a_corpus_without_usable_titles_exits_2_naming_it(tmp_path):
                            "--out", str(tmp_path / "pseudo")], capture_output=True, text=True,
                           cwd=Path(__file__).resolve().parents[1])
     assert done.returncode == 2 and f"{corpus}: no passage has a title" in done.stderr
+
+
+def generate(corpus: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "training.pseudo_queries", "--corpus", str(corpus), "--out", str(out),
+                           "--device", "cpu", *extra], capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parents[1])
+
+
+def test_generated_queries_each_judge_the_one_drawn_passage_they_were_sampled_from(tmp_path):
+    from models.generative import new_small_model
+
+    texts = dict(list(read_tsv(DEMO / "corpus.tsv").items())[:40])
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"_id": pid, "title": "", "text": text}) + "\n" for pid, text in texts.items()))
+    generator = new_small_model(tmp_path / "gpt2", "causal", list(texts.values()), vocab_size=500, width=32)
+    flags = ("--generator", str(generator), "--passages", "12", "--min-words", "1")
+    done = generate(corpus, tmp_path / "a", *flags)
+    assert done.returncode == 0, done.stderr
+    queries = [line.split("\t") for line in (tmp_path / "a" / "queries.tsv").read_text().splitlines()]
+    qrels = [line.split() for line in (tmp_path / "a" / "qrels.txt").read_text().splitlines()]
+    written = int(done.stdout.split("wrote ")[1].split()[0])
+    assert 0 < written == len(queries) == len(qrels) <= 12
+    assert all(qid.startswith("gen:") and query.strip() for qid, query in queries)
+    drawn = [qid.removeprefix("gen:") for qid, _ in queries]
+    assert len(set(drawn)) == len(drawn) and set(drawn) <= set(texts)
+    assert qrels == [[f"gen:{pid}", "0", pid, "1"] for pid in drawn]
+    assert not (tmp_path / "a" / "corpus.tsv").exists()  # the corpus itself is the training corpus
+    # Seeded: the same seed draws the same passages and writes the same queries; another draws others.
+    assert generate(corpus, tmp_path / "b", *flags).returncode == 0
+    assert (tmp_path / "b" / "queries.tsv").read_text() == (tmp_path / "a" / "queries.tsv").read_text()
+    assert generate(corpus, tmp_path / "c", *flags, "--seed", "14").returncode == 0
+    assert (tmp_path / "c" / "qrels.txt").read_text() != (tmp_path / "a" / "qrels.txt").read_text()
+
+
+@pytest.mark.parametrize("generated, query", [
+    ("IgG cells produce anti-IgA1 antibodies.Aroma compounds are", "IgG cells produce anti-IgA1 antibodies."),
+    ("Tf4 binds   integrins.\nassistant\nThe", "Tf4 binds integrins."),
+    ("S. aureus grows in 5% of cases. Next, we", "S. aureus grows in 5% of cases."),
+    ("The rate (n = 5). More", "The rate (n = 5)."),
+    ("A claim cut short by the token limit", "A claim cut short by the token limit"),
+])
+def test_a_generated_query_is_its_first_sentence(generated, query):
+    from training.pseudo_queries import first_sentence
+
+    assert first_sentence(generated) == query
+
+
+@pytest.mark.parametrize("flags, reason", [
+    (("--passages", "3"), "--generator and --passages go together"),
+    (("--generator", "GEN", "--passages", "0"), "--passages must be between 1 and 2 (the corpus's passages), got 0"),
+    (("--generator", "GEN", "--passages", "3"), "--passages must be between 1 and 2 (the corpus's passages), got 3"),
+])
+def test_generated_queries_refuse_bad_flags_with_exit_2(tmp_path, flags, reason):
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"_id": f"a{i}", "title": "", "text": "some text"}) + "\n" for i in (1, 2)))
+    done = generate(corpus, tmp_path / "out", *(str(tmp_path) if flag == "GEN" else flag for flag in flags))
+    assert done.returncode == 2 and done.stderr.strip() == f"error: {reason}"

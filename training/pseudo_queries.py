@@ -1,27 +1,37 @@
-"""Training queries made from a collection's own passages: each passage's title becomes a query whose one
-relevant passage is that passage's text without its title (synthetic queries from the corpus, as InPars and
-Promptagator generate them, taken here from the titles a scientific corpus already has):
+"""Training queries made from a collection's own passages, with no judgement read (synthetic queries from
+the corpus, as InPars and Promptagator make them). Two sources:
 
     python -m training.pseudo_queries --corpus CORPUS.jsonl --out DIR [--min-words 4]
+    python -m training.pseudo_queries --corpus CORPUS --out DIR --generator MODEL --passages N [--seed 13]
 
-Reads a corpus as the index builder does (JSONL or BEIR `{"_id", "title", "text"}`; a TSV has no
-titles); a passage with a title of fewer than `--min-words` words or no text is left out. Writes DIR/queries.tsv (`title:ID<TAB>title`),
-DIR/qrels.txt (`title:ID 0 ID 1`) and DIR/corpus.tsv (`ID<TAB>text`: the passages without titles, so a
-pair is not matched by repeating the query). No judgement is read: only the passages themselves.
+Titles (the first): each passage's title becomes a query whose one relevant passage is that passage's text
+without its title. Reads a corpus as the index builder does (JSONL or BEIR `{"_id", "title", "text"}`; a TSV
+has no titles); a passage with a title of fewer than `--min-words` words or no text is left out. Writes
+DIR/queries.tsv (`title:ID<TAB>title`), DIR/qrels.txt (`title:ID 0 ID 1`) and DIR/corpus.tsv (`ID<TAB>text`:
+the passages without titles, so a pair is not matched by repeating the query).
+
+Generated (`--generator`, a generative reranker's folder): N passages drawn at random (seeded), each given the
+query the model finds likeliest step by step from p(query | passage) (greedy, as InPars decodes; paper 003),
+cut to its first sentence; a query of fewer than `--min-words` words is left out. Writes DIR/queries.tsv
+(`gen:ID<TAB>query`) and DIR/qrels.txt (`gen:ID 0 ID 1`): their passages are the corpus's own, whole, so train
+with `--corpus CORPUS`.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
 from pathlib import Path
 
+import numpy as np
 from tqdm import tqdm
 
-from retrieval.readers import InputFileError, iter_passages
+from retrieval.readers import InputFileError, iter_passages, read_passages
 
 PREFIX = "title:"
+GENERATED = "gen:"
 
 
 def write_pseudo_queries(corpus: Path, out: Path, min_words: int = 4) -> tuple[int, int]:
@@ -43,11 +53,60 @@ def write_pseudo_queries(corpus: Path, out: Path, min_words: int = 4) -> tuple[i
     return len(queries), skipped
 
 
+SENTENCE_END = re.compile(r"(?<=[a-z0-9%)\]])\.(?=\s|[A-Z(]|$)")  # not after a capital: "S. aureus"
+
+
+def first_sentence(text: str) -> str:
+    """The first line of `text` up to its first full stop, whitespace collapsed."""
+    line = text.strip().split("\n", 1)[0]
+    end = SENTENCE_END.search(line)
+    return " ".join((line[: end.end()] if end else line).split())
+
+
+def write_generated_queries(corpus: Path, out: Path, generator: Path, passages: int, *, min_words: int = 4,
+                            seed: int = 13, device: str = "auto", batch_size: int = 16) -> tuple[int, int]:
+    """Writes DIR/queries.tsv and DIR/qrels.txt; returns (queries written, queries left out as too short)."""
+    texts = read_passages(corpus)
+    if not 1 <= passages <= len(texts):
+        raise InputFileError(f"--passages must be between 1 and {len(texts)} (the corpus's passages), got {passages}")
+    from models.generative import GenerativeReranker  # torch and transformers: only this source needs them
+
+    model = GenerativeReranker(generator, device=device)
+    ids = sorted(texts)
+    chosen = [ids[i] for i in sorted(np.random.default_rng(seed).choice(len(ids), size=passages, replace=False))]
+    queries, qrels, skipped = [], [], 0
+    with tqdm(total=len(chosen), desc="generating", unit=" passages") as bar:
+        for start in range(0, len(chosen), batch_size):
+            batch = chosen[start:start + batch_size]
+            # Greedy (top_k=1), as InPars decodes; the first sentence only: a small model runs on past its claim.
+            sampled = model.sample_questions([texts[pid] for pid in batch], top_k=1)
+            for pid, (query,) in zip(batch, sampled):
+                query = first_sentence(query)
+                if len(query.split()) < min_words:
+                    skipped += 1
+                    continue
+                queries.append(f"{GENERATED}{pid}\t{query}\n")
+                qrels.append(f"{GENERATED}{pid} 0 {pid} 1\n")
+            bar.update(len(batch))
+    if not queries:
+        raise InputFileError(f"{generator}: no generated query of {min_words} words or more")
+    out.mkdir(parents=True, exist_ok=True)
+    for name, rows in (("queries.tsv", queries), ("qrels.txt", qrels)):
+        (out / name).write_text("".join(rows), encoding="utf-8")
+    return len(queries), skipped
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m training.pseudo_queries", description=__doc__.split("\n\n")[0])
     parser.add_argument("--corpus", type=Path, required=True, help="JSONL or BEIR corpus with titles")
     parser.add_argument("--out", type=Path, required=True, help="folder for queries.tsv, qrels.txt and corpus.tsv")
-    parser.add_argument("--min-words", type=int, default=4, help="shortest title kept as a query (default 4)")
+    parser.add_argument("--min-words", type=int, default=4, help="shortest title or generated query kept (default 4)")
+    generated = parser.add_argument_group("generated queries")
+    generated.add_argument("--generator", type=Path, help="a generative reranker's folder: queries sampled from it, "
+                           "not titles")
+    generated.add_argument("--passages", type=int, help="with --generator: how many passages get a query")
+    generated.add_argument("--seed", type=int, default=13, help="seed of the passages drawn (default 13)")
+    generated.add_argument("--device", default="auto", help="the generator's device: auto, cpu, cuda ... (default auto)")
     return parser
 
 
@@ -57,12 +116,20 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.min_words < 1:
             raise InputFileError(f"--min-words must be at least 1, got {args.min_words}")
-        written, skipped = write_pseudo_queries(args.corpus, args.out, args.min_words)
-    except (InputFileError, OSError) as error:
+        if (args.generator is None) != (args.passages is None):
+            raise InputFileError("--generator and --passages go together")
+        if args.generator is None:
+            written, skipped = write_pseudo_queries(args.corpus, args.out, args.min_words)
+            what = f"{written} title queries ({skipped} passages left out)"
+        else:
+            written, skipped = write_generated_queries(args.corpus, args.out, args.generator, args.passages,
+                                                       min_words=args.min_words, seed=args.seed, device=args.device)
+            what = f"{written} generated queries ({skipped} too short, left out)"
+    except (InputFileError, OSError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    print(f"wrote {written} title queries ({skipped} passages left out) in {args.out} "
-          f"in {time.monotonic() - started:.1f} s")
+    elapsed = time.monotonic() - started
+    print(f"wrote {what} in {args.out} in {elapsed:.1f} s ({(written + skipped) / elapsed:.2f} passages/s)")
     return 0
 
 
