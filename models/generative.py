@@ -169,6 +169,8 @@ class GenerativeReranker:
                          top_p: float = 0.95, temperature: float = 1.0, seed: int | None = None) -> list[list[str]]:
         """`count` questions for each of `passages`, sampled as `generate_questions` does, in one batch: on a
         CPU a decoding step costs about as much for a batch as for one passage."""
+        if not passages:
+            return []
         pairs = self.tokenize("", passages)
         if seed is not None:
             torch.manual_seed(seed)

@@ -95,6 +95,7 @@ def test_padding_never_changes_a_sampled_question(reranker, passages):
     assert batched == [reranker.sample_questions([p], 2, max_new_tokens=8, top_k=1)[0] for p in mixed]
     assert all(len(questions) == 2 and questions[0] == questions[1] for questions in batched)
     assert reranker.sample_questions(mixed[::-1], 2, max_new_tokens=8, top_k=1) == batched[::-1]
+    assert reranker.sample_questions([], 2) == []
 
 
 def test_checkpoint_round_trip_through_load_reranker(reranker, tmp_path, passages):
