@@ -111,6 +111,11 @@ def test_the_reranker_the_recipe_saves_loads_in_the_service_and_reorders_results
     assert reordered > 0
 
 
+def pseudo_queries(corpus: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "training.pseudo_queries", "--corpus", str(corpus), "--out", str(out),
+                           *extra], capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
+
+
 def test_titles_become_queries_whose_one_relevant_passage_is_their_own_text_without_the_title(tmp_path):
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text("".join(json.dumps(record) + "\n" for record in [
@@ -118,9 +123,7 @@ def test_titles_become_queries_whose_one_relevant_passage_is_their_own_text_with
         {"_id": "a2", "title": "Short title", "text": "A passage whose title is too short to be a query."},
         {"_id": "a3", "title": "Statins  raise\tmuscle pain in the elderly", "text": "A cohort of ..."},
         {"_id": "a4", "title": "A title with no text to match", "text": ""}]))
-    done = subprocess.run([sys.executable, "-m", "training.pseudo_queries", "--corpus", str(corpus),
-                           "--out", str(tmp_path / "pseudo")], capture_output=True, text=True,
-                          cwd=Path(__file__).resolve().parents[1])
+    done = pseudo_queries(corpus, tmp_path / "pseudo")
     assert done.returncode == 0 and "wrote 2 title queries (2 passages left out)" in done.stdout
     assert (tmp_path / "pseudo" / "queries.tsv").read_text() == (
         "title:a1\tAspirin lowers the risk of stroke.\ntitle:a3\tStatins raise muscle pain in the elderly\n")
@@ -131,16 +134,8 @@ def test_titles_become_queries_whose_one_relevant_passage_is_their_own_text_with
 def test_a_corpus_without_usable_titles_exits_2_naming_it(tmp_path):
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text(json.dumps({"_id": "a1", "title": "", "text": "no title"}) + "\n")
-    done = subprocess.run([sys.executable, "-m", "training.pseudo_queries", "--corpus", str(corpus),
-                           "--out", str(tmp_path / "pseudo")], capture_output=True, text=True,
-                          cwd=Path(__file__).resolve().parents[1])
+    done = pseudo_queries(corpus, tmp_path / "pseudo")
     assert done.returncode == 2 and f"{corpus}: no passage has a title" in done.stderr
-
-
-def generate(corpus: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "training.pseudo_queries", "--corpus", str(corpus), "--out", str(out),
-                           "--device", "cpu", *extra], capture_output=True, text=True,
-                          cwd=Path(__file__).resolve().parents[1])
 
 
 def test_generated_queries_each_judge_the_one_drawn_passage_they_were_sampled_from(tmp_path):
@@ -150,8 +145,8 @@ def test_generated_queries_each_judge_the_one_drawn_passage_they_were_sampled_fr
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text("".join(json.dumps({"_id": pid, "title": "", "text": text}) + "\n" for pid, text in texts.items()))
     generator = new_small_model(tmp_path / "gpt2", "causal", list(texts.values()), vocab_size=500, width=32)
-    flags = ("--generator", str(generator), "--passages", "12", "--min-words", "1")
-    done = generate(corpus, tmp_path / "a", *flags)
+    flags = ("--generator", str(generator), "--passages", "12", "--min-words", "1", "--device", "cpu")
+    done = pseudo_queries(corpus, tmp_path / "a", *flags)
     assert done.returncode == 0, done.stderr
     queries = [line.split("\t") for line in (tmp_path / "a" / "queries.tsv").read_text().splitlines()]
     qrels = [line.split() for line in (tmp_path / "a" / "qrels.txt").read_text().splitlines()]
@@ -163,9 +158,9 @@ def test_generated_queries_each_judge_the_one_drawn_passage_they_were_sampled_fr
     assert qrels == [[f"gen:{pid}", "0", pid, "1"] for pid in drawn]
     assert not (tmp_path / "a" / "corpus.tsv").exists()  # the corpus itself is the training corpus
     # Seeded: the same seed draws the same passages and writes the same queries; another draws others.
-    assert generate(corpus, tmp_path / "b", *flags).returncode == 0
+    assert pseudo_queries(corpus, tmp_path / "b", *flags).returncode == 0
     assert (tmp_path / "b" / "queries.tsv").read_text() == (tmp_path / "a" / "queries.tsv").read_text()
-    assert generate(corpus, tmp_path / "c", *flags, "--seed", "14").returncode == 0
+    assert pseudo_queries(corpus, tmp_path / "c", *flags, "--seed", "14").returncode == 0
     assert (tmp_path / "c" / "qrels.txt").read_text() != (tmp_path / "a" / "qrels.txt").read_text()
 
 
@@ -190,5 +185,5 @@ def test_a_generated_query_is_its_first_sentence(generated, query):
 def test_generated_queries_refuse_bad_flags_with_exit_2(tmp_path, flags, reason):
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text("".join(json.dumps({"_id": f"a{i}", "title": "", "text": "some text"}) + "\n" for i in (1, 2)))
-    done = generate(corpus, tmp_path / "out", *(str(tmp_path) if flag == "GEN" else flag for flag in flags))
+    done = pseudo_queries(corpus, tmp_path / "out", *(str(tmp_path) if flag == "GEN" else flag for flag in flags))
     assert done.returncode == 2 and done.stderr.strip() == f"error: {reason}"

@@ -47,10 +47,15 @@ def write_pseudo_queries(corpus: Path, out: Path, min_words: int = 4) -> tuple[i
         passages.append(f"{passage.id}\t{text}\n")
     if not queries:
         raise InputFileError(f"{corpus}: no passage has a title of {min_words} words or more and a text")
-    out.mkdir(parents=True, exist_ok=True)
-    for name, rows in (("queries.tsv", queries), ("qrels.txt", qrels), ("corpus.tsv", passages)):
-        (out / name).write_text("".join(rows), encoding="utf-8")
+    write_files(out, {"queries.tsv": queries, "qrels.txt": qrels, "corpus.tsv": passages})
     return len(queries), skipped
+
+
+def write_files(out: Path, files: dict[str, list[str]]) -> None:
+    """Each file of `out` named in `files`, its lines joined."""
+    out.mkdir(parents=True, exist_ok=True)
+    for name, rows in files.items():
+        (out / name).write_text("".join(rows), encoding="utf-8")
 
 
 SENTENCE_END = re.compile(r"(?<=[a-z0-9%)\]])\.(?=\s|[A-Z(]|$)")  # not after a capital: "S. aureus"
@@ -90,9 +95,7 @@ def write_generated_queries(corpus: Path, out: Path, generator: Path, passages: 
             bar.update(len(batch))
     if not queries:
         raise InputFileError(f"{generator}: no generated query of {min_words} words or more")
-    out.mkdir(parents=True, exist_ok=True)
-    for name, rows in (("queries.tsv", queries), ("qrels.txt", qrels)):
-        (out / name).write_text("".join(rows), encoding="utf-8")
+    write_files(out, {"queries.tsv": queries, "qrels.txt": qrels})
     return len(queries), skipped
 
 
