@@ -186,6 +186,10 @@ def build_parser() -> argparse.ArgumentParser:
                           help="with --rerank: a row per weight W of the first stage's score blended with the "
                           "reranker's, ROW+DIRNAME~wW, ordered as a request's retrieval_weight orders them "
                           "(0: the reranker alone, the ROW+DIRNAME row; default 0); the reranker reads each list once")
+    evaluate.add_argument("--ensemble", action="store_true",
+                          help="with two or more --rerank: one more row per retrieval row, ROW+ensemble (and its "
+                          "blends), ordered by the mean of the rerankers' standardised scores; each reranker still "
+                          "reads each list once")
     evaluate.add_argument("--query-max-tokens", type=_positive, help="override the index's query token limit")
     evaluate.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     evaluate.add_argument("--backend", choices=BACKENDS,

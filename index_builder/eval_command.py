@@ -13,6 +13,8 @@ from index_builder.evaluate import (
     CONSISTENCY_DEPTHS,
     EVAL_MODES,
     RECALL_AGAINST_EXACT,
+    Ensemble,
+    Remembered,
     consistency_factor,
     eval_rows,
     format_table,
@@ -37,6 +39,10 @@ def _row_name(folder: Path) -> str:
 def run_eval(args: argparse.Namespace) -> None:
     """`eval`: every row's measures in one table (docs/evaluation.md); ValueError for bad input."""
     names = [_row_name(folder) for folder in args.rerank or []]
+    if args.ensemble and len(names) < 2:
+        raise ValueError("--ensemble averages two rerankers or more: give --rerank two folders or more")
+    if args.ensemble and Ensemble.name in names:
+        raise ValueError(f"--ensemble: a reranker folder would be the ensemble's table row {Ensemble.name!r}; rename it")
     duplicated = sorted({name for name in names if names.count(name) > 1})
     if duplicated:
         raise ValueError(f"--rerank: two folders would both be the table row {duplicated[0]!r}; rename one")
@@ -59,6 +65,9 @@ def run_eval(args: argparse.Namespace) -> None:
     only = _eval_filter(searcher, args.filter)  # {"filter": the parsed filter}, or {}
     rerankers = {name: load_reranker(folder, device=args.device, backend=args.rerank_backend or encoder.backend)
                  for name, folder in zip(names, args.rerank or [])}
+    if args.ensemble:  # last: it reads the scores its members' rows kept
+        rerankers = {name: Remembered(reranker) for name, reranker in rerankers.items()}
+        rerankers[Ensemble.name] = Ensemble(list(rerankers.values()))
     modes = args.modes or (list(EVAL_MODES) if searcher.bm25 is not None else ["dense"])
     structures = [] if args.exact else list(searcher.structures)
     unused = [record.kind for record in searcher.manifest.candidates if record.kind not in searcher.structures]
@@ -90,11 +99,16 @@ def run_eval(args: argparse.Namespace) -> None:
             started = time.perf_counter()
             retrieved = retrieve(searcher, queries, max(args.k, args.depth), **row.retrieval, **only)
             retrieval_seconds = time.perf_counter() - started
+        members_seconds = 0.0  # the ensemble costs what its members' scoring cost, which it reads again
         for name, reranker in rerankers.items():
             started = time.perf_counter()
             reranked = rerank_runs(reranker, queries, retrieved, args.depth, args.k, weights,
                                    label=f"{row.name}+{name}")
-            seconds = retrieval_seconds + time.perf_counter() - started
+            rerank_seconds = time.perf_counter() - started
+            if name == Ensemble.name:
+                rerank_seconds += members_seconds
+            members_seconds += rerank_seconds
+            seconds = retrieval_seconds + rerank_seconds
             for weight, run in reranked.items():
                 record(f"{row.name}+{name}{_blended(weight)}", run, seconds,
                        exact_row and f"{exact_row}+{name}{_blended(weight)}")
@@ -115,7 +129,10 @@ def run_eval(args: argparse.Namespace) -> None:
     if rerankers and blends:
         print("ROW+RERANKER~wW: the reranked passages ordered by z(reranker) + W * z(first stage), each score "
               "standardised over them (SEARCH_RERANK_RETRIEVAL_WEIGHT W).")
-    reranked = f", {len(rerankers)} rerankers at depth {args.depth}" if rerankers else ""
+    if args.ensemble:
+        print("ROW+ensemble: the reranked passages ordered by the mean of the rerankers' standardised scores, "
+              "its ms/query the sum of theirs.")
+    reranked = f", {len(args.rerank)} rerankers at depth {args.depth}" if rerankers else ""
     print(f"evaluated {len(queries)} queries x {len(modes)} modes at k={args.k}{through}{reranked}")
 
 

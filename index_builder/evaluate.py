@@ -12,12 +12,13 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 import ir_measures
+import numpy as np
 from ir_measures import AP, RR, R, nDCG
 from tqdm import tqdm
 
 from models.reranker import Reranker
 from retrieval.readers import Qrels, Run
-from retrieval.rerank import rescored
+from retrieval.rerank import rescored, standardised
 from retrieval.searcher import Hit, Searcher
 
 MEASURES = {"MRR@10": RR @ 10, "nDCG@10": nDCG @ 10, "Recall@100": R @ 100, "Recall@1000": R @ 1000, "MAP": AP}
@@ -100,6 +101,35 @@ def rerank_runs(reranker: Reranker, queries: Mapping[str, str], retrieved: Mappi
             floor = min((score for _, score in top), default=0.0)
             run[qid] = top + [(hit.id, floor - i) for i, hit in enumerate(ranked[scored:], start=1)]
     return runs
+
+
+class Remembered:
+    """A reranker that keeps its score of each list, so an ensemble row reads them without the model again."""
+
+    def __init__(self, reranker: Reranker):
+        self.reranker = reranker
+        self.name, self.score_kind = reranker.name, reranker.score_kind
+        self._kept: dict[tuple[str, tuple[str, ...]], np.ndarray] = {}
+
+    def score(self, query: str, passages: Sequence[str]) -> np.ndarray:
+        key = (query, tuple(passages))
+        if key not in self._kept:
+            self._kept[key] = self.reranker.score(query, passages)
+        return self._kept[key]
+
+
+class Ensemble:
+    """`eval --ensemble`: several rerankers as one, a passage's score the mean of their standardised scores."""
+
+    name = "ensemble"
+    score_kind = "z_score"
+
+    def __init__(self, members: Sequence[Remembered]):
+        self.members = list(members)
+
+    def score(self, query: str, passages: Sequence[str]) -> np.ndarray:
+        return np.mean([standardised(np.asarray(member.score(query, passages), dtype=np.float64))
+                        for member in self.members], axis=0).astype(np.float32)
 
 
 def metrics(qrels: Qrels, run: Run) -> dict[str, float]:

@@ -148,6 +148,43 @@ def test_eval_adds_a_row_per_retrieval_weight_ordered_by_the_blend_a_request_get
         assert [docid for docid, _ in sorted(blended[qid], key=lambda pair: -pair[1])] == expected, qid
 
 
+def test_eval_ensemble_row_orders_by_the_mean_of_the_rerankers_standardised_scores(small_index, searcher, demo_queries,
+                                                                                   tmp_path, capsys):
+    folders = [tiny_bert(tmp_path / "wide", num_labels=1), tiny_bert(tmp_path / "narrow", num_labels=1, hidden=32)]
+    queries = {q: demo_queries[q] for q in ("q0001", "q0002", "q0003")}
+    (tmp_path / "q.tsv").write_text("".join(f"{q}\t{text}\n" for q, text in queries.items()))
+    (tmp_path / "qrels").write_text("q0001 0 p00154 1\n")
+    args = ["eval", "--index", str(small_index), "--queries", str(tmp_path / "q.tsv"), "--qrels", str(tmp_path / "qrels"),
+            "--modes", "dense", "--rerank", *map(str, folders), "--ensemble", "--depth", "20", "--k", "20",
+            "--retrieval-weight", "0", "2", "--runs-dir", str(tmp_path / "runs"), "--device", "cpu"]
+    assert cli_main(args) == 0
+    printed = capsys.readouterr().out
+    assert "\ndense+ensemble " in printed and "\ndense+ensemble~w2 " in printed
+    assert "2 rerankers at depth 20" in printed
+    members = [CrossEncoder(folder, device="cpu") for folder in folders]
+    alone, blended = (read_run(tmp_path / "runs" / f"dense+ensemble{suffix}.run") for suffix in ("", "~w2"))
+
+    def z(values):
+        values = np.asarray(values, dtype=np.float64)
+        return (values - values.mean()) / values.std()
+
+    def order(run, qid):
+        return [docid for docid, _ in sorted(run[qid], key=lambda pair: -pair[1])]
+
+    differs_from_a_member = False
+    for qid, query in queries.items():
+        hits = searcher.search(query, k=20)
+        scores = [member.score(query, [hit.text for hit in hits]) for member in members]
+        mean = (z(scores[0]) + z(scores[1])) / 2
+        by_mean = [hits[i].id for i in sorted(range(20), key=lambda i: (-mean[i], i))]
+        blend = z(mean) + 2 * z([hit.score for hit in hits])
+        assert order(alone, qid) == by_mean, qid
+        assert order(blended, qid) == [hits[i].id for i in sorted(range(20), key=lambda i: (-blend[i], i))], qid
+        differs_from_a_member |= any(by_mean != [hits[i].id for i in np.argsort(-member, kind="stable")]
+                                     for member in scores)
+    assert differs_from_a_member  # the two members disagree, so the row is neither of them
+
+
 def test_eval_reranked_rows_hold_k_passages_when_depth_exceeds_k(small_index, demo_queries, tmp_path):
     folder = tiny_bert(tmp_path / "one-logit", num_labels=1)
     (tmp_path / "q.tsv").write_text(f"q0001\t{demo_queries['q0001']}\n")
@@ -170,6 +207,10 @@ def test_eval_refuses_options_it_cannot_honour_before_loading_anything(tmp_path,
          "--rerank: two folders would both be the table row 'final'; rename one"),
         (["--retrieval-weight", "1"], "--retrieval-weight blends a reranker's score with the first stage's: add --rerank"),
         (["--rerank-backend", "onnx-int8"], "--rerank-backend is the backend a reranker runs on: add --rerank"),
+        (["--rerank", str(tmp_path / "a"), "--ensemble"],
+         "--ensemble averages two rerankers or more: give --rerank two folders or more"),
+        (["--rerank", str(tmp_path / "a"), str(tmp_path / "ensemble"), "--ensemble"],
+         "--ensemble: a reranker folder would be the ensemble's table row 'ensemble'; rename it"),
         (["--rerank", str(tmp_path / "a"), "--retrieval-weight", "-1"],
          "--retrieval-weight: each weight must be from 0 to 100, got [-1.0]"),
     ]
