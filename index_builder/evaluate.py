@@ -30,6 +30,7 @@ EVAL_MODES = {
     "hybrid-interleave": {"mode": "hybrid", "fusion": "interleave", "lead": "dense"},
     "hybrid-interleave-bm25-first": {"mode": "hybrid", "fusion": "interleave", "lead": "bm25"},
     "hybrid-rrf": {"mode": "hybrid", "fusion": "rrf"},
+    "hybrid-zscore": {"mode": "hybrid", "fusion": "zscore"},
 }
 APPROXIMATE = "@"  # MODE@KIND: the mode's row answered through the candidate structure KIND
 RECALL_AGAINST_EXACT = "R@10 vs exact"  # the table's column: recall_against_exact at depth 10

@@ -1,12 +1,15 @@
-"""Combining two rankings: the interleaving of paper 000 (eq. 6) and reciprocal rank fusion.
+"""Combining two rankings: the interleaving of paper 000 (eq. 6), reciprocal rank fusion, and the mean of
+standardised scores.
 
-Both take ranked lists of hashable keys (passage rows or ids), best first, and return a fused
-list of (key, score), best first, truncated to `depth`.
+The first two take ranked lists of hashable keys (passage rows or ids), best first, the third (key, score)
+lists; each returns a fused list of (key, score), best first, truncated to `depth`.
 """
 
 from __future__ import annotations
 
 from typing import Hashable, Sequence
+
+import numpy as np
 
 RRF_K = 60
 
@@ -34,3 +37,20 @@ def reciprocal_rank_fusion(
         for rank, key in enumerate(ranking, start=1):
             scores[key] = scores.get(key, 0.0) + 1.0 / (rrf_k + rank)
     return sorted(scores.items(), key=lambda item: -item[1])[:depth]
+
+
+def standardised_score_fusion(
+    scored: Sequence[Sequence[tuple[Hashable, float]]], depth: int
+) -> list[tuple[Hashable, float]]:
+    """score(d) = the mean over lists of d's z-score in each (its score standardised over that list); a key a
+    list lacks counts as that list's lowest. Unlike RRF it keeps how far apart the scores are, so a passage
+    far ahead in one list stays ahead. Ties keep the order in which keys were first met."""
+    standardised = []
+    for ranking in scored:
+        values = np.array([score for _, score in ranking], dtype=np.float64)
+        spread = values.std() if len(values) else 0.0
+        z = (values - values.mean()) / spread if spread > 0 else np.zeros_like(values)
+        standardised.append((dict(zip((key for key, _ in ranking), z.tolist())), min(z, default=0.0)))
+    keys = list(dict.fromkeys(key for ranking in scored for key, _ in ranking))
+    fused = {key: sum(z.get(key, floor) for z, floor in standardised) / len(scored) for key in keys}
+    return sorted(fused.items(), key=lambda item: -item[1])[:depth]

@@ -17,7 +17,7 @@ from retrieval import candidates, dense_index, filtered_search
 from retrieval.bm25_index import BM25_DIR, Bm25Index
 from retrieval.fields import chosen_fields
 from retrieval.filters import Filter, parse_filter
-from retrieval.fusion import interleave, reciprocal_rank_fusion
+from retrieval.fusion import interleave, reciprocal_rank_fusion, standardised_score_fusion
 from retrieval.index_format import (
     INDEX_FILE,
     PASSAGES_FILE,
@@ -32,7 +32,7 @@ MAX_K = 1000
 MAX_CANDIDATES = candidates.MAX_CANDIDATES
 log = logging.getLogger("retrieval")
 Mode = Literal["dense", "bm25", "hybrid"]
-Fusion = Literal["interleave", "rrf"]
+Fusion = Literal["interleave", "rrf", "zscore"]
 MODES: tuple[str, ...] = get_args(Mode)
 FUSIONS: tuple[str, ...] = get_args(Fusion)
 # The fields an encoder must share with the index it searches; names and token limits may differ.
@@ -189,8 +189,9 @@ class Searcher:
 
     `mode` picks the retriever: "dense" (the bi-encoder), "bm25" (exact match, when the index
     was built with --bm25) or "hybrid" (both, combined by `fusion`: "interleave", paper 000
-    eq. 6, with `lead` deciding which list goes first; or "rrf", reciprocal rank fusion over
-    each list's top `fusion_depth`).
+    eq. 6, with `lead` deciding which list goes first; "rrf", reciprocal rank fusion over
+    each list's top `fusion_depth`; or "zscore", the mean of each passage's standardised scores over
+    the same lists).
     The dense list comes from the index's candidate structure where its manifest lists one and the
     vectors stay on the CPU (the first listed; `structure` names another): `candidates` rows per query
     proposed by it, then scored exactly from the stored vectors (retrieval.candidates.search), so every
@@ -280,7 +281,8 @@ class Searcher:
 
     def score_kind(self, mode: str = "dense", fusion: str = "interleave", **_) -> str:
         """What a hit's score is for a retrieval set-up: `cosine` or `inner_product` (dense, as the
-        encoder's similarity), `bm25`, `rrf` (reciprocal rank fusion) or `interleave` (1 / position)."""
+        encoder's similarity), `bm25`, `rrf` (reciprocal rank fusion), `zscore` (the mean of standardised
+        scores) or `interleave` (1 / position)."""
         if mode == "dense":
             return dense_score_kind(self.manifest)
         return "bm25" if mode == "bm25" else fusion
@@ -323,6 +325,8 @@ class Searcher:
             lists = [[row for row, _ in dense], [row for row, _ in lexical]]
             if fusion == "rrf":
                 fused.append(reciprocal_rank_fusion(lists, k))
+            elif fusion == "zscore":
+                fused.append(standardised_score_fusion([dense, lexical], k))
             else:
                 first, second = lists if lead == "dense" else lists[::-1]
                 fused.append(interleave(first, second, k))

@@ -186,20 +186,21 @@ step() {
             | tee "$WORK/table-biencoder-monobert-generated-20.txt" ;;
     table)
         # Co-attention is fast enough for depth 100 on every mode; monoBERT is timed at depth 20 on a CPU.
-        local modes=(dense bm25 hybrid-interleave hybrid-rrf)
+        local modes=(dense bm25 hybrid-interleave hybrid-rrf hybrid-zscore)
         $PY -m index_builder eval --index "$WORK/index" "${DEV[@]}" --modes "${modes[@]}" \
             --rerank "$(newest "$WORK/models/coattention")" --depth 100 "${BLEND[@]}" | tee "$WORK/table-coattention-100.txt"
         $PY -m index_builder eval --index "$WORK/index" "${DEV[@]}" --modes "${modes[@]}" \
             --rerank "$(newest "$WORK/models/monobert")" --depth "${MONOBERT_DEPTH:-20}" "${BLEND[@]}" \
             | tee "$WORK/table-monobert-${MONOBERT_DEPTH:-20}.txt"
-        $PY -m index_builder eval --index "$WORK/index-biencoder" "${DEV[@]}" --modes dense bm25 hybrid-interleave \
-            hybrid-rrf | tee "$WORK/table-biencoder.txt"
-        # The fine-tuned bi-encoder's hybrid-rrf reranked by monoBERT: at depth 20 (each checkpoint: its curve),
-        # and the pipeline under 150 ms a query on a CPU, torch queries and an int8 monoBERT (ONNX Runtime) at depth 4.
-        $PY -m index_builder eval --index "$WORK/index-biencoder" "${DEV[@]}" --modes hybrid-rrf \
+        $PY -m index_builder eval --index "$WORK/index-biencoder" "${DEV[@]}" --modes "${modes[@]}" \
+            | tee "$WORK/table-biencoder.txt"
+        # The fine-tuned bi-encoder's hybrid-rrf and hybrid-zscore reranked by monoBERT: at depth 20 (each
+        # checkpoint: its curve), and the pipeline under 150 ms a query on a CPU, torch queries and an int8
+        # monoBERT (ONNX Runtime) at depth 4.
+        $PY -m index_builder eval --index "$WORK/index-biencoder" "${DEV[@]}" --modes hybrid-rrf hybrid-zscore \
             --rerank "$WORK"/models/monobert/checkpoint-* --depth 20 --retrieval-weight 0 1 2 3 \
             | tee "$WORK/table-biencoder-monobert-20.txt"
-        $PY -m index_builder eval --index "$WORK/index-biencoder" "${DEV[@]}" --modes hybrid-rrf \
+        $PY -m index_builder eval --index "$WORK/index-biencoder" "${DEV[@]}" --modes hybrid-rrf hybrid-zscore \
             --rerank "$(newest "$WORK/models/monobert")" --rerank-backend onnx-int8 --depth 4 --retrieval-weight 0 1 2 3 \
             | tee "$WORK/table-biencoder-monobert-int8-4.txt" ;;
     all)

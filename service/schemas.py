@@ -11,11 +11,11 @@ from pydantic.json_schema import SkipJsonSchema
 from retrieval.searcher import MAX_CANDIDATES, MAX_K, Fusion, Mode
 
 RerankerKind = Literal["monobert", "coattention", "generative"]
-ScoreKind = Literal["cosine", "inner_product", "bm25", "rrf", "interleave", "probability", "logit", "log_likelihood",
-                    "blend"]
+ScoreKind = Literal["cosine", "inner_product", "bm25", "rrf", "zscore", "interleave", "probability", "logit",
+                    "log_likelihood", "blend"]
 SCORE_KIND_DESCRIPTION = (
     "what `score` holds: cosine or inner_product (dense retrieval, by the encoder's similarity), bm25, "
-    "rrf or interleave (1 / position) for hybrid fusion; when reranked, the reranker's score: probability "
+    "rrf, zscore or interleave (1 / position) for hybrid fusion; when reranked, the reranker's score: probability "
     "(monobert's P(relevant)), logit (coattention) or log_likelihood (generative: log p(query | passage)); "
     "blend when reranked with a retrieval_weight: z(reranker) + retrieval_weight * z(first stage), each score "
     "standardised over the reranked passages"
@@ -36,7 +36,8 @@ FILTER_DESCRIPTION = (
 
 class RetrievalOptions(BaseModel):
     mode: Mode = Field("dense", description="dense (bi-encoder), bm25 (exact match) or hybrid (both, fused)")
-    fusion: Fusion = Field("interleave", description="hybrid only: interleave (paper 000 eq. 6) or rrf")
+    fusion: Fusion = Field("interleave", description="hybrid only: interleave (paper 000 eq. 6), rrf, or zscore "
+                          "(the mean of each passage's standardised dense and BM25 scores)")
     lead: Literal["dense", "bm25"] = Field("dense", description="hybrid interleave only: which list goes first")
     exact: bool = Field(False, description="scan every vector even where the index carries a candidate structure "
                                            "(an approximate answer's scores are exact either way)")

@@ -1,5 +1,5 @@
-"""BM25 beside the dense index, and the two fusions of paper 000 section 4.5: interleaving (eq. 6)
-and reciprocal rank fusion."""
+"""BM25 beside the dense index, and its fusions with the dense list: the two of paper 000 section 4.5,
+interleaving (eq. 6) and reciprocal rank fusion, and the mean of standardised scores."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import bm25s
 import pytest
 
 from retrieval.bm25_index import Bm25Index, build_bm25, new_tokenizer
-from retrieval.fusion import interleave, reciprocal_rank_fusion
+from retrieval.fusion import interleave, reciprocal_rank_fusion, standardised_score_fusion
 from retrieval.index_format import read_manifest
 from retrieval.passage_store import PassageStore
 from service.app import create_app
@@ -74,7 +74,28 @@ def test_an_empty_shards_bm25_builds_quietly_and_finds_nothing(tmp_path):
     assert Bm25Index(tmp_path).search(["any word"], 10) == [[]]
 
 
-@pytest.mark.parametrize("fusion,lead", [("interleave", "dense"), ("interleave", "bm25"), ("rrf", "dense")])
+def test_zscore_fusion_is_the_mean_of_standardised_scores_a_missing_key_at_its_lists_lowest():
+    dense = [("a", 0.90), ("c", 0.89), ("b", 0.10)]  # a and c all but tied
+    lexical = [("d", 31.0), ("c", 30.0), ("a", 5.0)]  # c far ahead of a
+    fused = standardised_score_fusion([dense, lexical], depth=10)
+
+    def z(values):
+        mean = sum(values) / len(values)
+        spread = (sum((v - mean) ** 2 for v in values) / len(values)) ** 0.5
+        return [(v - mean) / spread for v in values]
+
+    (za, zc, zb), (zd, zc2, za2) = z([0.90, 0.89, 0.10]), z([31.0, 30.0, 5.0])
+    expected = {"a": (za + za2) / 2, "c": (zc + zc2) / 2, "b": (zb + za2) / 2, "d": (zb + zd) / 2}
+    assert dict(fused) == pytest.approx(expected)
+    assert [key for key, _ in fused] == ["c", "d", "a", "b"]
+    # RRF of the same lists puts a first: ranks 1 and 3 beat ranks 2 and 2, however far apart the scores.
+    assert reciprocal_rank_fusion([["a", "c", "b"], ["d", "c", "a"]], 10)[0][0] == "a"
+    assert len(standardised_score_fusion([dense, lexical], depth=2)) == 2
+    assert standardised_score_fusion([[("a", 1.0)], []], depth=5) == [("a", 0.0)]
+
+
+@pytest.mark.parametrize("fusion,lead", [("interleave", "dense"), ("interleave", "bm25"), ("rrf", "dense"),
+                                         ("zscore", "dense")])
 def test_hybrid_fuses_the_dense_and_bm25_lists(searcher, demo_queries, fusion, lead):
     query = demo_queries["q0007"]
     dense = [h.id for h in searcher.search(query, 1000, mode="dense")]
@@ -82,6 +103,9 @@ def test_hybrid_fuses_the_dense_and_bm25_lists(searcher, demo_queries, fusion, l
     hybrid = [h.id for h in searcher.search(query, 10, mode="hybrid", fusion=fusion, lead=lead)]
     if fusion == "rrf":
         expected = [key for key, _ in reciprocal_rank_fusion([dense, exact], 10)]
+    elif fusion == "zscore":
+        scored = [[(h.id, h.score) for h in searcher.search(query, 1000, mode=mode)] for mode in ("dense", "bm25")]
+        expected = [key for key, _ in standardised_score_fusion(scored, 10)]
     else:
         first, second = (dense, exact) if lead == "dense" else (exact, dense)
         expected = [key for key, _ in interleave(first, second, 10)]
@@ -91,14 +115,15 @@ def test_hybrid_fuses_the_dense_and_bm25_lists(searcher, demo_queries, fusion, l
 def test_hybrid_and_bm25_are_served_over_http(small_index, engine, demo_queries):
     app = create_app(ServiceSettings(index_dir=small_index, device="cpu"), engine)
     query = demo_queries["q0007"]
-    kinds = {"dense": "cosine", "bm25": "bm25", "hybrid": "interleave", "hybrid-rrf": "rrf"}
-    for body in ({"mode": "dense"}, {"mode": "bm25"}, {"mode": "hybrid"}, {"mode": "hybrid", "fusion": "rrf"}):
+    kinds = {"dense": "cosine", "bm25": "bm25", "hybrid": "interleave", "hybrid-rrf": "rrf", "hybrid-zscore": "zscore"}
+    for body in ({"mode": "dense"}, {"mode": "bm25"}, {"mode": "hybrid"}, {"mode": "hybrid", "fusion": "rrf"},
+                 {"mode": "hybrid", "fusion": "zscore"}):
         response = one(app, "POST", "/search", {"query": query, "k": 5, **body})
         assert response.status_code == 200, response.text
         expected = engine.search(query, 5, **{"fusion": "interleave", "lead": "dense", **body})
         assert [r["id"] for r in response.json()["results"]] == [h.id for h in expected.hits]
         # The response says what its scores are (MiniLM normalises, so dense scores are cosines).
-        assert response.json()["score_kind"] == kinds[body["mode"] + ("-rrf" if "fusion" in body else "")]
+        assert response.json()["score_kind"] == kinds[body["mode"] + (f"-{body['fusion']}" if "fusion" in body else "")]
     batch = one(app, "POST", "/search/batch", {"queries": [query, "socket"], "k": 3, "mode": "hybrid"})
     assert batch.status_code == 200 and len(batch.json()["results"]) == 2 and batch.json()["score_kind"] == "interleave"
     bad = one(app, "POST", "/search", {"query": query, "mode": "sparse"})
