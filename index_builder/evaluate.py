@@ -18,7 +18,8 @@ from tqdm import tqdm
 
 from models.reranker import Reranker
 from retrieval.readers import Qrels, Run
-from retrieval.rerank import rescored, standardised
+from retrieval.fusion import standardised
+from retrieval.rerank import rescored
 from retrieval.searcher import Hit, Searcher
 
 MEASURES = {"MRR@10": RR @ 10, "nDCG@10": nDCG @ 10, "Recall@100": R @ 100, "Recall@1000": R @ 1000, "MAP": AP}

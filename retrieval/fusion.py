@@ -45,12 +45,17 @@ def standardised_score_fusion(
     """score(d) = the mean over lists of d's z-score in each (its score standardised over that list); a key a
     list lacks counts as that list's lowest. Unlike RRF it keeps how far apart the scores are, so a passage
     far ahead in one list stays ahead. Ties keep the order in which keys were first met."""
-    standardised = []
+    lists = []
     for ranking in scored:
-        values = np.array([score for _, score in ranking], dtype=np.float64)
-        spread = values.std() if len(values) else 0.0
-        z = (values - values.mean()) / spread if spread > 0 else np.zeros_like(values)
-        standardised.append((dict(zip((key for key, _ in ranking), z.tolist())), min(z, default=0.0)))
+        z = standardised(np.array([score for _, score in ranking], dtype=np.float64))
+        lists.append((dict(zip((key for key, _ in ranking), z.tolist())), min(z, default=0.0)))
     keys = list(dict.fromkeys(key for ranking in scored for key, _ in ranking))
-    fused = {key: sum(z.get(key, floor) for z, floor in standardised) / len(scored) for key in keys}
+    fused = {key: sum(z.get(key, floor) for z, floor in lists) / len(scored) for key in keys}
     return sorted(fused.items(), key=lambda item: -item[1])[:depth]
+
+
+def standardised(values: np.ndarray) -> np.ndarray:
+    """z-scores; all zero where the values are all equal (one hit, or a reranker that cannot tell them apart)
+    or there are none."""
+    spread = values.std() if len(values) else 0.0
+    return (values - values.mean()) / spread if spread > 0 else np.zeros_like(values)

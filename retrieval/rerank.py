@@ -9,6 +9,7 @@ from typing import Sequence
 import numpy as np
 
 from models.reranker import Reranker
+from retrieval.fusion import standardised
 from retrieval.searcher import Hit
 
 BLEND = "blend"  # the score kind of a blended order
@@ -49,9 +50,3 @@ def reordered(hits: list[Hit], scores: Sequence[float], k: int, retrieval_weight
                 rerank_score=float(scores[i]))
         for rank, i in enumerate(order, start=1)
     ]
-
-
-def standardised(values: np.ndarray) -> np.ndarray:
-    """z-scores; all zero where the values are all equal (one hit, or a reranker that cannot tell them apart)."""
-    spread = values.std()
-    return (values - values.mean()) / spread if spread > 0 else np.zeros_like(values)
