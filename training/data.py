@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from retrieval.fusion import standardised
 from retrieval.readers import Run, lines, read_passages, read_qrels, read_queries, relevant
 
 
@@ -47,6 +48,7 @@ class Collection:
     pairs: list[tuple[str, str]]
     negatives: dict[str, list[str]] = field(default_factory=dict)  # hard negatives; absent = sample at random
     teacher: Run = field(default_factory=dict)  # a teacher reranker's scored list per query (distillation)
+    prior: Run = field(default_factory=dict)  # a first stage's list per query, z-scores over it (residual)
     _passage_ids: list[str] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
@@ -77,6 +79,23 @@ class Collection:
             best = max(score for _, score in scored)
             listed = {pid for pid, _ in scored}
             self.teacher[qid] = scored + [(pid, best) for pid in sorted(positives) if pid not in listed]
+            covered += 1
+        return covered
+
+    def use_prior(self, run: Run) -> int:
+        """The first stage the reranker will be blended with (its passages of each query, with its scores), for
+        the residual objective; returns how many training queries it covers. Scores become z-scores over each
+        list, as a blend standardises them; a judged positive missing from a list joins it at the list's
+        lowest, where the first stage would leave it. A list with no unjudged passage teaches nothing."""
+        covered = 0
+        for qid, positives in self.positives.items():
+            scored = [(pid, score) for pid, score in run.get(qid, []) if pid in self.passages]
+            if not any(pid not in positives for pid, _ in scored):
+                continue
+            z = standardised(np.array([score for _, score in scored], dtype=np.float64)).tolist()
+            listed = {pid for pid, _ in scored}
+            self.prior[qid] = [(pid, value) for (pid, _), value in zip(scored, z)] + \
+                [(pid, min(z)) for pid in sorted(positives) if pid not in listed]
             covered += 1
         return covered
 
@@ -214,4 +233,23 @@ def teacher_groups(data: Collection, batch_index: int, batch_size: int,
         scored = data.teacher[qids[position]]
         groups.append((data.queries[qids[position]], [data.passages[pid] for pid, _ in scored],
                        [score for _, score in scored]))
+    return groups
+
+
+def prior_groups(data: Collection, batch_index: int, batch_size: int, negatives: int,
+                 seed: int) -> list[tuple[str, list[str], list[float]]]:
+    """Micro-batch `batch_index` for the residual objective: (query text, [one of its judged positives,
+    `negatives` others of its first-stage list], their first-stage z-scores), one per query the first stage
+    covers, `batch_size` queries a batch; reproducible on resume."""
+    rng = batch_rng(seed, batch_index)
+    qids = sorted(data.prior)
+    groups = []
+    for position in batch_positions(len(qids), batch_size, batch_index, seed):
+        qid = qids[position]
+        listed = data.prior[qid]
+        positives = [i for i, (pid, _) in enumerate(listed) if pid in data.positives[qid]]
+        others = [i for i, (pid, _) in enumerate(listed) if pid not in data.positives[qid]]
+        chosen = [positives[int(rng.integers(len(positives)))],
+                  *(others[i] for i in rng.choice(len(others), size=negatives, replace=len(others) < negatives))]
+        groups.append((data.queries[qid], [data.passages[listed[i][0]] for i in chosen], [listed[i][1] for i in chosen]))
     return groups

@@ -5,7 +5,8 @@
   objective the packaged MiniLM was itself trained with).
 - `relevance_cross_entropy`: monoBERT's cross-entropy, paper 004 eq. 1.
 - `group_softmax_loss`: the cross-encoder's alternative, a softmax over each query's positive and
-  its sampled negatives (localized contrastive estimation, Gao et al. 2021).
+  its sampled negatives (localized contrastive estimation, Gao et al. 2021), optionally over its blend
+  with a first stage's scores (the residual objective).
 - `listwise_distillation_loss`: the cross-encoder trained to order each query's list as a teacher
   reranker scores it (knowledge distillation; the teacher: the generative reranker).
 - `mle_loss`, `lul_loss`, `rll_loss`: the generative reranker's objectives, paper 003 eqs. 2-5. They
@@ -92,7 +93,8 @@ def relevance_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch
     return F.binary_cross_entropy_with_logits(relevance_logit(logits).float(), labels.float())
 
 
-def group_softmax_loss(logits: torch.Tensor, group_sizes: list[int]) -> torch.Tensor:
+def group_softmax_loss(logits: torch.Tensor, group_sizes: list[int],
+                       offsets: torch.Tensor | None = None) -> torch.Tensor:
     """Localized contrastive estimation (Gao, Dai and Callan 2021, "Rethink Training of BERT Rerankers
     in Multi-Stage Retrieval Pipeline"), averaged over the groups of a batch.
 
@@ -100,8 +102,14 @@ def group_softmax_loss(logits: torch.Tensor, group_sizes: list[int]) -> torch.Te
     and then its sampled negatives; a group's loss is -log softmax of the positive's `relevance_logit`
     among the group's. Eq. 1 judges each pair alone, so an easy negative counts as much as a hard
     one; here the negatives compete with the positive for one query, as in reranking.
+
+    `offsets` (one per pair) are added to the logits first: the residual objective's weighted first-stage
+    z-scores, so the model is trained as the blend it will be served in and learns what the first stage
+    lacks (a group the first stage already orders by a wide margin pulls little).
     """
     scores = relevance_logit(logits).float()
+    if offsets is not None:
+        scores = scores + offsets.to(scores)
     if scores.shape[0] != sum(group_sizes):
         raise ValueError(f"{scores.shape[0]} pairs, but groups of {sum(group_sizes)} in all")
     losses = [torch.logsumexp(group, dim=0) - group[0] for group in torch.split(scores, group_sizes)]

@@ -1,7 +1,10 @@
 """Fine-tunes the monoBERT cross-encoder (paper 004, section 2) with cross-entropy (eq. 1), with
 `--objective group`, a softmax over each query's positive and negatives (training.losses.group_softmax_loss),
 or with `--objective distil`, to order each training query's list as a teacher reranker scored it
-(`--teacher-run`: a reranked row's run of `eval --runs-dir`; training.losses.listwise_distillation_loss).
+(`--teacher-run`: a reranked row's run of `eval --runs-dir`; training.losses.listwise_distillation_loss),
+or with `--objective residual`, the softmax over each query's positive and negatives drawn from a first
+stage's list (`--prior-run`) with that first stage's z-scores, times `--prior-weight`, added to the logits:
+trained as the blend it is served in (`retrieval_weight`), it learns what the first stage lacks.
 
 Each micro-batch holds `--batch-size` (query, relevant passage) pairs; each brings its
 positive and `--negatives` sampled negatives, so a micro-batch is
@@ -36,7 +39,7 @@ import torch
 from models.cross_encoder import CrossEncoder
 from models.encoder import default_model_path
 from retrieval.readers import read_run
-from training.data import TrainingDataError, teacher_groups
+from training.data import TrainingDataError, prior_groups, teacher_groups
 from training.losses import group_softmax_loss, listwise_distillation_loss, relevance_cross_entropy
 from training.trainer import GroupTrainee, add_negatives_arguments, add_training_arguments, load_training_data, run_cli
 
@@ -45,11 +48,14 @@ from training.trainer import GroupTrainee, add_negatives_arguments, add_training
 class CrossEncoderTrainee(GroupTrainee):
     """A CrossEncoder whose weights are being fine-tuned on positives and sampled negatives."""
 
-    objective: str = "pointwise"  # or "group", "distil" (see --objective)
+    objective: str = "pointwise"  # or "group", "distil", "residual" (see --objective)
+    prior_weight: float = 1.0
 
     def loss(self, batch_index: int) -> torch.Tensor:
         if self.objective == "distil":
             return self._distillation_loss(batch_index)
+        if self.objective == "residual":
+            return self._residual_loss(batch_index)
         pairs, labels, sizes = [], [], []
         for query, passages in self.groups(batch_index):
             pairs += self.ranker.tokenize(query, passages)
@@ -69,6 +75,15 @@ class CrossEncoderTrainee(GroupTrainee):
         logits = self.ranker.logits(pairs)
         return listwise_distillation_loss(logits, torch.tensor(targets, device=logits.device), sizes)
 
+    def _residual_loss(self, batch_index: int) -> torch.Tensor:
+        pairs, offsets, sizes = [], [], []
+        for query, passages, prior in prior_groups(self.data, batch_index, self.batch_size, self.negatives, self.seed):
+            pairs += self.ranker.tokenize(query, passages)
+            offsets += [self.prior_weight * value for value in prior]
+            sizes.append(len(passages))
+        logits = self.ranker.logits(pairs)
+        return group_softmax_loss(logits, sizes, torch.tensor(offsets, device=logits.device))
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -77,14 +92,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--init", type=Path, default=None, help="starting BERT folder (default: the packaged MiniLM)")
     add_negatives_arguments(parser, 1, "sampled negatives per positive (default 1)")
-    parser.add_argument("--objective", choices=("pointwise", "group", "distil"), default="pointwise",
+    parser.add_argument("--objective", choices=("pointwise", "group", "distil", "residual"), default="pointwise",
                         help="pointwise: eq. 1's cross-entropy on each pair (default); group: a softmax over each "
                         "positive and its negatives (localized contrastive estimation; use several --negatives); "
                         "distil: each query's list of --teacher-run ordered as the teacher scored it (a batch is "
-                        "--batch-size queries)")
+                        "--batch-size queries); residual: group's softmax over a positive and --negatives of "
+                        "--prior-run's list, each logit plus --prior-weight times the first stage's z-score (a "
+                        "batch is --batch-size queries)")
     parser.add_argument("--teacher-run", type=Path, metavar="RUN",
                         help="with --objective distil: a TREC run of a teacher reranker's scores (a reranked row of "
                         "eval --runs-dir); a judged positive the run lacks joins its query's list at the best score")
+    parser.add_argument("--prior-run", type=Path, metavar="RUN",
+                        help="with --objective residual: a TREC run of the first stage the reranker will be blended "
+                        "with, on the training queries (eval --runs-dir; its depth: the rerank depth)")
+    parser.add_argument("--prior-weight", type=float, default=1.0, metavar="W",
+                        help="with --objective residual: the first stage's weight in the trained blend (default 1)")
     parser.add_argument("--query-max-tokens", type=int, default=64, help="query tokens kept of a pair (default 64)")
     parser.add_argument("--max-tokens", type=int, default=512,
                         help="tokens of a query-passage pair, special tokens included (default 512)")
@@ -123,16 +145,26 @@ def _build(args: argparse.Namespace, start: Path | None):
     freeze_lower_layers(encoder.model, args.freeze_layers)
     if (args.objective == "distil") != (args.teacher_run is not None):
         raise TrainingDataError("--objective distil and --teacher-run go together")
+    if (args.objective == "residual") != (args.prior_run is not None):
+        raise TrainingDataError("--objective residual and --prior-run go together")
     data = load_training_data(args)
     if args.teacher_run is not None:
         covered = data.use_teacher(read_run(args.teacher_run))
         if not covered:
             raise TrainingDataError(f"{args.teacher_run}: no query of the qrels has a passage of the corpus in it")
         print(f"teacher scores from {args.teacher_run} for {covered} of {len(data.positives)} queries", file=sys.stderr)
+    if args.prior_run is not None:
+        covered = data.use_prior(read_run(args.prior_run))
+        if not covered:
+            raise TrainingDataError(f"{args.prior_run}: no query of the qrels has an unjudged passage of the corpus in it")
+        print(f"first-stage lists from {args.prior_run} for {covered} of {len(data.positives)} queries", file=sys.stderr)
     about = {"model": "cross-encoder", "started_from": str(init), "pairs": len(data.pairs),
              "objective": args.objective, "frozen_layers": args.freeze_layers,
-             **({"teacher_run": str(args.teacher_run)} if args.teacher_run else {})}
-    return CrossEncoderTrainee(encoder, data, args.batch_size, args.negatives, args.seed, args.objective), about
+             **({"teacher_run": str(args.teacher_run)} if args.teacher_run else {}),
+             **({"prior_run": str(args.prior_run), "prior_weight": args.prior_weight} if args.prior_run else {})}
+    trainee = CrossEncoderTrainee(encoder, data, args.batch_size, args.negatives, args.seed, args.objective,
+                                  args.prior_weight)
+    return trainee, about
 
 
 def main(argv: list[str] | None = None) -> int:
