@@ -35,6 +35,7 @@ from training.data import Collection, TrainingDataError, load_judged, load_tripl
 from training.train_biencoder import BiEncoderTrainee, in_batch_positives
 from training.train_biencoder import main as train_biencoder
 from training.train_cross_encoder import CrossEncoderTrainee
+from training.trainer import STATE_FILE
 from training.train_cross_encoder import main as train_cross_encoder
 
 TRAIN_QUERIES = 300  # qrels.txt lists q0001... in order, one judgement each
@@ -196,22 +197,11 @@ def untrained_cross_encoder_mrr(tmp_path_factory, demo_split, demo, held_out) ->
 @pytest.mark.parametrize("loss, steps", [
     ("pointwise", 60),  # held-out MRR@10 0.85-0.88 over seeds 1, 2, 13; 40 steps gave 0.51-0.80
     ("group", 40),  # 0.87 (0.71 after 30 steps, 0.97 after 60)
-    ("residual", 60),  # 0.76 beside a first stage of random scores (0.59 after 40 steps)
 ])
 def test_cross_encoder_cli_learns_from_minilm_and_its_checkpoint_loads(tmp_path, demo_split, demo, loss, steps,
                                                                        held_out, untrained_cross_encoder_mrr):
-    """Each objective learns from the packaged MiniLM: eq. 1 on each pair, the softmax over each positive's group,
-    and that softmax blended with a first stage that knows nothing (random scores over random lists)."""
-    prior = []
-    if loss == "residual":
-        qids = sorted(demo.positives)[:TRAIN_QUERIES]
-        scores = np.random.default_rng(5).normal(size=(len(qids), 8))
-        (tmp_path / "prior.run").write_text("".join(
-            f"{qid} Q0 {pid} {rank} {scores[row, rank - 1]:.4f} first-stage\n"
-            for row, (qid, ranked) in enumerate(candidate_lists(demo, qids, size=8).items())
-            for rank, pid in enumerate(ranked, start=1)))
-        prior = ["--prior-run", str(tmp_path / "prior.run")]
-    assert train_cross_encoder([*demo_split["train"], *CROSS_ENCODER_COMMON, "--objective", loss, *prior, "--output",
+    """Each objective learns from the packaged MiniLM: eq. 1 on each pair, and the softmax over each positive's group."""
+    assert train_cross_encoder([*demo_split["train"], *CROSS_ENCODER_COMMON, "--objective", loss, "--output",
                                 str(tmp_path / "run"), "--max-steps", str(steps), "--save-every", str(steps)]) == 0
     untrained = untrained_cross_encoder_mrr
     trained = cross_encoder_mrr(tmp_path / "run" / f"checkpoint-{steps:07d}", demo, held_out)
@@ -363,6 +353,24 @@ def test_residual_batches_take_a_positive_and_negatives_of_the_first_stages_list
             assert len(passages) == 3 and pid_of[passages[0]] in data.positives[qid]
             assert all(pid_of[text] not in data.positives[qid] for text in passages[1:])
             assert prior == [listed[pid_of[text]] for text in passages]
+
+
+def test_residual_cli_trains_on_the_first_stages_lists_and_records_them(tmp_path, demo_split, demo, capsys):
+    """The residual objective through the CLI: it reads the first stage's run, says how many training queries it
+    covers, and its checkpoints record the run and the prior's weight (a resume must match them)."""
+    qids = sorted(demo.positives)[:TRAIN_QUERIES][:40]
+    prior = tmp_path / "prior.run"
+    prior.write_text("".join(f"{qid} Q0 {pid} {rank} {-rank} first-stage\n"
+                             for qid, ranked in candidate_lists(demo, qids, size=6).items()
+                             for rank, pid in enumerate(ranked, start=1)))
+    start = tiny_bert(tmp_path / "random-bert", num_labels=None, hidden=32, layers=1)
+    assert train_cross_encoder(["--init", str(start), *demo_split["train"], "--batch-size", "4", "--negatives", "3",
+                                "--query-max-tokens", "32", "--max-tokens", "80", "--objective", "residual",
+                                "--prior-run", str(prior), "--prior-weight", "0.5", "--max-steps", "4",
+                                "--output", str(tmp_path / "run")]) == 0
+    assert f"first-stage lists from {prior} for 40 of {TRAIN_QUERIES} queries" in capsys.readouterr().err
+    state = json.loads((tmp_path / "run" / "checkpoint-0000004" / STATE_FILE).read_text())
+    assert (state["objective"], state["prior_run"], state["prior_weight"]) == ("residual", str(prior), 0.5)
 
 
 def test_residual_loss_is_low_where_the_first_stage_already_ranks_the_positive_first(demo):
