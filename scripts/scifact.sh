@@ -18,8 +18,8 @@
 #                int8 monoBERT at depth 4 (SEARCH_RERANK_BACKEND=onnx-int8)  -> $WORK/table-*.txt
 #   monobert-group  monoBERT trained by a softmax over each claim's positive and 3 mined negatives, its
 #                checkpoints every 100 steps scored on dev, blended -> $WORK/models/monobert-group, $WORK/table-monobert-group-20.txt
-#   monobert-residual  monoBERT trained as its blend with a first stage (--objective residual: each logit plus
-#                0.5 x the packaged hybrid-zscore's z-score), its checkpoints scored on dev over the bi-encoder's
+#   monobert-residual  monoBERT trained on the packaged hybrid-zscore's top 20 (--objective residual, each logit
+#                plus 0.5 x that first stage's z-score), its checkpoints scored on dev over the bi-encoder's
 #                hybrid-zscore, and in int8 at depth 4 (after `biencoder`) -> $WORK/models/monobert-residual,
 #                $WORK/table-biencoder-monobert-residual-*.txt
 #   distil       monoBERT distilled from the generative MLE reranker (after `generative`): its scores of
@@ -159,10 +159,10 @@ step() {
             --rerank "$WORK"/models/monobert-group/checkpoint-* --depth 20 --retrieval-weight 0 1 2 3 \
             | tee "$WORK/table-monobert-group-20.txt" ;;
     monobert-residual)
-        # Trained as the blend it is served in: the packaged hybrid-zscore's top 20 of each training claim
+        # Trained on the lists it will rerank: the packaged hybrid-zscore's top 20 of each training claim
         # (that first stage never saw them; the bi-encoder's has), 3 of them beside a positive, each logit
-        # plus 0.5 x its z-score in that list; scored over the bi-encoder's hybrid-zscore, whose z-scores it
-        # was trained beside (after `biencoder`): at depth 20, and in int8 at depth 4.
+        # plus 0.5 x its z-score in that list (0 reads the same: the lists carry the gain); scored over the
+        # bi-encoder's hybrid-zscore (after `biencoder`): at depth 20, and in int8 at depth 4.
         [ -f "$WORK/train-runs/hybrid-zscore.run" ] || $PY -m index_builder eval --index "$WORK/index" \
             --queries "$SPLIT/queries-train.tsv" --qrels "$SPLIT/qrels-train.txt" --modes hybrid-zscore --k 20 \
             --exact --runs-dir "$WORK/train-runs" --device "$DEVICE"

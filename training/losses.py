@@ -104,8 +104,8 @@ def group_softmax_loss(logits: torch.Tensor, group_sizes: list[int],
     one; here the negatives compete with the positive for one query, as in reranking.
 
     `offsets` (one per pair) are added to the logits first: the residual objective's weighted first-stage
-    z-scores, so the model is trained as the blend it will be served in and learns what the first stage
-    lacks (a group the first stage already orders by a wide margin pulls little).
+    z-scores, so the model is trained as the blend it will be served in (a group the first stage already
+    orders by a wide margin pulls little).
     """
     scores = relevance_logit(logits).float()
     if offsets is not None:

@@ -4,7 +4,7 @@ or with `--objective distil`, to order each training query's list as a teacher r
 (`--teacher-run`: a reranked row's run of `eval --runs-dir`; training.losses.listwise_distillation_loss),
 or with `--objective residual`, the softmax over each query's positive and negatives drawn from a first
 stage's list (`--prior-run`) with that first stage's z-scores, times `--prior-weight`, added to the logits:
-trained as the blend it is served in (`retrieval_weight`), it learns what the first stage lacks.
+the blend it is served in (`retrieval_weight`); 0 trains on the lists alone.
 
 Each micro-batch holds `--batch-size` (query, relevant passage) pairs; each brings its
 positive and `--negatives` sampled negatives, so a micro-batch is
