@@ -17,8 +17,8 @@ from ir_measures import AP, RR, R, nDCG
 from tqdm import tqdm
 
 from models.reranker import Reranker
-from retrieval.readers import Qrels, Run
 from retrieval.fusion import standardised
+from retrieval.readers import Qrels, Run
 from retrieval.rerank import rescored
 from retrieval.searcher import Hit, Searcher
 

@@ -35,8 +35,8 @@ from training.data import Collection, TrainingDataError, load_judged, load_tripl
 from training.train_biencoder import BiEncoderTrainee, in_batch_positives
 from training.train_biencoder import main as train_biencoder
 from training.train_cross_encoder import CrossEncoderTrainee
-from training.trainer import STATE_FILE
 from training.train_cross_encoder import main as train_cross_encoder
+from training.trainer import STATE_FILE
 
 TRAIN_QUERIES = 300  # qrels.txt lists q0001... in order, one judgement each
 
