@@ -47,17 +47,12 @@ from service.sharded import (  # noqa: E402
 )
 from service.stop_signal import NAMESPACE, StopSignal, watch  # noqa: E402
 from tests.conftest import RAY_CLIENT_TIMEOUT_S, ROOT  # noqa: E402
+from tests.ports import unclaimed_ports  # noqa: E402
 from tests.test_admission import metric  # noqa: E402
 from tests.test_hardening_service import answer_of  # noqa: E402
 
 SHARD_TIMEOUT_S = 3.0
 CAP = 4  # SEARCH_MAX_CONCURRENT_REQUESTS: above the kill test's three clients at once
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +64,7 @@ def whole(merged_shards, encoder) -> SearchEngine:
 @pytest.fixture(scope="module")
 def base_url(ray_session, small_shards):
     try:
-        port = free_port()
+        [port] = unclaimed_ports(1)
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         settings = ServiceSettings(device="cpu", shard_timeout_s=SHARD_TIMEOUT_S, max_concurrent_requests=CAP)
         # No CPUs reserved: four replicas share this machine's two cores.
@@ -323,14 +318,7 @@ def command_env() -> dict[str, str]:
     """The environment of a `python -m service --ray` beside the module's Serve: a local Ray of its own
     (no RAY_ADDRESS), the CPU, and free ports (distinct) for those Serve would otherwise bind at fixed ones."""
     env = {name: value for name, value in os.environ.items() if name != "RAY_ADDRESS"}
-    sockets = [socket.socket() for _ in PORT_VARIABLES]
-    try:
-        for sock in sockets:  # all bound at once: no two the same
-            sock.bind(("127.0.0.1", 0))
-        ports = {name: str(sock.getsockname()[1]) for name, sock in zip(PORT_VARIABLES, sockets)}
-    finally:
-        for sock in sockets:
-            sock.close()
+    ports = {name: str(port) for name, port in zip(PORT_VARIABLES, unclaimed_ports(len(PORT_VARIABLES)))}
     return {**env, "SEARCH_DEVICE": "cpu", **ports}
 
 

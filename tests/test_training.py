@@ -188,24 +188,22 @@ def cross_encoder_mrr(folder: Path, demo: Collection, held_out: dict[str, list[s
 
 @pytest.fixture(scope="module")
 def untrained_cross_encoder_mrr(tmp_path_factory, demo_split, demo, held_out) -> float:
-    """The packaged MiniLM with a new random head (seeded, whatever the objective): --max-steps 0 saves it."""
+    """The packaged MiniLM with a new random head (seeded): --max-steps 0 saves it."""
     out = tmp_path_factory.mktemp("cross-encoder-start")
     assert train_cross_encoder([*demo_split["train"], *CROSS_ENCODER_COMMON, "--output", str(out), "--max-steps", "0"]) == 0
     return cross_encoder_mrr(out / "checkpoint-0000000", demo, held_out)
 
 
-@pytest.mark.parametrize("loss, steps", [
-    ("pointwise", 60),  # held-out MRR@10 0.85-0.88 over seeds 1, 2, 13; 40 steps gave 0.51-0.80
-    ("group", 40),  # 0.87 (0.71 after 30 steps, 0.97 after 60)
-])
-def test_cross_encoder_cli_learns_from_minilm_and_its_checkpoint_loads(tmp_path, demo_split, demo, loss, steps,
-                                                                       held_out, untrained_cross_encoder_mrr):
-    """Each objective learns from the packaged MiniLM: eq. 1 on each pair, and the softmax over each positive's group."""
-    assert train_cross_encoder([*demo_split["train"], *CROSS_ENCODER_COMMON, "--objective", loss, "--output",
-                                str(tmp_path / "run"), "--max-steps", str(steps), "--save-every", str(steps)]) == 0
+def test_cross_encoder_cli_learns_from_minilm_and_its_checkpoint_loads(tmp_path, demo_split, demo, held_out,
+                                                                       untrained_cross_encoder_mrr):
+    """Eq. 1's cross-entropy on each pair learns from the packaged MiniLM (the group softmax's loss is checked by
+    hand in test_cross_encoder and through the residual objective below)."""
+    steps = 60  # held-out MRR@10 0.85-0.88 over seeds 1, 2, 13; 40 steps gave 0.51-0.80
+    assert train_cross_encoder([*demo_split["train"], *CROSS_ENCODER_COMMON, "--output", str(tmp_path / "run"),
+                                "--max-steps", str(steps), "--save-every", str(steps)]) == 0
     untrained = untrained_cross_encoder_mrr
     trained = cross_encoder_mrr(tmp_path / "run" / f"checkpoint-{steps:07d}", demo, held_out)
-    print(f"cross-encoder ({loss}) held-out MRR@10: untrained {untrained:.3f}, trained {trained:.3f} after {steps} steps")
+    print(f"cross-encoder held-out MRR@10: untrained {untrained:.3f}, trained {trained:.3f} after {steps} steps")
     assert trained > untrained + 0.3 and trained > 0.6  # random ranking of 10 candidates: about 0.29
     assert (tmp_path / "run" / f"checkpoint-{steps:07d}" / "reranker.json").is_file()
 
