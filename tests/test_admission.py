@@ -22,16 +22,11 @@ import uvicorn
 from service.app import create_app
 from service.batcher import MicroBatcher
 from service.protocol import timeout_protocol
+from tests.ports import unclaimed_ports
 from tests.test_service import call, one, settings_for
 
 READ_TIMEOUT_S = 0.5
 WRITE_TIMEOUT_S = 1.0
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @contextmanager
@@ -47,7 +42,7 @@ def serving(small_index, engine, entered: list | None = None, **overrides):
             entered.append(scope["path"])
         await app(scope, receive, send)
 
-    port = free_port()
+    port = unclaimed_ports(1)[0]
     server = uvicorn.Server(uvicorn.Config(entry, host="127.0.0.1", port=port, log_level="warning",
                                            http=timeout_protocol(settings.read_timeout_s, settings.write_timeout_s,
                                                                  app.state.runtime.occupancy,

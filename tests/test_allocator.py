@@ -16,14 +16,14 @@ import pytest
 
 from service.allocator import JEMALLOC_CONF, REEXECUTED, find_jemalloc, worker_env
 from tests.conftest import ROOT
-from tests.test_service import free_port
+from tests.ports import unclaimed_ports
 
 needs_jemalloc = pytest.mark.skipif(find_jemalloc() is None, reason="no libjemalloc installed (apt-get install libjemalloc2)")
 
 
 def started(index: Path, **settings: str) -> tuple[subprocess.Popen, str, str]:
     """`python -m service` once /health answers: the process, its memory map, and its environment."""
-    port = free_port()
+    port = unclaimed_ports(1)[0]
     env = {name: value for name, value in os.environ.items()
            if name not in ("LD_PRELOAD", "MALLOC_CONF", REEXECUTED, "SEARCH_ALLOCATOR")}
     env.update({"SEARCH_INDEX_DIR": str(index), "SEARCH_PORT": str(port), "SEARCH_DEVICE": "cpu", **settings})

@@ -8,7 +8,6 @@ import json
 import os
 import re
 import shlex
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ import yaml
 
 from service.settings import ServiceSettings
 from tests.conftest import ROOT
+from tests.ports import unclaimed_ports
 
 COMPOSE = ROOT / "docker-compose.yml"
 CPU_OVERRIDE = ROOT / "docker-compose.cpu.yml"
@@ -91,12 +91,6 @@ def healthcheck(path: Path) -> tuple[str, list[str]]:
 
 def environment(path: Path) -> dict[str, str]:
     return dict(token.split("=", 1) for env in instruction(path, "ENV") for token in shlex.split(env))
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_compose_builds_the_index_into_a_named_volume_then_serves_it():
@@ -187,7 +181,7 @@ def test_the_images_command_serves_an_index_and_passes_the_images_health_check(s
         "SEARCH_INDEX_DIR": str(small_index),
         "SEARCH_INDEX_ROOT": str(small_index.parent),
         "SEARCH_HOST": "127.0.0.1",
-        "SEARCH_PORT": str(free_port()),
+        "SEARCH_PORT": str(unclaimed_ports(1)[0]),
         "SEARCH_DEVICE": "cpu",
     }
     server = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -7,7 +7,6 @@ import gc
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -26,6 +25,7 @@ from service.engine import SearchEngine
 from service.schemas import SearchHit
 from service.settings import ServiceSettings
 from tests.conftest import ROOT
+from tests.ports import unclaimed_ports
 
 KEY = "s3cret-key"
 
@@ -280,14 +280,8 @@ def test_an_index_that_fails_to_load_leaves_health_up_and_ready_503(tmp_path):
         assert client.post("/search", json={"query": "x"}).status_code == 503
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_python_m_service_serves_on_localhost(small_index):
-    port = free_port()
+    port = unclaimed_ports(1)[0]
     env = {**os.environ, "SEARCH_INDEX_DIR": str(small_index), "SEARCH_PORT": str(port), "SEARCH_DEVICE": "cpu"}
     server = subprocess.Popen([sys.executable, "-m", "service"], cwd=ROOT, env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
