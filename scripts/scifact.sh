@@ -5,7 +5,8 @@
 #
 #   bash scripts/scifact.sh STEP [STEP ...]
 #
-# Steps (each skips what its output folder already holds; `all` runs them in this order):
+# Steps (each skips what its output folder already holds; `all` runs split index runs monobert coattention
+# biencoder table monobert-residual, in that order):
 #   split        the seeded train/dev split of the judged claims, grouped by cited abstract -> $WORK/split
 #   index        dense (packaged MiniLM) + BM25 index of the corpus   -> $WORK/index
 #   runs         dense and BM25 top-100 of the train claims           -> $WORK/train-runs (hard negatives)
@@ -19,9 +20,9 @@
 #   monobert-group  monoBERT trained by a softmax over each claim's positive and 3 mined negatives, its
 #                checkpoints every 100 steps scored on dev, blended -> $WORK/models/monobert-group, $WORK/table-monobert-group-20.txt
 #   monobert-residual  monoBERT trained on the packaged hybrid-zscore's top 20 (--objective residual, each logit
-#                plus 0.5 x that first stage's z-score), its checkpoints scored on dev over the bi-encoder's
-#                hybrid-zscore, and in int8 at depth 4 (after `biencoder`) -> $WORK/models/monobert-residual,
-#                $WORK/table-biencoder-monobert-residual-*.txt
+#                plus 0.5 x that first stage's z-score), scored on dev over the packaged hybrid-rrf and
+#                hybrid-zscore, its checkpoints over the bi-encoder's hybrid-zscore, and in int8 at depth 4 (after
+#                `biencoder`) -> $WORK/models/monobert-residual, $WORK/table-*monobert-residual-*.txt
 #   distil       monoBERT distilled from the generative MLE reranker (after `generative`): its scores of
 #                hybrid-rrf's top 8 for each training claim, then the listwise KL to them -> $WORK/teacher,
 #                $WORK/models/monobert-distil, $WORK/table-monobert-distil-20.txt
@@ -161,8 +162,9 @@ step() {
     monobert-residual)
         # Trained on the lists it will rerank: the packaged hybrid-zscore's top 20 of each training claim
         # (that first stage never saw them; the bi-encoder's has), 3 of them beside a positive, each logit
-        # plus 0.5 x its z-score in that list (0 reads the same: the lists carry the gain); scored over the
-        # bi-encoder's hybrid-zscore (after `biencoder`): at depth 20, and in int8 at depth 4.
+        # plus 0.5 x its z-score in that list (0 reads the same: the lists carry the gain); its last checkpoint
+        # scored over the packaged hybrid-rrf and hybrid-zscore at depth 20, then each over the bi-encoder's
+        # hybrid-zscore (after `biencoder`) at depth 20, and the last in int8 at depth 4.
         [ -f "$WORK/train-runs/hybrid-zscore.run" ] || $PY -m index_builder eval --index "$WORK/index" \
             --queries "$SPLIT/queries-train.tsv" --qrels "$SPLIT/qrels-train.txt" --modes hybrid-zscore --k 20 \
             --exact --runs-dir "$WORK/train-runs" --device "$DEVICE"
@@ -170,6 +172,9 @@ step() {
             "${TRAIN[@]}" --objective residual --prior-run "$WORK/train-runs/hybrid-zscore.run" --prior-weight 0.5 \
             --negatives 3 --batch-size 4 --lr 3e-5 --max-steps "${STEPS_MONOBERT_RESIDUAL:-300}" --max-tokens 256 \
             --save-every 100 --keep-checkpoints 0 --device "$DEVICE" --output "$WORK/models/monobert-residual"
+        $PY -m index_builder eval --index "$WORK/index" "${DEV[@]}" --modes hybrid-rrf hybrid-zscore \
+            --rerank "$(newest "$WORK/models/monobert-residual")" --depth 20 --retrieval-weight 0 1 2 3 \
+            | tee "$WORK/table-monobert-residual-20.txt"
         $PY -m index_builder eval --index "$WORK/index-biencoder" "${DEV[@]}" --modes hybrid-zscore \
             --rerank "$WORK"/models/monobert-residual/checkpoint-* --depth 20 --retrieval-weight 0 1 2 3 \
             | tee "$WORK/table-biencoder-monobert-residual-20.txt"
@@ -231,7 +236,7 @@ step() {
             --rerank "$(newest "$WORK/models/monobert")" --rerank-backend onnx-int8 --depth 4 --retrieval-weight 0 1 2 3 \
             | tee "$WORK/table-biencoder-monobert-int8-4.txt" ;;
     all)
-        for name in split index runs monobert coattention biencoder table; do step $name; done ;;
+        for name in split index runs monobert coattention biencoder table monobert-residual; do step $name; done ;;
     *)
         echo "error: unknown step $1 (split, index, runs, monobert, coattention, biencoder, table, monobert-group, monobert-residual, monobert-generated, generative, generative-rll, distil, all)" >&2
         exit 2 ;;
