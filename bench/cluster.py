@@ -38,7 +38,8 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.load import QUERIES, Server, alternate, free_port, name_value, rss_mib, search_request  # noqa: E402
+from bench.load import QUERIES, Server, alternate, name_value, rss_mib, search_request  # noqa: E402
+from bench.ports import unclaimed_ports  # noqa: E402
 from index_builder.build import BuildOptions, build_index  # noqa: E402
 from index_builder.merge import merge_shards  # noqa: E402
 from models.encoder import BiEncoder  # noqa: E402
@@ -129,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         settings = ServiceSettings(device="cpu")
         ray.init(include_dashboard=False, runtime_env={"env_vars": job_env(settings, local=True)})
         try:
-            port = free_port()
+            [port] = unclaimed_ports(1)
             serve.start(http_options={"host": "127.0.0.1", "port": port})
             for replicas in args.replicas:
                 application = build_application(

@@ -18,7 +18,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -37,17 +36,12 @@ from prometheus_client.parser import text_string_to_metric_families
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.ports import unclaimed_ports  # noqa: E402
 from index_builder.build import BuildOptions, build_index  # noqa: E402
 from models.encoder import BiEncoder  # noqa: E402
 from service.engine import SearchEngine  # noqa: E402
 
 QUERIES = [line.split("\t", 1)[1].strip() for line in (ROOT / "data/demo/queries.tsv").read_text().splitlines()]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class Process:
@@ -100,7 +94,7 @@ class Server(Process):
 
     def __init__(self, index: Path, device: str, environ: dict[str, str] | None = None, **env: str) -> None:
         """`env`: SEARCH_* settings by their lower-case names; `environ`: other variables, as named."""
-        port = free_port()
+        [port] = unclaimed_ports(1)
         variables = {**os.environ, **(environ or {}), "SEARCH_INDEX_DIR": str(index), "SEARCH_PORT": str(port),
                      "SEARCH_DEVICE": device}
         variables.update({f"SEARCH_{k.upper()}": v for k, v in env.items()})

@@ -30,7 +30,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.load import QUERIES, Process, Request, Server, alternate, free_port  # noqa: E402
+from bench.load import QUERIES, Process, Request, Server, alternate  # noqa: E402
+from bench.ports import unclaimed_ports  # noqa: E402
 from index_builder.build import BuildOptions, build_index  # noqa: E402
 from models.encoder import BiEncoder, default_model_path  # noqa: E402
 from retrieval.index_format import read_manifest  # noqa: E402
@@ -59,7 +60,7 @@ class Infinity(Process):
     startup_s = 300
 
     def __init__(self, executable: Path, model: Path, batch_size: int) -> None:
-        port = free_port()
+        [port] = unclaimed_ports(1)
         environment = {**os.environ, "INFINITY_ANONYMOUS_USAGE_STATS": "0", "HF_HUB_OFFLINE": "1", "DO_NOT_TRACK": "1"}
         super().__init__([str(executable), "v2", "--model-id", str(model), "--served-model-name", "minilm",
                           "--engine", "torch", "--device", "cpu", "--batch-size", str(batch_size),

@@ -34,7 +34,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.cluster import indexes  # noqa: E402
-from bench.load import QUERIES, free_port  # noqa: E402
+from bench.load import QUERIES  # noqa: E402
+from bench.ports import unclaimed_ports  # noqa: E402
 from models.encoder import BiEncoder  # noqa: E402
 from service.settings import ServiceSettings  # noqa: E402
 
@@ -122,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     env = job_env(ServiceSettings(device="cpu"), local=True)
     ray.init(include_dashboard=False, runtime_env={"env_vars": env})
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
+        serve.start(http_options={"host": "127.0.0.1", "port": unclaimed_ports(1)[0]})
         one_thread = {"num_cpus": 0, "runtime_env": {"env_vars": {"OMP_NUM_THREADS": "1"}}}
         for position, directory in enumerate(shards):
             serve.run(ShardDeployment.options(name=f"shard-{position}", ray_actor_options=one_thread)

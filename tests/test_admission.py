@@ -22,7 +22,7 @@ import uvicorn
 from service.app import create_app
 from service.batcher import MicroBatcher
 from service.protocol import timeout_protocol
-from tests.ports import unclaimed_ports
+from bench.ports import unclaimed_ports
 from tests.test_service import call, one, settings_for
 
 READ_TIMEOUT_S = 0.5

@@ -16,7 +16,7 @@ import pytest
 
 from service.allocator import JEMALLOC_CONF, REEXECUTED, find_jemalloc, worker_env
 from tests.conftest import ROOT
-from tests.ports import unclaimed_ports
+from bench.ports import unclaimed_ports
 
 needs_jemalloc = pytest.mark.skipif(find_jemalloc() is None, reason="no libjemalloc installed (apt-get install libjemalloc2)")
 

@@ -18,7 +18,7 @@ import yaml
 
 from service.settings import ServiceSettings
 from tests.conftest import ROOT
-from tests.ports import unclaimed_ports
+from bench.ports import unclaimed_ports
 
 COMPOSE = ROOT / "docker-compose.yml"
 CPU_OVERRIDE = ROOT / "docker-compose.cpu.yml"

@@ -25,7 +25,7 @@ from service.engine import SearchEngine
 from service.schemas import SearchHit
 from service.settings import ServiceSettings
 from tests.conftest import ROOT
-from tests.ports import unclaimed_ports
+from bench.ports import unclaimed_ports
 
 KEY = "s3cret-key"
 

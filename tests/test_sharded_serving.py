@@ -47,7 +47,7 @@ from service.sharded import (  # noqa: E402
 )
 from service.stop_signal import NAMESPACE, StopSignal, watch  # noqa: E402
 from tests.conftest import RAY_CLIENT_TIMEOUT_S, ROOT  # noqa: E402
-from tests.ports import unclaimed_ports  # noqa: E402
+from bench.ports import unclaimed_ports  # noqa: E402
 from tests.test_admission import metric  # noqa: E402
 from tests.test_hardening_service import answer_of  # noqa: E402
 

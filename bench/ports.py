@@ -1,6 +1,6 @@
-"""Ports for the servers a test starts, chosen below this machine's ephemeral range: the kernel hands a port in
-that range to any bind to port 0 or outgoing connection (a starting Ray makes dozens of each), so one found
-free there can be taken before the server binds it."""
+"""Ports for the servers a test or a benchmark starts, chosen below this machine's ephemeral range: the kernel hands a
+port in that range to any bind to port 0 or outgoing connection (a starting Ray makes dozens of each), so one
+found free there can be taken before the server binds it."""
 
 from __future__ import annotations
 
