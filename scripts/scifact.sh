@@ -33,6 +33,9 @@
 #   monobert-generated  monoBERT trained on the training claims and on claims the MLE reranker writes for a
 #                seeded sample of the corpus's abstracts (InPars), its checkpoints scored on dev over the bi-encoder's
 #                hybrid-rrf (after `generative` and `biencoder`) -> $WORK/generated, $WORK/models/monobert-generated
+#   ensemble     over the packaged hybrid-zscore at depth 20 (after `generative` and `monobert-residual`): the MLE
+#                reranker, the residual monoBERT, and the mean of their z-scores (eval --ensemble), the recipe's
+#                best row; not in `all`                                  -> $WORK/table-ensemble-20.txt
 #   generative-rll  the same fine-tuned by RLL (eq. 5) instead, and its row; not in `all`; resumable
 #                -> $WORK/models/generative-rll, $WORK/table-generative-rll-20-hybrid-rrf.txt
 #
@@ -163,8 +166,8 @@ step() {
         # Trained on the lists it will rerank: the packaged hybrid-zscore's top 20 of each training claim
         # (that first stage never saw them; the bi-encoder's has), 3 of them beside a positive, each logit
         # plus 0.5 x its z-score in that list (0 reads the same: the lists carry the gain); its last checkpoint
-        # scored over the packaged hybrid-rrf and hybrid-zscore at depth 20, then each over the bi-encoder's
-        # hybrid-zscore (after `biencoder`) at depth 20, and the last in int8 at depth 4.
+        # scored over the packaged hybrid-rrf and hybrid-zscore at depth 20, then, where `biencoder` has built its
+        # index, each over the bi-encoder's hybrid-zscore at depth 20 and the last in int8 at depth 4.
         [ -f "$WORK/train-runs/hybrid-zscore.run" ] || $PY -m index_builder eval --index "$WORK/index" \
             --queries "$SPLIT/queries-train.tsv" --qrels "$SPLIT/qrels-train.txt" --modes hybrid-zscore --k 20 \
             --exact --runs-dir "$WORK/train-runs" --device "$DEVICE"
@@ -175,12 +178,25 @@ step() {
         $PY -m index_builder eval --index "$WORK/index" "${DEV[@]}" --modes hybrid-rrf hybrid-zscore \
             --rerank "$(newest "$WORK/models/monobert-residual")" --depth 20 --retrieval-weight 0 1 2 3 \
             | tee "$WORK/table-monobert-residual-20.txt"
+        [ -d "$WORK/index-biencoder" ] || return 0
         $PY -m index_builder eval --index "$WORK/index-biencoder" "${DEV[@]}" --modes hybrid-zscore \
             --rerank "$WORK"/models/monobert-residual/checkpoint-* --depth 20 --retrieval-weight 0 1 2 3 \
             | tee "$WORK/table-biencoder-monobert-residual-20.txt"
         $PY -m index_builder eval --index "$WORK/index-biencoder" "${DEV[@]}" --modes hybrid-zscore \
             --rerank "$(newest "$WORK/models/monobert-residual")" --rerank-backend onnx-int8 --depth 4 \
             --retrieval-weight 0 1 2 3 | tee "$WORK/table-biencoder-monobert-residual-int8-4.txt" ;;
+    ensemble)
+        local table="$WORK/table-ensemble-20.txt" needs
+        [ -f "$table" ] && return 0
+        for needs in generative:generative-mle monobert-residual:monobert-residual; do
+            [ -d "$WORK/models/${needs##*:}" ] && continue
+            echo "error: no $WORK/models/${needs##*:}: run the step ${needs%%:*} first" >&2
+            exit 2
+        done
+        $PY -m index_builder eval --index "$WORK/index" "${DEV[@]}" --modes hybrid-zscore \
+            --rerank "$(newest "$WORK/models/generative-mle")" "$(newest "$WORK/models/monobert-residual")" \
+            --ensemble --depth 20 --retrieval-weight 0 1 2 3 | tee "$table.partial"
+        mv "$table.partial" "$table" ;;
     distil)
         local teacher
         teacher=$(newest "$WORK/models/generative-mle")
@@ -238,7 +254,7 @@ step() {
     all)
         for name in split index runs monobert coattention biencoder table monobert-residual; do step $name; done ;;
     *)
-        echo "error: unknown step $1 (split, index, runs, monobert, coattention, biencoder, table, monobert-group, monobert-residual, monobert-generated, generative, generative-rll, distil, all)" >&2
+        echo "error: unknown step $1 (split, index, runs, monobert, coattention, biencoder, table, monobert-group, monobert-residual, monobert-generated, generative, ensemble, generative-rll, distil, all)" >&2
         exit 2 ;;
     esac
 }
