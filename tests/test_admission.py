@@ -19,10 +19,10 @@ import httpx
 import pytest
 import uvicorn
 
+from bench.ports import unclaimed_ports
 from service.app import create_app
 from service.batcher import MicroBatcher
 from service.protocol import timeout_protocol
-from bench.ports import unclaimed_ports
 from tests.test_service import call, one, settings_for
 
 READ_TIMEOUT_S = 0.5

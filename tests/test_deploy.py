@@ -16,9 +16,9 @@ from pathlib import Path
 import httpx
 import yaml
 
+from bench.ports import unclaimed_ports
 from service.settings import ServiceSettings
 from tests.conftest import ROOT
-from bench.ports import unclaimed_ports
 
 COMPOSE = ROOT / "docker-compose.yml"
 CPU_OVERRIDE = ROOT / "docker-compose.cpu.yml"

@@ -18,6 +18,7 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
+from bench.ports import unclaimed_ports
 from index_builder.build import BuildOptions, build_index
 from retrieval.searcher import Searcher
 from service.app import create_app
@@ -25,7 +26,6 @@ from service.engine import SearchEngine
 from service.schemas import SearchHit
 from service.settings import ServiceSettings
 from tests.conftest import ROOT
-from bench.ports import unclaimed_ports
 
 KEY = "s3cret-key"
 

@@ -27,6 +27,7 @@ import pytest
 ray = pytest.importorskip("ray", reason="sharded serving needs ray[serve] (pip install 'ray[serve]')")
 serve = pytest.importorskip("ray.serve", reason="sharded serving needs ray[serve] (pip install 'ray[serve]')")
 
+from bench.ports import unclaimed_ports  # noqa: E402
 from retrieval.searcher import Searcher  # noqa: E402
 from retrieval.sharding import ShardIndex  # noqa: E402
 from service.admission import Occupancy  # noqa: E402
@@ -47,7 +48,6 @@ from service.sharded import (  # noqa: E402
 )
 from service.stop_signal import NAMESPACE, StopSignal, watch  # noqa: E402
 from tests.conftest import RAY_CLIENT_TIMEOUT_S, ROOT  # noqa: E402
-from bench.ports import unclaimed_ports  # noqa: E402
 from tests.test_admission import metric  # noqa: E402
 from tests.test_hardening_service import answer_of  # noqa: E402
 
