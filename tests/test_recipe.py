@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import faiss
 import pytest
 from fastapi.testclient import TestClient
 
@@ -84,6 +85,34 @@ def test_a_split_that_cannot_hold_out_a_group_is_refused(tmp_path):
                           capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
     assert done.returncode == 2 and "the largest has 3 of 3 queries" in done.stderr
     assert not (tmp_path / "split").exists()
+
+
+def scifact_sh(tmp_path: Path, *steps: str, **env: str) -> subprocess.CompletedProcess:
+    """scripts/scifact.sh STEPS over an empty data folder and WORK, with `env` added."""
+    (tmp_path / "data").mkdir(exist_ok=True)
+    (tmp_path / "data" / "corpus.jsonl").touch()
+    env = {**os.environ, "SCIFACT": str(tmp_path / "data"), "WORK": str(tmp_path / "work"), "PYTHON": sys.executable,
+           **env}
+    return subprocess.run(["bash", "scripts/scifact.sh", *steps], env=env, cwd=Path(__file__).resolve().parents[1],
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("step, missing, writer", [
+    ("ensemble", "models/generative-mle", "generative"),
+    ("distil", "models/generative-mle", "generative"),
+    ("monobert-generated", "models/generative-mle", "generative"),
+])
+def test_a_step_run_before_the_step_it_reads_exits_2_naming_that_step(tmp_path, step, missing, writer):
+    done = scifact_sh(tmp_path, step, DEVICE="cpu")
+    assert done.returncode == 2
+    assert done.stderr.strip() == f"error: no {tmp_path / 'work' / missing}: run the step {writer} first"
+
+
+@pytest.mark.skipif(getattr(faiss, "get_num_gpus", lambda: 0)() > 0, reason="faiss sees a GPU here")
+def test_device_cuda_where_faiss_is_a_cpu_build_exits_2_before_any_step(tmp_path):
+    done = scifact_sh(tmp_path, "split", DEVICE="cuda")
+    assert done.returncode == 2 and "faiss sees no GPU" in done.stderr and "DEVICE=auto" in done.stderr
+    assert not (tmp_path / "work").exists()
 
 
 def test_the_recipe_times_each_step_and_keeps_hard_negative_runs(recipe):
