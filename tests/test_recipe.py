@@ -97,12 +97,16 @@ def scifact_sh(tmp_path: Path, *steps: str, **env: str) -> subprocess.CompletedP
                           capture_output=True, text=True, timeout=120)
 
 
-@pytest.mark.parametrize("step, missing, writer", [
-    ("ensemble", "models/generative-mle", "generative"),
-    ("distil", "models/generative-mle", "generative"),
-    ("monobert-generated", "models/generative-mle", "generative"),
+@pytest.mark.parametrize("step, present, missing, writer", [
+    ("ensemble", [], "models/generative-mle", "generative"),
+    ("ensemble", ["models/generative-mle"], "models/monobert-residual", "monobert-residual"),
+    ("distil", [], "models/generative-mle", "generative"),
+    ("monobert-generated", [], "models/generative-mle", "generative"),
+    ("monobert-generated", ["models/generative-mle"], "index-biencoder", "biencoder"),
 ])
-def test_a_step_run_before_the_step_it_reads_exits_2_naming_that_step(tmp_path, step, missing, writer):
+def test_a_step_run_before_the_step_it_reads_exits_2_naming_that_step(tmp_path, step, present, missing, writer):
+    for folder in present:
+        (tmp_path / "work" / folder).mkdir(parents=True)
     done = scifact_sh(tmp_path, step, DEVICE="cpu")
     assert done.returncode == 2
     assert done.stderr.strip() == f"error: no {tmp_path / 'work' / missing}: run the step {writer} first"
