@@ -62,7 +62,7 @@ if [ ! -f "$DATA/corpus.jsonl" ]; then
     exit 2
 fi
 # DEVICE=cuda puts the index on the GPU too: refused now, not at the first eval after a training.
-if [[ $DEVICE == cuda* ]] && [ "$($PY -c 'import faiss; print(getattr(faiss, "get_num_gpus", lambda: 0)())')" = 0 ]; then
+if [[ $DEVICE == cuda* ]] && [ "$($PY -c 'from retrieval.dense_index import gpu_count; print(gpu_count())')" = 0 ]; then
     echo "error: DEVICE=$DEVICE, but faiss sees no GPU (a CPU build); DEVICE=auto runs the models on the GPU and the index on the CPU" >&2
     exit 2
 fi

@@ -11,10 +11,10 @@ import sys
 import time
 from pathlib import Path
 
-import faiss
 import pytest
 from fastapi.testclient import TestClient
 
+from retrieval.dense_index import gpu_count
 from service.app import create_app
 from tests.conftest import DEMO, SMALL_CORPUS_LINES, read_tsv
 from tests.test_service import settings_for
@@ -23,10 +23,22 @@ from training.split import groups_of, split_ids, write_split
 QUERIES = 60  # q0001..q0060: their relevant passages are within the first 300 corpus lines
 
 
+def scifact_sh(base: Path, *steps: str, timeout: float = 120, **env: str) -> subprocess.CompletedProcess:
+    """scripts/scifact.sh STEPS with SCIFACT base/data (an empty corpus where none is there), WORK base/work and
+    `env` added."""
+    (base / "data").mkdir(exist_ok=True)
+    (base / "data" / "corpus.jsonl").touch()
+    env = {**os.environ, "SCIFACT": str(base / "data"), "WORK": str(base / "work"), "PYTHON": sys.executable, **env}
+    return subprocess.run(["bash", "scripts/scifact.sh", *steps], env=env, cwd=Path(__file__).resolve().parents[1],
+                          capture_output=True, text=True, timeout=timeout)
+
+
 @pytest.fixture(scope="module")
 def recipe(tmp_path_factory) -> Path:
     """WORK of `scifact.sh split index runs monobert` on a tiny BEIR collection (1 monoBERT step)."""
-    data = tmp_path_factory.mktemp("beir")
+    base = tmp_path_factory.mktemp("recipe")
+    data = base / "data"
+    data.mkdir()
     passages = list(read_tsv(DEMO / "corpus.tsv").items())[:SMALL_CORPUS_LINES]
     (data / "corpus.jsonl").write_text(
         "".join(json.dumps({"_id": pid, "title": "", "text": text}) + "\n" for pid, text in passages))
@@ -35,13 +47,9 @@ def recipe(tmp_path_factory) -> Path:
     qrels = [line.split() for line in (DEMO / "qrels.txt").read_text().splitlines()[:QUERIES]]
     (data / "qrels-train.tsv").write_text("query-id\tcorpus-id\tscore\n" + "".join(
         f"{qid}\t{pid}\t{rel}\n" for qid, _, pid, rel in qrels))
-    work = data / "work"
-    env = {**os.environ, "SCIFACT": str(data), "WORK": str(work), "PYTHON": sys.executable, "DEVICE": "cpu",
-           "STEPS_MONOBERT": "1"}
-    done = subprocess.run(["bash", "scripts/scifact.sh", "split", "index", "runs", "monobert"], env=env,
-                          cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=900)
+    done = scifact_sh(base, "split", "index", "runs", "monobert", timeout=900, DEVICE="cpu", STEPS_MONOBERT="1")
     assert done.returncode == 0, done.stderr[-2000:]
-    return work
+    return base / "work"
 
 
 def split_of(folder: Path) -> dict[str, list[str]]:
@@ -87,16 +95,6 @@ def test_a_split_that_cannot_hold_out_a_group_is_refused(tmp_path):
     assert not (tmp_path / "split").exists()
 
 
-def scifact_sh(tmp_path: Path, *steps: str, **env: str) -> subprocess.CompletedProcess:
-    """scripts/scifact.sh STEPS over an empty data folder and WORK, with `env` added."""
-    (tmp_path / "data").mkdir(exist_ok=True)
-    (tmp_path / "data" / "corpus.jsonl").touch()
-    env = {**os.environ, "SCIFACT": str(tmp_path / "data"), "WORK": str(tmp_path / "work"), "PYTHON": sys.executable,
-           **env}
-    return subprocess.run(["bash", "scripts/scifact.sh", *steps], env=env, cwd=Path(__file__).resolve().parents[1],
-                          capture_output=True, text=True, timeout=120)
-
-
 @pytest.mark.parametrize("step, present, missing, writer", [
     ("ensemble", [], "models/generative-mle", "generative"),
     ("ensemble", ["models/generative-mle"], "models/monobert-residual", "monobert-residual"),
@@ -112,7 +110,7 @@ def test_a_step_run_before_the_step_it_reads_exits_2_naming_that_step(tmp_path, 
     assert done.stderr.strip() == f"error: no {tmp_path / 'work' / missing}: run the step {writer} first"
 
 
-@pytest.mark.skipif(getattr(faiss, "get_num_gpus", lambda: 0)() > 0, reason="faiss sees a GPU here")
+@pytest.mark.skipif(gpu_count() > 0, reason="faiss sees a GPU here")
 def test_device_cuda_where_faiss_is_a_cpu_build_exits_2_before_any_step(tmp_path):
     done = scifact_sh(tmp_path, "split", DEVICE="cuda")
     assert done.returncode == 2 and "faiss sees no GPU" in done.stderr and "DEVICE=auto" in done.stderr
