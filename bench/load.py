@@ -50,11 +50,12 @@ class Process:
     ready_path = "/ready"
     startup_s = 120
 
-    def __init__(self, command: list[str], env: dict[str, str], port: int) -> None:
+    def __init__(self, command: list[str], env: dict[str, str], port: int, cwd: Path = ROOT) -> None:
+        """`cwd`: the checkout whose code runs (another than this one to measure it against this)."""
         self.port = port
         self.base = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.TemporaryFile()
-        self.process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+        self.process = subprocess.Popen(command, cwd=cwd, env=env, stdout=self.log, stderr=subprocess.STDOUT)
 
     def __enter__(self):
         deadline = time.monotonic() + self.startup_s

@@ -32,7 +32,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO, Callable, Iterator, Protocol, Sequence
+from typing import BinaryIO, Callable, Iterator, Mapping, Protocol, Sequence
 
 import numpy as np
 from tqdm import tqdm
@@ -46,7 +46,7 @@ from models.checkpoint import read_json
 from models.encoder import EncoderSpec
 from retrieval import index_writer
 from retrieval.corpus import DEFAULT_MAX_PASSAGE_BYTES, BadLine, CorpusFormat, Passage, detect_format, read_corpus
-from retrieval.fields import FieldTypes, encode_fields
+from retrieval.fields import MAX_FIELDS, FieldTypes, encode_fields
 from retrieval.index_format import (
     PASSAGES_FILE,
     CorpusRecord,
@@ -93,6 +93,10 @@ class BuildOptions:
     ann: list[AnnOptions] = field(default_factory=list)  # candidate structures (index_builder.ann), in each shard
     # Called with the finished work folder just before it replaces `out` (an update counts what it dropped there).
     before_publish: Callable[[Path], None] | None = None
+    max_fields: int = MAX_FIELDS  # metadata fields the index may declare; a line adding one more is a bad line
+    # update --add: the index's field types and its name, which the added passages' fields must agree with.
+    field_types: Mapping[str, str] = field(default_factory=dict)
+    field_types_of: str = ""
 
 
 @dataclass
@@ -270,6 +274,8 @@ def _build(options: BuildOptions, encoder: PassageEncoder) -> BuildReport:
         with connection:  # rows of a chunk that was stored but not yet counted in state.json
             connection.execute("DELETE FROM passages WHERE row >= ?", (state.rows,))
         types = FieldTypes.of_store(connection)  # a JSONL field keeps the type it was first stored with
+        types.max_fields = options.max_fields
+        types.know(options.field_types, options.field_types_of)
         report = _Reporter(corpus, options.skip_bad)
         started = time.perf_counter()
         encoded = 0

@@ -42,7 +42,8 @@ from index_builder.update import (
     rebuilt_structures,
 )
 from retrieval import index_writer
-from retrieval.corpus import DEFAULT_MAX_PASSAGE_BYTES
+from retrieval.corpus import DEFAULT_MAX_PASSAGE_BYTES, Passage, detect_format, read_corpus
+from retrieval.fields import MAX_FIELDS, FieldTypes
 from retrieval.index_format import INDEX_FILE, PASSAGES_FILE, Manifest, read_manifest
 
 OLD, ADDED = 0, 1  # where a row of the new generation comes from
@@ -59,6 +60,7 @@ class ChangeOptions:
     skip_bad: bool = False
     restart: bool = False  # discard an interrupted build of the --add file
     max_passage_bytes: int = DEFAULT_MAX_PASSAGE_BYTES
+    max_fields: int = MAX_FIELDS  # metadata fields the updated index may declare (at least the index's own)
 
 
 @dataclass
@@ -87,13 +89,17 @@ def apply_changes(options: ChangeOptions, load_encoder: Callable[[Manifest], Pas
         adding = index.parent / f".{index.name}.adding"
         encoded, skipped, resumed = 0, 0, 0
         if options.add is not None:
+            build = BuildOptions(options.add, adding, options.chunk_size, options.skip_bad, overwrite=True,
+                                 restart=options.restart, max_passage_bytes=options.max_passage_bytes,
+                                 max_fields=max(options.max_fields, len(old.manifest.fields)),
+                                 field_types=old.manifest.fields, field_types_of=f"the index {index}")
+            if not options.skip_bad:
+                check_fields(build)  # before the model loads and anything is encoded
             encoder = load_encoder(old.manifest)
             check_same_vectors(index, old.manifest.encoder, encoder_record(encoder))
             if not _finished(adding, options.add, encoder_record(encoder)):
                 reusing = ReusingEncoder(encoder, old)
-                report = build_index(BuildOptions(options.add, adding, options.chunk_size, options.skip_bad,
-                                                  overwrite=True, restart=options.restart,
-                                                  max_passage_bytes=options.max_passage_bytes), reusing)
+                report = build_index(build, reusing)
                 encoded, resumed = reusing.encoded, report.resumed_chunks
             skipped = read_manifest(adding).corpus.skipped
         plan = _plan(old, adding if options.add is not None else None, deletes)
@@ -121,6 +127,20 @@ def apply_changes(options: ChangeOptions, load_encoder: Callable[[Manifest], Pas
               "not in the index")
     return UpdateReport(index, count, count - encoded, encoded, plan.deleted, time.perf_counter() - started,
                         skipped, resumed, detail, ann)
+
+
+def check_fields(build: BuildOptions) -> None:
+    """BuildError naming the --add file's line and the index where a passage's metadata fields do not fit the
+    index's (a field of another type, or past --max-fields): one pass reading the file, nothing encoded."""
+    types = FieldTypes(max_fields=build.max_fields)
+    types.know(build.field_types, build.field_types_of)
+    with build.corpus.open("rb") as handle:
+        for record, _ in read_corpus(handle, detect_format(build.corpus), max_bytes=build.max_passage_bytes):
+            if isinstance(record, Passage):
+                conflict = types.admit([record])
+                if conflict:
+                    raise BuildError(f"{build.corpus}: line {record.line}: {conflict[0][1]} "
+                                     "(use --skip-bad to skip such lines)")
 
 
 def read_ids(path: Path) -> set[str]:

@@ -23,6 +23,7 @@ from models.backends import BACKENDS
 from models.encoder import BiEncoder
 from retrieval import candidates
 from retrieval.corpus import DEFAULT_MAX_PASSAGE_BYTES
+from retrieval.fields import MAX_FIELDS
 from retrieval.index_format import IndexFormatError, read_manifest
 from retrieval.readers import InputFileError
 from retrieval.searcher import MAX_K, EncoderMismatch
@@ -115,6 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the longest corpus line, in bytes of the raw line (a TSV line or JSONL record, its line "
                        "end aside); a longer one is a bad line (exit 2, or skipped with --skip-bad), read past "
                        f"without being held in memory (default {DEFAULT_MAX_PASSAGE_BYTES} = 1 MiB)")
+    build.add_argument("--max-fields", type=_positive, default=MAX_FIELDS, metavar="N",
+                       help="the metadata fields an index may declare; a line that would add one more is a bad line "
+                       f"(default {MAX_FIELDS})")
     build.add_argument("--overwrite", action="store_true", help="replace an existing --out (atomically)")
     build.add_argument("--restart", action="store_true", help="discard an interrupted build instead of resuming")
     build.add_argument("--update", action="store_true",
@@ -214,6 +218,8 @@ def build_parser() -> argparse.ArgumentParser:
     update.add_argument("--skip-bad", action="store_true", help="skip and count malformed lines of --add")
     update.add_argument("--max-passage-bytes", type=_positive, default=DEFAULT_MAX_PASSAGE_BYTES, metavar="N",
                         help="the longest line of --add, as for build")
+    update.add_argument("--max-fields", type=_positive, default=MAX_FIELDS, metavar="N",
+                        help="the metadata fields the updated index may declare, as for build (at least the index's own)")
     update.add_argument("--restart", action="store_true", help="discard an interrupted build of --add")
 
     cranfield = commands.add_parser("convert-cranfield", help="SMART-format Cranfield to corpus/queries/qrels files")
@@ -267,7 +273,7 @@ def _build(args: argparse.Namespace) -> None:
         return
     options = BuildOptions(
         args.corpus, args.out, args.chunk_size, args.skip_bad, args.overwrite, args.restart, bm25=args.bm25,
-        shard=args.shard, shards=args.shards, max_passage_bytes=args.max_passage_bytes,
+        shard=args.shard, shards=args.shards, max_passage_bytes=args.max_passage_bytes, max_fields=args.max_fields,
         ann=[_ann_options(args, args.ann)] if args.ann else [],
     )
     # build_index checks both again; here they fail before a model loads.
@@ -307,7 +313,7 @@ def _builder(args: argparse.Namespace):
 
 def _update(args: argparse.Namespace) -> None:
     options = ChangeOptions(args.index, args.add, args.delete, args.chunk_size, args.skip_bad, args.restart,
-                            args.max_passage_bytes)
+                            args.max_passage_bytes, args.max_fields)
     print(apply_changes(options, lambda manifest: index_encoder(manifest, args.model, args.device,
                                                                 args.batch_size)).summary())
 

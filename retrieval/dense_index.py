@@ -10,9 +10,11 @@ from pathlib import Path
 
 import faiss
 import numpy as np
+import torch
 
 from models.checkpoint import resolve_device
 from retrieval.index_format import FileRecord, IndexFormatError
+from retrieval.torch_flat import TorchFlatIndex, cuda_devices
 
 log = logging.getLogger(__name__)
 PREFETCH_CHUNK = 1 << 20
@@ -50,22 +52,23 @@ def to_gpu(index: faiss.Index, gpu: int, fp16: bool = False) -> faiss.Index:
 
 
 def stays_on_gpu(device: str) -> bool:
-    """Whether `load_index(..., device)` places the index on a GPU (False: it stays on the CPU);
-    RuntimeError for a GPU asked for by name that this faiss build cannot use."""
-    if resolve_device(device).type == "cpu":
+    """Whether `load_index(..., device)` places the index on a GPU (False: it stays on the CPU): faiss's GPU
+    index where this faiss build sees GPUs, else torch's (retrieval.torch_flat) where torch sees them;
+    RuntimeError for a GPU asked for by name that neither can use."""
+    resolved = resolve_device(device)
+    if resolved.type == "cpu":
         return False
-    if gpu_count() == 0:
-        if device != "auto":
-            raise RuntimeError(f"device {device!r} asked for, but faiss sees no GPU (faiss-cpu build or no device)")
-        return False  # torch sees a GPU but this faiss build cannot use it
+    if gpu_count() == 0 and not torch.cuda.is_available():
+        raise RuntimeError(f"device {device!r} asked for, but neither faiss nor torch sees a GPU")
     return True
 
 
 def load_index(path: str | Path, device: str = "auto", *, mmap: bool = False, fp16: bool = False,
                expected: FileRecord | None = None) -> faiss.Index:
     """Read an index file and place it as `device` says (models.checkpoint.resolve_device): `cpu` on the
-    CPU, `cuda:N` on GPU N alone, `cuda` sharded over every GPU, `auto` like `cuda` where faiss sees
-    GPUs and torch does too, else on the CPU.
+    CPU, `cuda:N` on GPU N alone, `cuda` sharded over every GPU, `auto` like `cuda` where torch sees a
+    GPU, else on the CPU. On a GPU the index is faiss's where this faiss build has GPU support, else
+    torch's exact scan (retrieval.torch_flat.TorchFlatIndex), so no faiss-gpu wheel is needed.
 
     `mmap`: an index that stays on the CPU is memory-mapped (read-only) instead of read, so loading
     reads nothing up front and processes on one host share the vectors through the page cache; the
@@ -79,14 +82,17 @@ def load_index(path: str | Path, device: str = "auto", *, mmap: bool = False, fp
     FAISS loads, IndexFormatError where they differ (see read_verified)."""
     resolved = resolve_device(device)
     on_gpu = stays_on_gpu(device)
+    in_torch = on_gpu and gpu_count() == 0  # a faiss-cpu build: torch searches on the GPUs
     # IO_FLAG_MMAP_IFC maps the codes of IndexFlatCodes (IndexFlatIP included); IO_FLAG_MMAP maps only
-    # IVF inverted lists and reads a flat index whole.
-    flags = faiss.IO_FLAG_MMAP_IFC if mmap and not on_gpu else 0
+    # IVF inverted lists and reads a flat index whole. Torch copies from the map to the devices.
+    flags = faiss.IO_FLAG_MMAP_IFC if (mmap and not on_gpu) or in_torch else 0
     index = faiss.read_index(str(path), flags) if expected is None else read_verified(Path(path), flags, expected)
     if not on_gpu:
         if mmap:
             threading.Thread(target=prefetch, args=(Path(path),), name="index-prefetch", daemon=True).start()
         return index
+    if in_torch:
+        return TorchFlatIndex.of_faiss(index, cuda_devices(str(resolved)), fp16)
     return shard_over_gpus(index, fp16) if resolved.index is None else to_gpu(index, resolved.index, fp16)
 
 
@@ -167,7 +173,7 @@ def search(index: faiss.Index, vectors: np.ndarray, k: int, *, params: faiss.Sea
     if k >= total:  # every row is in: nothing to choose, only to order
         scores, rows = index.search(vectors, k, params=params)
         return ordered(scores, rows, k)
-    cap = total if isinstance(index, faiss.IndexFlat) else min(total, GPU_MAX_K)
+    cap = total if isinstance(index, (faiss.IndexFlat, TorchFlatIndex)) else min(total, GPU_MAX_K)
     fetch = min(k + 1, cap)
     scores, rows = index.search(vectors, fetch, params=params)
     while fetch < cap and np.any((scores[:, k] == scores[:, k - 1]) & (scores[:, -1] == scores[:, k - 1])):

@@ -10,9 +10,11 @@ array per field, so a filter is a vectorised mask over every row rather than a q
 
 from __future__ import annotations
 
+import difflib
 import json
 import math
 import sqlite3
+import unicodedata
 from dataclasses import dataclass, field
 from typing import Iterable, Literal, Mapping
 
@@ -23,6 +25,7 @@ FIELD_TYPES: tuple[str, ...] = ("string", "number", "boolean", "string[]")
 RESERVED = ("id", "_id", "title", "text")  # a JSONL record's own keys, never fields
 BEIR_METADATA = "metadata"  # BEIR corpus.jsonl's object: its supported members become fields
 MAX_NAME_CHARS = 256
+MAX_FIELDS = 256  # the fields an index may declare by default (build and update --max-fields raise it)
 
 
 def value_type(value) -> FieldType | None:
@@ -63,11 +66,16 @@ def _check_text(text: str, what: str) -> None:
 
 def check_name(name: str) -> None:
     """ValueError unless `name` may name a field: not empty, at most MAX_NAME_CHARS characters, not starting
-    with `$` (a filter's operators do) and without `"` or `\\` (the store reads a field by a quoted JSON path)."""
+    with `$` (a filter's operators do), without `"` or `\\` (the store reads a field by a quoted JSON path)
+    and without control characters (SQLite's JSON functions end a key at a NUL)."""
     if not name or len(name) > MAX_NAME_CHARS:
         raise ValueError(f"a field name must have 1 to {MAX_NAME_CHARS} characters")
     if name.startswith("$") or '"' in name or "\\" in name:
         raise ValueError("a field name may not start with $ nor hold \" or \\")
+    control = next((position for position, char in enumerate(name) if unicodedata.category(char) == "Cc"), None)
+    if control is not None:
+        raise ValueError(f"a field name may not hold control characters (U+{ord(name[control]):04X} at character "
+                         f"{control})")
     _check_text(name, "its name")
 
 
@@ -107,18 +115,24 @@ def record_fields(record: Mapping) -> dict:
 
 @dataclass
 class FieldTypes:
-    """The type of each field seen so far, and the corpus line where it was first seen (for messages)."""
+    """The type of each field seen so far, and where it was first seen (a corpus line, or the index an update
+    adds to; for messages); at most `max_fields` fields."""
 
     types: dict[str, str] = field(default_factory=dict)
-    first_line: dict[str, int] = field(default_factory=dict)
+    first_seen: dict[str, str] = field(default_factory=dict)
+    max_fields: int = MAX_FIELDS
 
     def conflict(self, fields: Mapping | None) -> str | None:
-        """Why a passage with `fields` cannot join the collection (a field of another type than before),
-        or None."""
+        """Why a passage with `fields` cannot join the collection (a field of another type than before, or
+        one field too many), or None."""
+        new = [name for name in (fields or {}) if name not in self.types]
+        if len(self.types) + len(new) > self.max_fields:
+            return (f'field "{new[-1]}" would be field {len(self.types) + len(new)} of the collection, over the '
+                    f"{self.max_fields} an index may declare (raise it with --max-fields)")
         for name, value in (fields or {}).items():
             kind = value_type(value)
             if name in self.types and self.types[name] != kind:
-                return (f'field "{name}" is a {kind} here but a {self.types[name]} on line {self.first_line[name]} '
+                return (f'field "{name}" is a {kind} here but a {self.types[name]} {self.first_seen[name]} '
                         "(a field has one type across the collection)")
         return None
 
@@ -137,7 +151,13 @@ class FieldTypes:
     def add(self, fields: Mapping | None, line: int) -> None:
         for name, value in (fields or {}).items():
             if name not in self.types:
-                self.types[name], self.first_line[name] = value_type(value), line
+                self.types[name], self.first_seen[name] = value_type(value), f"on line {line}"
+
+    def know(self, types: Mapping[str, str], origin: str) -> None:
+        """`types` (an index's, from its manifest) learnt as first seen in `origin`."""
+        for name, kind in types.items():
+            if name not in self.types:
+                self.types[name], self.first_seen[name] = kind, f"in {origin}"
 
     @classmethod
     def of_store(cls, connection: sqlite3.Connection) -> "FieldTypes":
@@ -145,7 +165,7 @@ class FieldTypes:
         types = cls()
         for name, kind, line in sorted(_stored(connection), key=lambda found: found[2]):
             if name not in types.types:
-                types.types[name], types.first_line[name] = kind, line
+                types.types[name], types.first_seen[name] = kind, f"on line {line}"
         return types
 
     def sorted(self) -> dict[str, str]:
@@ -227,36 +247,41 @@ class FieldColumns:
 
     @classmethod
     def load(cls, connection: sqlite3.Connection, types: Mapping[str, str], count: int) -> "FieldColumns":
-        """The columns of `types`' fields, read from a passage store with SQLite's JSON functions (one query a
-        field: about a second per field and million rows)."""
+        """The columns of `types`' fields, read from a passage store in one pass over its rows, each row's
+        fields parsed by Python's JSON reader: values are kept as the exact code points stored (NUL included,
+        which SQLite's JSON functions cut a string at), in time linear in the values stored."""
         if not types or not has_fields_column(connection):
-            return cls(count, types or {}, {name: absent_column(kind, count) for name, kind in types.items()})
-        return cls(count, types, {name: _read(connection, name, kind, count) for name, kind in types.items()})
+            return cls(count, types or {}, {name: absent_column(kind, count) for name, kind in (types or {}).items()})
+        found: dict[str, tuple[list[int], list]] = {name: ([], []) for name in types}
+        for row, stored in connection.execute("SELECT row, fields FROM passages WHERE fields IS NOT NULL"):
+            for name, value in json.loads(stored).items():
+                column = found.get(name)
+                if column is not None and _is_a(value, types[name]):
+                    column[0].append(row)
+                    column[1].append(value)
+        return cls(count, types, {name: _column(kind, count, *found[name]) for name, kind in types.items()})
+
+
+def _is_a(value, kind: str) -> bool:
+    if kind == "number":
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, {"boolean": bool, "string": str, "string[]": list}[kind])
 
 
 def absent_column(kind: str, count: int) -> Column:
     return _fill(kind, count, np.empty(0, dtype=np.int64), [])
 
 
-def _read(connection: sqlite3.Connection, name: str, kind: str, count: int) -> Column:
-    path = f'$."{name}"'
-    if kind == "string[]":
-        items = connection.execute(
-            "SELECT p.row, j.value FROM passages p, json_each(p.fields, ?) j WHERE p.fields IS NOT NULL", (path,))
-        values: dict[str, int] = {}
-        pairs = [(row, values.setdefault(value, len(values))) for row, value in items]
-        present = np.zeros(count, dtype=bool)
-        rows = [row for (row,) in connection.execute(
-            "SELECT row FROM passages WHERE fields IS NOT NULL AND json_type(fields, ?) = 'array'", (path,))]
-        present[np.asarray(rows, dtype=np.int64)] = True
-        item_rows = np.fromiter((row for row, _ in pairs), dtype=np.int32, count=len(pairs))
-        item_codes = np.fromiter((code for _, code in pairs), dtype=np.int32, count=len(pairs))
-        return Column(kind, values=values, present=present, item_rows=item_rows, item_codes=item_codes)
-    wanted = {"number": "('integer', 'real')", "boolean": "('true', 'false')", "string": "('text')"}[kind]
-    found = connection.execute(f"SELECT row, json_extract(fields, ?) FROM passages WHERE fields IS NOT NULL "
-                               f"AND json_type(fields, ?) IN {wanted}", (path, path)).fetchall()
-    rows = np.fromiter((row for row, _ in found), dtype=np.int64, count=len(found))
-    return _fill(kind, count, rows, [value for _, value in found])
+def _column(kind: str, count: int, rows: list[int], values: list) -> Column:
+    if kind != "string[]":
+        return _fill(kind, count, np.asarray(rows, dtype=np.int64), values)
+    vocabulary: dict[str, int] = {}
+    pairs = [(row, vocabulary.setdefault(item, len(vocabulary))) for row, items in zip(rows, values) for item in items]
+    present = np.zeros(count, dtype=bool)
+    present[np.asarray(rows, dtype=np.int64)] = True
+    item_rows = np.fromiter((row for row, _ in pairs), dtype=np.int32, count=len(pairs))
+    item_codes = np.fromiter((code for _, code in pairs), dtype=np.int32, count=len(pairs))
+    return Column(kind, values=vocabulary, present=present, item_rows=item_rows, item_codes=item_codes)
 
 
 def _fill(kind: str, count: int, rows: np.ndarray, values: list) -> Column:
@@ -266,7 +291,7 @@ def _fill(kind: str, count: int, rows: np.ndarray, values: list) -> Column:
         return Column(kind, data)
     if kind == "boolean":
         data = np.full(count, -1, dtype=np.int8)
-        data[rows] = np.asarray(values, dtype=np.int8)  # SQLite's json_extract gives 1 and 0
+        data[rows] = np.asarray(values, dtype=np.int8)
         return Column(kind, data)
     if kind == "string[]":
         return Column(kind, present=np.zeros(count, dtype=bool), item_rows=np.empty(0, dtype=np.int32),
@@ -293,6 +318,21 @@ def merged_types(named: Iterable[tuple[str, Mapping[str, str]]]) -> dict[str, st
     return dict(sorted(types.items()))
 
 
+SHOWN_FIELDS = 8  # an unknown field's message names at most this many of the index's
+
+
+def known_fields(name: str, types: Mapping[str, str]) -> str:
+    """What an error about an unknown field `name` says of the index's fields: all of them where they are
+    few, else the closest few (an answer stays small however many fields an index declares)."""
+    if not types:
+        return "this index has no fields: it was built without metadata fields"
+    if len(types) <= SHOWN_FIELDS:
+        return f"this index's fields: {', '.join(types)}"
+    close = difflib.get_close_matches(name, list(types), n=3, cutoff=0.6)
+    closest = f"closest: {', '.join(close)}; " if close else ""
+    return f"{closest}this index has {len(types)} fields, listed in /ready"
+
+
 class UnknownField(ValueError):
     """A field asked for that the index does not have; `position` is its place in the list asked."""
 
@@ -310,7 +350,6 @@ def chosen_fields(fields, types: Mapping[str, str]) -> tuple[str, ...] | None:
         return tuple(types)
     for position, name in enumerate(fields):
         if name not in types:
-            known = ", ".join(types) if types else "none: it was built without metadata fields"
             shown = str(name).encode("utf-8", "backslashreplace").decode("utf-8")  # a lone surrogate, escaped
-            raise UnknownField(position, f'fields: unknown field "{shown}" (this index\'s fields: {known})')
+            raise UnknownField(position, f'fields: unknown field "{shown}" ({known_fields(str(name), types)})')
     return tuple(dict.fromkeys(fields))

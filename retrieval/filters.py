@@ -29,9 +29,14 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from retrieval.fields import Column, FieldColumns, absent_column
+from retrieval.fields import Column, FieldColumns, absent_column, known_fields
 
 MAX_DEPTH = 32  # nesting of $and / $or / $not a filter may have
+# A filter's size, so its cost is bounded: its clauses (conditions, $and, $or, $not and empty objects) and the
+# values of its $in and $nin lists, each counted over the whole filter (Pinecone caps one $in at 10,000). Each
+# clause is about one pass over an index's rows.
+MAX_CLAUSES = 1024
+MAX_LIST_VALUES = 10_000
 SCALAR_OPERATORS = ("$eq", "$ne")
 RANGE_OPERATORS = ("$gt", "$gte", "$lt", "$lte")
 LIST_OPERATORS = ("$in", "$nin")
@@ -114,10 +119,30 @@ def parse_filter(spec: Any, types: Mapping[str, str]) -> Filter:
     if isinstance(spec, Filter):
         spec.check(types)
         return spec
-    used: dict[str, str] = {}
+    used = _Used()
     root = _filter(spec, types, (), used, 0)
     canonical = json.dumps(spec, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-    return Filter(canonical, root, tuple(sorted(used.items())))
+    return Filter(canonical, root, tuple(sorted(used.types.items())))
+
+
+@dataclass
+class _Used:
+    """What a filter parsed so far reads (its fields, with their types) and how big it is."""
+
+    types: dict[str, str] = field(default_factory=dict)
+    clauses: int = 0
+    values: int = 0
+
+    def count(self, path: tuple, clauses: int = 1, values: int = 0) -> None:
+        self.clauses += clauses
+        self.values += values
+        if self.clauses > MAX_CLAUSES:
+            raise FilterError(path, f"filter{_where(path)}: more than {MAX_CLAUSES} clauses (conditions, $and, $or, $not "
+                                    "and empty objects), the most a filter may have (MAX_CLAUSES); for many values "
+                                    "of one field use \"$in\"")
+        if self.values > MAX_LIST_VALUES:
+            raise FilterError(path, f"filter{_where(path)}: more than {MAX_LIST_VALUES} values in its $in and $nin "
+                                    "lists together, the most a filter may have (MAX_LIST_VALUES)")
 
 
 def _where(path: tuple) -> str:
@@ -130,9 +155,13 @@ def _filter(spec, types, path, used, depth):
                                 f"got {_shown(spec)}")
     if depth > MAX_DEPTH:
         raise FilterError(path, f"filter{_where(path)}: nested deeper than {MAX_DEPTH} levels")
+    if not spec:
+        used.count(path)  # {}: no condition, but a node to evaluate all the same
     clauses = []
     for key, value in spec.items():
         here = (*path, key)
+        if key in LOGICAL_OPERATORS:
+            used.count(here)
         if key in ("$and", "$or"):
             if not isinstance(value, list) or not value:
                 raise FilterError(here, f'filter: "{key}" needs a non-empty list of filters, got {_shown(value)}')
@@ -150,12 +179,11 @@ def _filter(spec, types, path, used, depth):
 
 def _field(name, value, types, path, used, depth):
     if name not in types:
-        known = ", ".join(types) if types else "none: it was built without metadata fields"
-        raise FilterError(path, f'filter: unknown field "{name}" (this index\'s fields: {known})')
+        raise FilterError(path, f'filter: unknown field "{name}" ({known_fields(name, types)})')
     kind = types[name]
-    used[name] = kind
+    used.types[name] = kind
     if not isinstance(value, dict):
-        return _operator(name, kind, "$eq", value, path)
+        return _operator(name, kind, "$eq", value, path, used)
     if not value:
         raise FilterError(path, f'filter: field "{name}" has an empty operator object; give one such as {{"$eq": ...}}')
     if depth > MAX_DEPTH:
@@ -163,16 +191,18 @@ def _field(name, value, types, path, used, depth):
     clauses = []
     for op, operand in value.items():
         if op == "$not":
+            used.count((*path, op))
             if not isinstance(operand, dict) or not operand:
                 raise FilterError((*path, op), f'filter: "$not" on field "{name}" needs an operator object such as '
                                                f'{{"$in": [...]}}, got {_shown(operand)}')
             clauses.append(Not(_field(name, operand, types, (*path, op), used, depth + 1)))
         else:
-            clauses.append(_operator(name, kind, op, operand, (*path, op)))
+            clauses.append(_operator(name, kind, op, operand, (*path, op), used))
     return clauses[0] if len(clauses) == 1 else All(tuple(clauses))
 
 
-def _operator(name, kind, op, operand, path):
+def _operator(name, kind, op, operand, path, used):
+    used.count(path, values=len(operand) if op in LIST_OPERATORS and isinstance(operand, list) else 0)
     if op not in FIELD_OPERATORS:
         raise FilterError(path, f'filter: unknown operator "{op}" on field "{name}" '
                                 f"(known: {', '.join(FIELD_OPERATORS)})")

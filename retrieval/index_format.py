@@ -133,6 +133,12 @@ def manifest_digest(fields: dict) -> str:
     return hashlib.sha256(json.dumps(content, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
+def generation_id(manifest: Manifest) -> str:
+    """What names one generation of an index (in /ready and beside every answer): the first 16 hex digits of
+    its manifest's digest, so two generations that differ in any recorded way have two names."""
+    return (manifest.manifest_sha256 or manifest_digest(manifest.model_dump(mode="json")))[:16]
+
+
 def sealed(manifest: Manifest) -> dict:
     """The manifest as written to disk: its fields and their digest. An index without candidate structures
     (or without metadata fields) is written without that field, as before it existed."""

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from retrieval.fields import FieldColumns, has_fields_column
+from retrieval.pinned import sqlite_uri
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS passages (
@@ -22,24 +23,25 @@ CREATE TABLE IF NOT EXISTS passages (
 
 
 class PassageStore:
-    """Read-only access; one SQLite connection per thread (connections are not thread-safe)."""
+    """Read-only access through one SQLite connection, opened here (so the store read is the file at `path`
+    now, whatever is renamed over it later: retrieval.pinned) and shared by every thread, one query at a time."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         if not self.path.is_file():
             raise FileNotFoundError(f"{self.path}: passage store missing")
-        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._connection = sqlite3.connect(sqlite_uri(self.path), uri=True, check_same_thread=False)
+        with self._lock:  # the file is opened by the first statement, so here and now
+            self.has_fields = has_fields_column(self._connection)
 
-    def _connection(self) -> sqlite3.Connection:
-        connection = getattr(self._local, "connection", None)
-        if connection is None:
-            connection = sqlite3.connect(f"{self.path.resolve().as_uri()}?mode=ro", uri=True)
-            self._local.connection = connection
-        return connection
+    def _query(self, sql: str, parameters: Sequence = ()) -> list[tuple]:
+        with self._lock:
+            return self._connection.execute(sql, parameters).fetchall()
 
     def row_range(self) -> tuple[int, int, int]:
         """(rows stored, smallest row, largest row); an index's rows are 0 .. count - 1."""
-        count, low, high = self._connection().execute("SELECT COUNT(*), MIN(row), MAX(row) FROM passages").fetchone()
+        (count, low, high), = self._query("SELECT COUNT(*), MIN(row), MAX(row) FROM passages")
         return count, (low if low is not None else 0), (high if high is not None else -1)
 
     def get(self, rows: Sequence[int]) -> list[tuple[str, str]]:
@@ -48,19 +50,8 @@ class PassageStore:
 
     def records(self, rows: Sequence[int]) -> list[tuple[str, str, int]]:
         """(id, text, corpus line) for each row, in the order asked."""
-        if not rows:
-            return []
-        wanted = sorted(set(int(r) for r in rows))
-        found: dict[int, tuple[str, str, int]] = {}
-        connection = self._connection()
-        for start in range(0, len(wanted), 900):  # SQLite caps bound parameters
-            part = wanted[start : start + 900]
-            marks = ",".join("?" * len(part))
-            for row, pid, text, line in connection.execute(
-                f"SELECT row, id, text, line FROM passages WHERE row IN ({marks})", part
-            ):
-                found[row] = (pid, text, line)
-        missing = [r for r in wanted if r not in found]
+        found = {row: (pid, text, line) for row, pid, text, line in self._rows("row, id, text, line", rows)}
+        missing = sorted(set(int(r) for r in rows) - found.keys())
         if missing:
             raise KeyError(f"{self.path}: rows {missing[:5]} not in the passage store")
         return [found[int(r)] for r in rows]
@@ -68,18 +59,21 @@ class PassageStore:
     def fields(self, rows: Sequence[int]) -> list[dict]:
         """Each row's metadata fields (retrieval.fields), in the order asked; {} for none, and for every row
         of a store written before the `fields` column existed."""
-        connection = self._connection()
-        if not rows or not has_fields_column(connection):
+        if not rows or not self.has_fields:
             return [{} for _ in rows]
+        found = {row: json.loads(stored) for row, stored in self._rows("row, fields", rows, "AND fields IS NOT NULL")}
+        return [found.get(int(r), {}) for r in rows]
+
+    def _rows(self, columns: str, rows: Sequence[int], condition: str = "") -> list[tuple]:
         wanted = sorted(set(int(r) for r in rows))
-        found: dict[int, dict] = {}
-        for start in range(0, len(wanted), 900):
+        found = []
+        for start in range(0, len(wanted), 900):  # SQLite caps bound parameters
             part = wanted[start : start + 900]
             marks = ",".join("?" * len(part))
-            query = f"SELECT row, fields FROM passages WHERE row IN ({marks}) AND fields IS NOT NULL"
-            found.update((row, json.loads(stored)) for row, stored in connection.execute(query, part))
-        return [found.get(int(r), {}) for r in rows]
+            found += self._query(f"SELECT {columns} FROM passages WHERE row IN ({marks}) {condition}", part)
+        return found
 
     def field_columns(self, types: Mapping[str, str], count: int) -> FieldColumns:
         """The columns of the fields `types` names (the manifest's), read once (retrieval.fields.FieldColumns)."""
-        return FieldColumns.load(self._connection(), types, count)
+        with self._lock:
+            return FieldColumns.load(self._connection, types, count)

@@ -24,9 +24,11 @@ from retrieval.index_format import (
     IndexFormatError,
     Manifest,
     candidates_file,
+    generation_id,
     read_manifest,
 )
 from retrieval.passage_store import PassageStore
+from retrieval.pinned import PinnedFolder
 
 MAX_K = 1000
 MAX_CANDIDATES = candidates.MAX_CANDIDATES
@@ -216,16 +218,19 @@ class Searcher:
     ) -> None:
         self.index_dir = Path(index_dir)
         self.mmap, self.fp16 = mmap, fp16
-        self.manifest = read_index_manifest(self.index_dir, device, verify_checksums)
-        self.encoder = encoder if encoder is not None else encoder_for(self.manifest, device)
-        check_encoder(self.manifest, self.encoder)  # before the vectors load
-        self.index, self.passages, self.structures = load_index_data(
-            self.index_dir, self.manifest, device, verify_checksums=verify_checksums, mmap=mmap, fp16=fp16)
-        self.bm25 = Bm25Index(self.index_dir / BM25_DIR) if self.manifest.bm25 is not None else None
-        # The metadata fields as columns, read once, over which each filter is one vectorised mask.
-        self.field_types = dict(self.manifest.fields)
-        self.restrictions = filtered_search.Restrictions(self.passages.field_columns(self.field_types, self.count))
-        self.scan = filtered_search.scan_index(self.index, self.index_dir / INDEX_FILE, self.field_types)
+        pinned = PinnedFolder(self.index_dir)  # every file below is opened through it, now: one generation
+        with pinned.reading():
+            self.manifest = read_index_manifest(pinned.root, device, verify_checksums)
+            self.generation = generation_id(self.manifest)
+            self.encoder = encoder if encoder is not None else encoder_for(self.manifest, device)
+            check_encoder(self.manifest, self.encoder)  # before the vectors load
+            self.index, self.passages, self.structures = load_index_data(
+                pinned.root, self.manifest, device, verify_checksums=verify_checksums, mmap=mmap, fp16=fp16)
+            self.bm25 = Bm25Index(pinned.path(BM25_DIR)) if self.manifest.bm25 is not None else None
+            # The metadata fields as columns, read once, over which each filter is one vectorised mask.
+            self.field_types = dict(self.manifest.fields)
+            self.restrictions = filtered_search.Restrictions(self.passages.field_columns(self.field_types, self.count))
+            self.scan = filtered_search.scan_index(self.index, pinned.path(INDEX_FILE), self.field_types)
 
     @property
     def count(self) -> int:

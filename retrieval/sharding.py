@@ -24,6 +24,7 @@ from retrieval import candidates as candidate_structures
 from retrieval import dense_index, filtered_search
 from retrieval.filters import Filter
 from retrieval.index_format import INDEX_FILE, MANIFEST_FILE, Manifest, manifest_digest
+from retrieval.pinned import PinnedFolder
 from retrieval.searcher import check_candidates, load_index_data, pick_structure, read_index_manifest
 
 
@@ -150,12 +151,14 @@ class ShardIndex:
     def __init__(self, index_dir: str | Path, *, device: str = "auto", verify_checksums: bool = True,
                  mmap: bool | None = None, fp16: bool = False) -> None:
         self.index_dir = Path(index_dir)
-        self.manifest = read_index_manifest(self.index_dir, device, verify_checksums)
-        self.index, self.passages, self.structures = load_index_data(
-            self.index_dir, self.manifest, device, verify_checksums=verify_checksums, mmap=mmap, fp16=fp16)
-        self.restrictions = filtered_search.Restrictions(
-            self.passages.field_columns(self.manifest.fields, self.manifest.count))
-        self.scan = filtered_search.scan_index(self.index, self.index_dir / INDEX_FILE, self.manifest.fields)
+        pinned = PinnedFolder(self.index_dir)  # one generation: see retrieval.pinned
+        with pinned.reading():
+            self.manifest = read_index_manifest(pinned.root, device, verify_checksums)
+            self.index, self.passages, self.structures = load_index_data(
+                pinned.root, self.manifest, device, verify_checksums=verify_checksums, mmap=mmap, fp16=fp16)
+            self.restrictions = filtered_search.Restrictions(
+                self.passages.field_columns(self.manifest.fields, self.manifest.count))
+            self.scan = filtered_search.scan_index(self.index, pinned.path(INDEX_FILE), self.manifest.fields)
 
     def search(self, vectors: np.ndarray, k: int, build: str | None = None, *, structure: str | None = None,
                candidates: int | None = None, filter: Filter | None = None,

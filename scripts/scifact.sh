@@ -62,8 +62,8 @@ if [ ! -f "$DATA/corpus.jsonl" ]; then
     exit 2
 fi
 # DEVICE=cuda puts the index on the GPU too: refused now, not at the first eval after a training.
-if [[ $DEVICE == cuda* ]] && [ "$($PY -c 'from retrieval.dense_index import gpu_count; print(gpu_count())')" = 0 ]; then
-    echo "error: DEVICE=$DEVICE, but faiss sees no GPU (a CPU build); DEVICE=auto runs the models on the GPU and the index on the CPU" >&2
+if [[ $DEVICE == cuda* ]] && ! $PY -c "from retrieval.dense_index import stays_on_gpu; stays_on_gpu('$DEVICE')" 2>/dev/null; then
+    echo "error: DEVICE=$DEVICE, but neither faiss nor torch sees a GPU; DEVICE=auto runs where one is" >&2
     exit 2
 fi
 

@@ -50,6 +50,7 @@ class SearchResult:
     # Sharded serving only: {"answered": [...], "missing": [...]}, shards as "i/N"; None for one index.
     shards: dict[str, list[str]] | None = None
     searched: str = "exact"  # or "approximate:KIND" (Searcher.answered_by)
+    generation: str = ""  # the index generation that answered (index_format.generation_id), all of it from one
 
 
 @dataclass(frozen=True)
@@ -122,9 +123,12 @@ class Run:
     (for shards, blocking until they answer, on any thread: `waits`); `finish` reranks where the plan
     asks (the model's work: `reranks`) and times every stage."""
 
-    def __init__(self, engine: "SearchEngine", queries: list[str], plan: SearchPlan, score_kind: str,
+    def __init__(self, engine: "SearchEngine", queries: list[str], plan: SearchPlan, searcher,
                  started: float, encoded: float, fetch: Fetch) -> None:
-        self.engine, self.queries, self.plan, self.score_kind = engine, queries, plan, score_kind
+        self.engine, self.queries, self.plan = engine, queries, plan
+        # All of the run is answered by the searcher (the generation) it started with.
+        self.score_kind, self.generation = searcher.score_kind(**plan.retrieval), searcher.generation
+        self.searched = searcher.answered_by(**plan.retrieval)
         self.started, self.encoded, self._fetch = started, encoded, fetch
         self.waits, self.reranks = engine.waits, plan.rerank_depth is not None
         self.hits: list[list[Hit]] = []
@@ -151,8 +155,8 @@ class Run:
             total=1000 * (reranked - self.started),
             started_at=self.started,
         )
-        searched = self.engine.answered_by(plan)
-        return [SearchResult(query, found, score_kind, timings, len(self.queries), self.shards, searched)
+        return [SearchResult(query, found, score_kind, timings, len(self.queries), self.shards, self.searched,
+                             self.generation)
                 for query, found in zip(self.queries, hits)]
 
     def complete(self) -> list[SearchResult]:
@@ -228,6 +232,12 @@ class SearchEngine:
         _check(searcher, plan)
         return plan
 
+    def evaluate_filter(self, plan: SearchPlan) -> None:
+        """The plan's filter evaluated over the served index's rows now (kept in its Searcher's restrictions),
+        so the search that runs the plan on the model thread finds the rows it matches already known."""
+        if plan.filter is not None:
+            self._searcher.restrictions.of(plan.filter)
+
     def tokenize(self, text: str, truncate: bool = True, field: tuple = ("query",),
                  input_type: InputType = "query") -> Tokens:
         """`text` tokenized for the serving encoder as a query (or passage); with `truncate` false, a
@@ -276,19 +286,18 @@ class SearchEngine:
     def start(self, queries: Sequence[str], plan: SearchPlan, tokens: Sequence[Tokens] | None = None) -> Run:
         """`run` up to what other processes do for it: the queries encoded and their retrieval sent (for
         one index, done). The served engine calls it on the model thread and waits for the rest elsewhere."""
-        searcher = self._searcher
+        searcher = self._searcher  # the run's one generation, whatever is swapped in meanwhile
         # The plan was checked against the index served when it was made; a reload may have come since.
         _check(searcher, plan)
         started = time.perf_counter()
         vectors = searcher.encode(queries, tokens) if plan.mode != "bm25" else None
         encoded = time.perf_counter()
-        return Run(self, list(queries), plan, searcher.score_kind(**plan.retrieval), started, encoded,
-                   self._send(queries, vectors, plan))
+        return Run(self, list(queries), plan, searcher, started, encoded, self._send(searcher, queries, vectors, plan))
 
-    def _send(self, queries: Sequence[str], vectors: np.ndarray | None, plan: SearchPlan) -> Fetch:
+    def _send(self, searcher, queries: Sequence[str], vectors: np.ndarray | None, plan: SearchPlan) -> Fetch:
         """Retrieval begun, and the call that returns its hits and shards. One index is searched here, so
         the call only hands its hits over (`waits` is false)."""
-        found = self._retrieve(queries, vectors, plan)
+        found = searcher.hits(searcher.rank(queries, vectors, plan.depth, **plan.retrieval), plan.fields), None
         return lambda: found
 
     # Whether `Run.wait` waits for other processes (shards): then it is worth running off the model thread.
@@ -297,12 +306,6 @@ class SearchEngine:
     def answered_by(self, plan: SearchPlan) -> str:
         """How the plan's dense list is found: "exact" or "approximate:KIND" (see Searcher.answered_by)."""
         return self._searcher.answered_by(**plan.retrieval)
-
-    def _retrieve(self, queries: Sequence[str], vectors: np.ndarray | None,
-                  plan: SearchPlan) -> tuple[list[list[Hit]], dict | None]:
-        """The plan's `depth` hits per query, and the shards that answered (None: one index)."""
-        searcher = self._searcher
-        return searcher.hits(searcher.rank(queries, vectors, plan.depth, **plan.retrieval), plan.fields), None
 
     @property
     def default_reranker(self) -> str | None:
@@ -351,6 +354,7 @@ class SearchEngine:
         manifest = searcher.manifest
         return {
             "index_dir": str(searcher.index_dir),
+            "generation": searcher.generation,
             "count": manifest.count,
             "index_bytes": sum(manifest.files[name].bytes for name in (INDEX_FILE, PASSAGES_FILE)),
             "model": manifest.encoder.name,

@@ -11,8 +11,10 @@ import math
 
 from fastapi import FastAPI, Request
 from fastapi.encoders import jsonable_encoder
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
 
 
 class ServiceError(Exception):
@@ -115,6 +117,17 @@ async def validation_error(request: Request, error: RequestValidationError) -> J
     return JSONResponse(status_code=422, content={"detail": _json_safe(jsonable_encoder(error.errors()))})
 
 
+async def unparsable_body(request: Request, error: HTTPException) -> JSONResponse:
+    """FastAPI's 400 for a body its JSON reader gave up on: a 422 naming the body where the reason is nesting
+    past the reader's recursion limit (a body that is not JSON is FastAPI's own 422 already)."""
+    if error.status_code == 400 and isinstance(error.__cause__, RecursionError):
+        problem = {"type": "json_invalid", "loc": ["body"], "input": None,
+                   "msg": "JSON nested too deeply for the parser (arrays and objects within each other)"}
+        return JSONResponse(status_code=422, content={"detail": [problem]})
+    return await http_exception_handler(request, error)
+
+
 def install(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(ServiceError, service_error)
+    app.add_exception_handler(HTTPException, unparsable_body)

@@ -83,7 +83,10 @@ class IndexWatch:
         if found is None:
             return False
         digest, manifest = found
-        if manifest == engine.searcher.manifest or (folder, digest) == self.tried:
+        if manifest == engine.searcher.manifest:
+            self.runtime.served_again(folder)
+            return False
+        if (folder, digest) == self.tried:
             return False
         self.tried = (folder, digest)
         log.info("index watch: a new generation of %s is in place; reloading", folder)

@@ -14,7 +14,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -58,6 +58,7 @@ class Runtime:
         self.tracing = tracing or Tracing()
         self.load_error: str | None = None
         self.reload_error: str | None = None  # why the last reload failed, until one succeeds (in /ready)
+        self.reload_failed: Path | None = None  # the folder that reload was of
         # One model thread: torch already spreads a forward pass over the cores, and the
         # encoder is not re-entrant; concurrency comes from batching, not from threads.
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model",
@@ -66,6 +67,10 @@ class Runtime:
         # load, and the thread pool ONNX Runtime starts with a new encoder's session, yield to serving.
         self.loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reload",
                                          initializer=_lower_priority, initargs=(settings.model_thread_nice,))
+        # Where a filter is parsed and evaluated before its search queues for the model: one thread, so a flood
+        # of costly filters waits behind itself, not in front of plain searches or the event loop.
+        self.filter_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="filter",
+                                                initializer=_lower_priority, initargs=(settings.model_thread_nice,))
         # Where a sharded search waits for its shards' answers, so the model thread encodes on meanwhile
         # (threads start only when used: a service over one index never starts one).
         self.waiter = ThreadPoolExecutor(max_workers=min(32, settings.max_concurrent_requests),
@@ -122,6 +127,7 @@ class Runtime:
         await self.batcher.close()
         self.executor.shutdown(wait=False, cancel_futures=True)
         self.loader.shutdown(wait=False, cancel_futures=True)
+        self.filter_thread.shutdown(wait=False, cancel_futures=True)
         self.waiter.shutdown(wait=False, cancel_futures=True)
         await asyncio.to_thread(self.tracing.shutdown)  # exports the last spans: network I/O
 
@@ -140,6 +146,19 @@ class Runtime:
         except Exception as error:  # noqa: BLE001 - reported by /ready; /health stays up
             self.load_error = f"loading {settings.index_dir} failed: {str(error) or type(error).__name__}"
             log.error(self.load_error)
+
+    async def plan(self, make_plan: Callable[[], SearchPlan], filtered: bool) -> SearchPlan:
+        """`make_plan()`'s plan; where the request has a filter, made on the filter thread with the filter
+        evaluated there too (SearchEngine.evaluate_filter), off the event loop and the model thread."""
+        if not filtered:
+            return make_plan()
+
+        def planned() -> SearchPlan:
+            plan = make_plan()
+            self.ready_engine().evaluate_filter(plan)
+            return plan
+
+        return await asyncio.get_running_loop().run_in_executor(self.filter_thread, planned)
 
     async def search(self, query: str, plan: SearchPlan, tokens: Tokens) -> SearchResult:
         """One query, micro-batched with others unless SEARCH_MICROBATCH is off; cancelling the call
@@ -202,10 +221,17 @@ class Runtime:
                 await self._on_model_thread(engine.install, candidate)
             except ReloadError as error:
                 self.reload_error = f"reloading {target} failed, the previous index keeps serving: {error}"
+                self.reload_failed = target
                 raise
-            self.reload_error = None
+            self.reload_error = self.reload_failed = None
             await self._on_model_thread(self._settle, True)
         return engine.describe()
+
+    def served_again(self, folder: Path) -> None:
+        """`folder` holds the generation served (a failed one replaced by it): a failed reload of `folder`
+        no longer stands, so /ready stops reporting it."""
+        if self.reload_failed == folder:
+            self.reload_error = self.reload_failed = None
 
     def _settle(self, reloaded: bool = False) -> None:
         """With SEARCH_GC_FREEZE, everything alive once an index is in (model, tokenizer, index, imports)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic.json_schema import SkipJsonSchema
 
 from retrieval.searcher import MAX_CANDIDATES, MAX_K, Fusion, Mode
@@ -35,6 +35,10 @@ FILTER_DESCRIPTION = (
 
 
 class RetrievalOptions(BaseModel):
+    # Strict types: `"candidates": "5"`, `"exact": "yes"` or `"fields": 1` is a 422 naming the field, not a guess;
+    # an unknown key (`"fliter"`) a 422 naming it, not an unfiltered answer.
+    model_config = ConfigDict(strict=True, extra="forbid")
+
     mode: Mode = Field("dense", description="dense (bi-encoder), bm25 (exact match) or hybrid (both, fused)")
     fusion: Fusion = Field("interleave", description="hybrid only: interleave (paper 000 eq. 6), rrf, or zscore "
                           "(the mean of each passage's standardised dense and BM25 scores)")
@@ -156,6 +160,8 @@ class BatchSearchResponse(BaseModel):
 
 
 class ReloadRequest(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
     index: str = Field(
         description="index directory, relative to SEARCH_INDEX_ROOT; a name outside it, or an unusable one, is "
         "a 422, a folder that is not there a 404",
@@ -167,6 +173,7 @@ class ReloadRequest(BaseModel):
 
 class IndexInfo(BaseModel):
     index_dir: str
+    generation: str  # the generation served (index_format.generation_id): each answer's X-Index-Generation
     count: int
     index_bytes: int
     model: str
@@ -198,7 +205,11 @@ class Stats(BaseModel):
 
 
 class EmbeddingsRequest(BaseModel):
-    """OpenAI's embeddings request; `input_type` as Cohere's API names it."""
+    """OpenAI's embeddings request (input, model, encoding_format, dimensions, user: what its clients send);
+    `input_type` as Cohere's API names it, and `truncate`. Any other key is a 422 naming it, as OpenAI refuses
+    an unrecognized request argument."""
+
+    model_config = ConfigDict(extra="forbid")
 
     input: Annotated[str, Field(json_schema_extra=NOT_BLANK)] | list[Annotated[str, Field(json_schema_extra=NOT_BLANK)]] = Field(
         description="a text or a list of texts (at most SEARCH_MAX_BATCH_QUERIES); "
@@ -241,8 +252,9 @@ class RerankRequest(BaseModel):
     (`documents`, `top_n`, `return_documents`) accept."""
 
     query: str = Field(description="not empty, at most SEARCH_MAX_QUERY_CHARS characters", json_schema_extra=NOT_BLANK)
-    # Exactly one of texts and documents (the spec says so with oneOf); neither may be null.
-    model_config = {"json_schema_extra": {"oneOf": [{"required": ["texts"]}, {"required": ["documents"]}]}}
+    # Exactly one of texts and documents (the spec says so with oneOf); neither may be null. Strict types.
+    model_config = ConfigDict(strict=True, extra="forbid", json_schema_extra={"oneOf": [{"required": ["texts"]},
+                                                                                        {"required": ["documents"]}]})
 
     texts: list[str] | SkipJsonSchema[None] = Field(
         None, description="the passages to score (or `documents`); at most SEARCH_MAX_RERANK_DEPTH")

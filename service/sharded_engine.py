@@ -9,6 +9,7 @@ Nothing here imports Ray."""
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import time
 from pathlib import Path
@@ -20,7 +21,7 @@ from models.backends import Backend
 from models.encoder import Tokens
 from retrieval.fields import merged_types
 from retrieval.filters import Filter, parse_filter
-from retrieval.index_format import INDEX_FILE, PASSAGES_FILE, Manifest
+from retrieval.index_format import INDEX_FILE, PASSAGES_FILE, Manifest, generation_id
 from retrieval.searcher import (
     Hit,
     HitWithFields,
@@ -119,6 +120,7 @@ class ShardedSearcher:
         self.manifest = self.manifests[0]  # the encoder record every shard shares
         # Each search names the build checked here: a replica started later answers only if it holds the same.
         self.builds = [build_identity(m) for m in self.manifests]
+        self.generation = hashlib.sha256(",".join(generation_id(m) for m in self.manifests).encode()).hexdigest()[:16]
         self.count = sum(m.count for m in manifests)
         check_encoder(self.manifest, encoder)
         # The fields of every shard together: a filter is checked against them once, here; a shard none of
@@ -236,17 +238,18 @@ class ShardedEngine(SearchEngine):
     # which encodes the next batch meanwhile, so a silent shard holds only the requests that need it.
     waits = True
 
-    def answered_by(self, plan: SearchPlan) -> str:
-        return self._searcher.answered_by(**plan.retrieval)
-
     def candidate_cards(self) -> list[dict]:
         """Each shard's recall card (with `shard`, "i/N") of the structures every shard carries."""
         return self._searcher.cards
 
-    def _send(self, queries: Sequence[str], vectors: np.ndarray | None, plan: SearchPlan) -> Fetch:
-        fetch = self._searcher.scatter(vectors, plan.depth, exact=plan.exact, candidates=plan.candidates,
+    def _send(self, searcher: "ShardedSearcher", queries: Sequence[str], vectors: np.ndarray | None,
+              plan: SearchPlan) -> Fetch:
+        fetch = searcher.scatter(vectors, plan.depth, exact=plan.exact, candidates=plan.candidates,
                                        filter=plan.filter, fields=plan.fields)
         return functools.partial(fetch, plan.allow_partial)
+
+    def evaluate_filter(self, plan: SearchPlan) -> None:
+        """Nothing: each shard evaluates a filter over its own rows, in its own process."""
 
     def prepare(self, index_dir: Path, *, verify_checksums: bool = True):
         raise ReloadError("a sharded service does not reload in place: build the new shards and deploy them "

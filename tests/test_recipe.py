@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from fastapi.testclient import TestClient
 
 from retrieval.dense_index import gpu_count
@@ -110,10 +111,10 @@ def test_a_step_run_before_the_step_it_reads_exits_2_naming_that_step(tmp_path, 
     assert done.stderr.strip() == f"error: no {tmp_path / 'work' / missing}: run the step {writer} first"
 
 
-@pytest.mark.skipif(gpu_count() > 0, reason="faiss sees a GPU here")
-def test_device_cuda_where_faiss_is_a_cpu_build_exits_2_before_any_step(tmp_path):
+@pytest.mark.skipif(gpu_count() > 0 or torch.cuda.is_available(), reason="a GPU is here")
+def test_device_cuda_where_no_gpu_is_seen_exits_2_before_any_step(tmp_path):
     done = scifact_sh(tmp_path, "split", DEVICE="cuda")
-    assert done.returncode == 2 and "faiss sees no GPU" in done.stderr and "DEVICE=auto" in done.stderr
+    assert done.returncode == 2 and "neither faiss nor torch sees a GPU" in done.stderr and "DEVICE=auto" in done.stderr
     assert not (tmp_path / "work").exists()
 
 

@@ -5,6 +5,7 @@ resumes, and a service watching its index folder swaps to each new generation wi
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import sqlite3
@@ -300,6 +301,7 @@ def test_a_watching_service_swaps_to_each_new_generation_under_16_clients_withou
         assert ready["detail"] is None
 
         # A broken generation: the old one keeps serving, and /ready says why.
+        served_copy = Path(shutil.copytree(index, tmp_path / "served-again"))
         with out_lock.hold(index, "build"):
             index_writer.move_into_place(broken_generation(index, tmp_path / "broken"), index)
         wait_until(lambda: httpx.get(f"{base}/ready", trust_env=False).json()["detail"] is not None, 60)
@@ -310,3 +312,86 @@ def test_a_watching_service_swaps_to_each_new_generation_under_16_clients_withou
         assert ready.json()["index"]["count"] == BASE + 1
         answer = httpx.post(f"{base}/search", json={"query": query, "k": 1}, trust_env=False)
         assert answer.status_code == 200 and answer.json()["results"][0]["id"] == "p400"
+
+        # The served generation put back over the broken one: nothing failed any more, and /ready says so.
+        with out_lock.hold(index, "build"):
+            index_writer.move_into_place(served_copy, index)
+        wait_until(lambda: httpx.get(f"{base}/ready", trust_env=False).json()["detail"] is None, 60)
+
+
+# Runs `python -m index_builder ARGS...` with a SIGKILL of its own at one point of the index writer: `when`
+# ("before" or "after") a call of retrieval.index_writer's function `name`.
+KILLED_AT = """
+import os, signal, sys
+from index_builder import cli
+from retrieval import index_writer
+name, when = sys.argv[1], sys.argv[2]
+original = getattr(index_writer, name)
+def killing(*args, **kwargs):
+    if when == "before":
+        os.kill(os.getpid(), signal.SIGKILL)
+    result = original(*args, **kwargs)
+    os.kill(os.getpid(), signal.SIGKILL)
+setattr(index_writer, name, killing)
+sys.exit(cli.main(sys.argv[3:]))
+"""
+
+
+@pytest.mark.parametrize("name, when", [
+    ("write_vectors", "before"),  # the new generation's passages written, its vectors not yet
+    ("write_manifest", "after"),  # the new generation finished in its work folder, not yet swapped in
+    ("_exchange", "after"),  # swapped in, the old generation not yet removed
+])
+def test_an_update_killed_while_it_writes_or_swaps_leaves_a_whole_index_and_a_rerun_finishes_it(
+        tmp_path, encoder, base_index, name, when):
+    index = copy_of(base_index, tmp_path)
+    old_ids = [pid for _, pid, *_ in contents(index)[1]]
+    deletes = tmp_path / "delete.txt"
+    deletes.write_text("p3\np5\n")
+    update = ["update", "--index", str(index), "--delete", str(deletes)]
+    killed = subprocess.run([sys.executable, "-c", KILLED_AT, name, when, *update], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=300)
+    assert killed.returncode == -signal.SIGKILL
+    read_manifest(index, verify_checksums=True)
+    served = [hit.id for hit in Searcher(index, encoder, device="cpu").search(passage(17)["text"], k=BASE)]
+    assert sorted(served) in (sorted(old_ids), sorted(set(old_ids) - {"p3", "p5"}))
+    assert cli.main(update) == 0
+    assert [pid for _, pid, *_ in contents(index)[1]] == [pid for pid in old_ids if pid not in ("p3", "p5")]
+    read_manifest(index, verify_checksums=True)
+    assert sorted(path.name for path in tmp_path.iterdir() if path.name.startswith(".")) == []
+
+
+def test_an_update_add_killed_while_it_encodes_leaves_the_old_index_and_a_rerun_resumes(tmp_path, encoder, base_index):
+    index = copy_of(base_index, tmp_path)
+    before = (index / MANIFEST_FILE).read_bytes()
+    add = write_corpus(tmp_path / "add.jsonl", [passage(i) for i in range(500, 524)])
+    state = tmp_path / "..index.adding.partial" / "state.json"  # the --add build's work folder
+    update = ["update", "--index", str(index), "--add", str(add), "--chunk-size", "2", "--device", "cpu"]
+    process = subprocess.Popen([sys.executable, "-m", "index_builder", *update], cwd=ROOT,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and process.poll() is None:
+        if state.is_file() and len(json.loads(state.read_text())["chunks"]) >= 2:
+            process.send_signal(signal.SIGKILL)
+            break
+        time.sleep(0.02)
+    process.wait()
+    assert process.returncode == -signal.SIGKILL, "the update finished before it could be killed"
+    assert (index / MANIFEST_FILE).read_bytes() == before
+    read_manifest(index, verify_checksums=True)
+    report = apply_changes(ChangeOptions(index, add=add, chunk_size=2), lambda manifest: encoder)
+    assert report.encoded < 24 and report.passages == BASE + 24
+    assert [pid for _, pid, *_ in contents(index)[1]][-24:] == [f"p{i}" for i in range(500, 524)]
+
+
+@pytest.mark.parametrize("holder", ["update", "build"])
+def test_an_update_while_another_update_or_a_build_holds_the_index_exits_2_and_changes_nothing(
+        tmp_path, base_index, capsys, holder):
+    index = copy_of(base_index, tmp_path)
+    before = (index / MANIFEST_FILE).read_bytes()
+    deletes = tmp_path / "delete.txt"
+    deletes.write_text("p3\n")
+    with out_lock.hold(index, holder):
+        assert cli.main(["update", "--index", str(index), "--delete", str(deletes)]) == 2
+    assert f"{index} is in use by pid {os.getpid()} (another {holder})" in capsys.readouterr().err
+    assert (index / MANIFEST_FILE).read_bytes() == before

@@ -26,10 +26,15 @@ class SlicedResponse(Response):
             await send({"type": "http.response.body", "body": body[start:end], "more_body": end < len(body)})
 
 
-def json_answer(body: dict) -> Response:
+GENERATION_HEADER = "X-Index-Generation"
+
+
+def json_answer(body: dict, generation: str | None = None) -> Response:
     """`body` serialised once, in Rust: returning a model instead makes FastAPI validate every passage
-    again. A NaN or infinite score becomes null, as pydantic's own serialiser wrote it."""
-    return SlicedResponse(to_json(body, inf_nan_mode="null"), media_type="application/json")
+    again. A NaN or infinite score becomes null, as pydantic's own serialiser wrote it. `generation`: the
+    index generation that answered, as the GENERATION_HEADER (what /ready calls `generation`)."""
+    headers = {GENERATION_HEADER: generation} if generation else None
+    return SlicedResponse(to_json(body, inf_nan_mode="null"), media_type="application/json", headers=headers)
 
 
 async def _disconnect(receive) -> None:

@@ -9,6 +9,7 @@ from fastapi import APIRouter, Request, Response
 from service import limits
 from service.errors import OverLimit
 from service.routes.access import Access
+from service.routes.bodies import JsonOffLoopRoute
 from service.routes.answers import GONE, json_answer, unless_gone
 from service.runtime import Runtime
 from service.schemas import EmbeddingsRequest, EmbeddingsResponse
@@ -16,7 +17,7 @@ from service.schemas import EmbeddingsRequest, EmbeddingsResponse
 
 def router(runtime: Runtime, access: Access) -> APIRouter:
     settings = access.settings
-    routes = APIRouter(dependencies=access.protected)
+    routes = APIRouter(dependencies=access.protected, route_class=JsonOffLoopRoute)
 
     @routes.post("/v1/embeddings", response_model=EmbeddingsResponse, responses=access.responses(),
                  summary="OpenAI's embeddings API, by the served index's encoder")

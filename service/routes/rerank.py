@@ -9,6 +9,7 @@ from fastapi import APIRouter, Request, Response
 from service import limits
 from service.errors import OverLimit
 from service.routes.access import Access
+from service.routes.bodies import JsonOffLoopRoute
 from service.routes.answers import GONE, json_answer, unless_gone
 from service.runtime import Runtime
 from service.schemas import RerankRequest, RerankResponse
@@ -16,7 +17,7 @@ from service.schemas import RerankRequest, RerankResponse
 
 def router(runtime: Runtime, access: Access) -> APIRouter:
     settings = access.settings
-    routes = APIRouter(dependencies=access.protected)
+    routes = APIRouter(dependencies=access.protected, route_class=JsonOffLoopRoute)
 
     @routes.post("/rerank", response_model=RerankResponse, include_in_schema=bool(settings.rerankers),
                  responses=access.responses({400: "no reranker is configured, or not the one asked for"}),

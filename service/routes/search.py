@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import functools
+
 from fastapi import APIRouter, Request, Response
 
 from service import limits
 from service.engine import SearchEngine, SearchPlan, SearchResult
 from service.routes.access import Access
+from service.routes.bodies import JsonOffLoopRoute
 from service.routes.answers import GONE, json_answer, unless_gone
 from service.runtime import Runtime
 from service.schemas import BatchSearchRequest, BatchSearchResponse, SearchRequest, SearchResponse
@@ -35,7 +38,7 @@ def _shards(result: SearchResult) -> dict:
 
 def router(runtime: Runtime, access: Access) -> APIRouter:
     settings = access.settings
-    routes = APIRouter(dependencies=access.protected)
+    routes = APIRouter(dependencies=access.protected, route_class=JsonOffLoopRoute)
 
     @routes.post("/search", response_model=SearchResponse,
                  responses=access.responses({400: "rerank without a reranker, or a mode the index lacks"}, search=True))
@@ -43,11 +46,13 @@ def router(runtime: Runtime, access: Access) -> APIRouter:
         limits.check_query(settings, request.query)
         engine = runtime.ready_engine()
         tokens = engine.tokenize(request.query, request.truncate)
-        result = await unless_gone(http, runtime.search(request.query, plan(settings, engine, request), tokens))
+        planned = await runtime.plan(functools.partial(plan, settings, engine, request), request.filter is not None)
+        result = await unless_gone(http, runtime.search(request.query, planned, tokens))
         if result is None:
             return Response(status_code=GONE)
         return json_answer({"query": request.query, "results": result.hits, "score_kind": result.score_kind,
-                            "latency_ms": result.timings.as_dict(), "search": result.searched, **_shards(result)})
+                            "latency_ms": result.timings.as_dict(), "search": result.searched, **_shards(result)},
+                           result.generation)
 
     @routes.post("/search/batch", response_model=BatchSearchResponse,
                  responses=access.responses({400: "a mode the index lacks"}, search=True))
@@ -57,9 +62,10 @@ def router(runtime: Runtime, access: Access) -> APIRouter:
         tokens = [engine.tokenize(query, request.truncate, ("queries", position))
                   for position, query in enumerate(request.queries)]
         limits.check_batch_tokens(settings, sum(len(query.ids) for query in tokens))
-        results = await runtime.search_batch(request.queries, plan(settings, engine, request), tokens)
+        planned = await runtime.plan(functools.partial(plan, settings, engine, request), request.filter is not None)
+        results = await runtime.search_batch(request.queries, planned, tokens)
         return json_answer({"results": [{"query": r.query, "results": r.hits} for r in results],
                             "score_kind": results[0].score_kind, "latency_ms": results[0].timings.as_dict(),
-                            "search": results[0].searched, **_shards(results[0])})
+                            "search": results[0].searched, **_shards(results[0])}, results[0].generation)
 
     return routes
