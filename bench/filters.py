@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
         vectors = stored + 0.05 * rng.standard_normal(stored.shape, dtype=np.float32)
         vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
         buckets = searcher.restrictions.columns.columns["bucket"].data
-        searcher.rank([""], vectors[:1], args.k)  # warm: the first scan pages the vectors in
+        searcher.rank([""], vectors[:1], searcher.request(args.k))  # warm: the first scan pages the vectors in
         ratios = {}
         for share in SELECTIVITIES:
             spec = {"bucket": {"$lt": share * BUCKETS}}
@@ -120,10 +120,10 @@ def main(argv: list[str] | None = None) -> None:
             path = ("postfilter" if restriction.share >= filtered_search.POSTFILTER_SHARE else "among")
             filtered, unfiltered, only_matching = [], [], True
             for vector in vectors:
-                ms, ranked = timed(lambda: searcher.rank([""], vector[None], args.k, filter=parsed))
+                ms, ranked = timed(lambda: searcher.rank([""], vector[None], searcher.request(args.k, filter=parsed)))
                 filtered.append(ms)
                 only_matching &= all(buckets[row] < share * BUCKETS for row, _ in ranked[0])
-                unfiltered.append(timed(lambda: searcher.rank([""], vector[None], args.k))[0])
+                unfiltered.append(timed(lambda: searcher.rank([""], vector[None], searcher.request(args.k)))[0])
             p50, base = statistics.median(filtered), statistics.median(unfiltered)
             ratios[share] = p50 / base
             print(f"selectivity {100 * share:g}% ({int(mask.sum()):,} passages): filtered p50 {p50:.2f} ms, "

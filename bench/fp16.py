@@ -65,7 +65,7 @@ def fp16_store(vectors: np.ndarray) -> faiss.Index:
 def ranked(searcher: Searcher, index: faiss.Index, vectors: np.ndarray, k: int) -> list:
     """Each vector's dense hits through `searcher` (rows to ids and order as served), `index` in place of its own."""
     searcher.index = index
-    return searcher.hits(searcher.rank([""] * len(vectors), vectors, k))
+    return searcher.hits(searcher.rank([""] * len(vectors), vectors, searcher.request(k)))
 
 
 def compare(reference: dict, other: dict, k: int) -> dict[str, float]:

@@ -69,9 +69,10 @@ def retrieve(searcher: Searcher, queries: Mapping[str, str], k: int, batch_size:
     """Each query's top k hits, with their texts; `retrieval`: the Searcher's mode, fusion and lead."""
     hits: dict[str, list[Hit]] = {}
     ids = list(queries)
+    request = searcher.request(k, **retrieval)  # checked once, for every batch
     for start in range(0, len(ids), batch_size):
         part = ids[start : start + batch_size]
-        hits.update(zip(part, searcher.batch_search([queries[q] for q in part], k, **retrieval)))
+        hits.update(zip(part, searcher.run([queries[q] for q in part], request)))
     return hits
 
 

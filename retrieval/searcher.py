@@ -5,38 +5,25 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, NamedTuple, Sequence, get_args
+from typing import Sequence
 
-import faiss
 import numpy as np
 
 from models.backends import Backend
 from models.checkpoint import resolve_device
 from models.encoder import BiEncoder, Tokens
-from retrieval import candidates, dense_index, filtered_search
+from retrieval import candidates, filtered_search
 from retrieval.bm25_index import BM25_DIR, Bm25Index
+from retrieval.dense import DenseIndex, check_candidates, pick_structure, read_index_manifest
 from retrieval.fields import chosen_fields
 from retrieval.filters import Filter, parse_filter
 from retrieval.fusion import interleave, reciprocal_rank_fusion, standardised_score_fusion
-from retrieval.index_format import (
-    INDEX_FILE,
-    PASSAGES_FILE,
-    IndexFormatError,
-    Manifest,
-    candidates_file,
-    generation_id,
-    read_manifest,
-)
+from retrieval.index_format import PASSAGES_FILE, Manifest, generation_id
 from retrieval.passage_store import PassageStore
 from retrieval.pinned import PinnedFolder
+from retrieval.request import FUSIONS, LEADS, MAX_K, MODES, Fusion, Lead, Mode, Retrieval
 
-MAX_K = 1000
-MAX_CANDIDATES = candidates.MAX_CANDIDATES
 log = logging.getLogger("retrieval")
-Mode = Literal["dense", "bm25", "hybrid"]
-Fusion = Literal["interleave", "rrf", "zscore"]
-MODES: tuple[str, ...] = get_args(Mode)
-FUSIONS: tuple[str, ...] = get_args(Fusion)
 # The fields an encoder must share with the index it searches; names and token limits may differ.
 MATCHED_FIELDS = ("dimension", "pooling", "similarity", "query_segment_id", "passage_segment_id", "weights_sha256",
                   "query_prefix", "passage_prefix")
@@ -103,79 +90,6 @@ def encoder_for(manifest: Manifest, device: str = "auto", query_max_tokens: int 
     )
 
 
-def check_rows(index_dir: Path, manifest: Manifest, index, passages: PassageStore) -> None:
-    """IndexFormatError unless the manifest, the FAISS index and the passage store agree on the rows
-    (count, and rows 0 .. count - 1) and the vectors' dimension: a mismatch would serve short lists or 500s."""
-    if index.d != manifest.dimension:
-        raise IndexFormatError(f"{index_dir}: {INDEX_FILE} holds {index.d}-d vectors, the manifest says "
-                               f"{manifest.dimension}-d")
-    stored, low, high = passages.row_range()
-    if not manifest.count == index.ntotal == stored or (stored and (low, high) != (0, stored - 1)):
-        raise IndexFormatError(
-            f"{index_dir}: the manifest counts {manifest.count} passages, {INDEX_FILE} holds {index.ntotal} "
-            f"vectors and {PASSAGES_FILE} {stored} rows ({low} .. {high}); they must agree, rows 0 .. count - 1"
-        )
-
-
-def structures_served(device: str) -> bool:
-    """Whether an index searched on `device` loads its candidate structures: on the CPU only, since a GPU
-    scans every vector faster than a CPU structure proposes candidates. A GPU this faiss cannot use counts
-    as the CPU here: dense_index.load_index says so, after the manifest's checks."""
-    try:
-        return not dense_index.stays_on_gpu(device)
-    except RuntimeError:
-        return True
-
-
-def read_index_manifest(index_dir: Path, device: str, verify_checksums: bool) -> Manifest:
-    """The index's manifest (index_format.read_manifest), with every file's checksum checked here (where
-    `verify_checksums`) but those `load_index_data` checks from the bytes it loads: index.faiss, and the
-    structures loaded on `device`."""
-    structure_files = tuple(candidates_file(kind) for kind in candidates.KINDS) if structures_served(device) else ()
-    return read_manifest(index_dir, verify_checksums=verify_checksums, hashed_on_load=(INDEX_FILE, *structure_files))
-
-
-class IndexData(NamedTuple):
-    index: faiss.Index  # the exact vectors
-    passages: PassageStore
-    structures: dict[str, candidates.Structure]  # by kind, in the manifest's order; none on a GPU
-
-
-def load_index_data(index_dir: Path, manifest: Manifest, device: str, *, verify_checksums: bool,
-                    mmap: bool | None = None, fp16: bool = False) -> IndexData:
-    """The vectors, passages and candidate structures of the index whose manifest `read_index_manifest`
-    read, loaded and checked as a Searcher serves them (`mmap`, `fp16`: see Searcher): the rows agree
-    (check_rows), and each structure listed is the one of these vectors, its file checked from the bytes
-    read where `verify_checksums` (candidates.load). IndexFormatError says what is wrong."""
-    records = manifest.candidates if structures_served(device) else []
-    files = manifest.files
-    index = dense_index.load_index(index_dir / INDEX_FILE, device, mmap=mmap if mmap is not None else bool(records),
-                                   fp16=fp16, expected=files[INDEX_FILE] if verify_checksums else None)
-    passages = PassageStore(index_dir / PASSAGES_FILE)
-    check_rows(index_dir, manifest, index, passages)
-    structures = {record.kind: candidates.load(index_dir / record.file, record, index,
-                                               files[record.file] if verify_checksums else None)
-                  for record in records}
-    return IndexData(index, passages, structures)
-
-
-def pick_structure(structures: dict[str, candidates.Structure], exact: bool = False,
-                   structure: str | None = None) -> candidates.Structure | None:
-    """The structure a search answers through: None where `exact` or none is loaded, else `structure`'s
-    kind (default: the first loaded); ValueError naming those loaded for a kind that is not."""
-    if structure is not None and structure not in structures:
-        raise ValueError(f"structure {structure!r} is not loaded (loaded: {', '.join(structures) or 'none'})")
-    if exact or not structures:
-        return None
-    return structures[structure] if structure is not None else next(iter(structures.values()))
-
-
-def check_candidates(depth: int | None) -> None:
-    """ValueError unless `depth`, the candidates rescored per query, is None or within 1 .. MAX_CANDIDATES."""
-    if depth is not None and not 1 <= depth <= MAX_CANDIDATES:
-        raise ValueError(f"candidates must be between 1 and {MAX_CANDIDATES}, got {depth}")
-
-
 def validate_k(k: int) -> None:
     if not 1 <= k <= MAX_K:
         raise ValueError(f"k must be between 1 and {MAX_K}, got {k}")
@@ -224,13 +138,25 @@ class Searcher:
             self.generation = generation_id(self.manifest)
             self.encoder = encoder if encoder is not None else encoder_for(self.manifest, device)
             check_encoder(self.manifest, self.encoder)  # before the vectors load
-            self.index, self.passages, self.structures = load_index_data(
-                pinned.root, self.manifest, device, verify_checksums=verify_checksums, mmap=mmap, fp16=fp16)
+            self.passages = PassageStore(pinned.path(PASSAGES_FILE))
+            self.dense = DenseIndex.load(pinned, self.manifest, self.passages, device,
+                                         verify_checksums=verify_checksums, mmap=mmap, fp16=fp16)
             self.bm25 = Bm25Index(pinned.path(BM25_DIR)) if self.manifest.bm25 is not None else None
-            # The metadata fields as columns, read once, over which each filter is one vectorised mask.
-            self.field_types = dict(self.manifest.fields)
-            self.restrictions = filtered_search.Restrictions(self.passages.field_columns(self.field_types, self.count))
-            self.scan = filtered_search.scan_index(self.index, pinned.path(INDEX_FILE), self.field_types)
+        self.field_types = dict(self.manifest.fields)
+
+    @property
+    def index(self):
+        """The exact vectors (see DenseIndex)."""
+        return self.dense.index
+
+    @property
+    def structures(self) -> dict[str, candidates.Structure]:
+        return self.dense.structures
+
+    @property
+    def restrictions(self) -> filtered_search.Restrictions:
+        """Each filter's matching rows, over the fields' columns read once at load."""
+        return self.dense.restrictions
 
     @property
     def count(self) -> int:
@@ -241,91 +167,90 @@ class Searcher:
         none. retrieval.filters.FilterError names what does not fit."""
         return None if filter is None else parse_filter(filter, self.field_types)
 
-    def search(self, query: str, k: int = 10, **retrieval) -> list[Hit]:
-        return self.batch_search([query], k, **retrieval)[0]
+    def search(self, query: str, k: int = 10, **options) -> list[Hit]:
+        """`batch_search` of one query."""
+        return self.batch_search([query], k, **options)[0]
 
-    def batch_search(self, queries: Sequence[str], k: int = 10, **retrieval) -> list[list[Hit]]:
-        """One list of at most k hits per query; `retrieval`: mode, fusion, lead, fusion_depth, exact,
-        candidates, structure, filter (see `rank`), and `fields`: the metadata fields to return with each
-        hit (names, or True for all; see `hits`)."""
-        fields = chosen_fields(retrieval.pop("fields", None), self.field_types)
-        self.check(k, **retrieval)
-        vectors = self.encode(queries) if retrieval.get("mode", "dense") != "bm25" else None
-        return self.hits(self.rank(queries, vectors, k, **retrieval), fields)
+    def batch_search(self, queries: Sequence[str], k: int = 10, **options) -> list[list[Hit]]:
+        """One list of at most k hits per query; `options`: those of `request` (TypeError for any other)."""
+        return self.run(queries, self.request(k, **options))
 
-    def check(self, k: int, mode: str = "dense", fusion: str = "interleave", lead: str = "dense",
-              candidates: int | None = None, structure: str | None = None, filter=None, **_) -> None:
-        """ValueError (NoBm25Index for a missing BM25, FilterError for a filter that does not fit) unless this
-        index can serve the request."""
+    def request(self, k: int = 10, *, mode: Mode = "dense", fusion: Fusion = "interleave", lead: Lead = "dense",
+                exact: bool = False, candidates: int | None = None, structure: str | None = None, filter=None,
+                fields=None, fusion_depth: int = MAX_K) -> Retrieval:
+        """A search of `k` passages per query (see retrieval.request.Retrieval), checked against this index:
+        ValueError for what it cannot serve (NoBm25Index for a missing BM25, FilterError for a `filter` that
+        does not fit its fields, UnknownField for a field to return it lacks). `filter`: as JSON gives it, or
+        parsed; `fields`: names, or True for all the index's fields."""
         validate_k(k)
-        if mode not in MODES or fusion not in FUSIONS or lead not in ("dense", "bm25"):
+        if mode not in MODES or fusion not in FUSIONS or lead not in LEADS:
             raise ValueError(f"mode must be one of {MODES}, fusion one of {FUSIONS}, lead dense or bm25")
         if mode != "dense" and self.bm25 is None:
             raise NoBm25Index(f"mode {mode!r} needs a BM25 index; {self.index_dir} was built without --bm25")
         check_candidates(candidates)
         pick_structure(self.structures, structure=structure)  # ValueError for a kind not loaded
-        self.parse_filter(filter)
+        return Retrieval(k, mode, fusion, lead, bool(exact), candidates, structure, self.parse_filter(filter),
+                         chosen_fields(fields, self.field_types), fusion_depth)
 
-    def answered_by(self, exact: bool = False, structure: str | None = None, mode: str = "dense", filter=None,
-                    **_) -> str:
-        """How a request with these options (those of `rank`) is answered: "exact" (every vector scanned, or
-        mode bm25, or a filter too selective for the structure: retrieval.filtered_search) or
-        "approximate:KIND" (the dense list from a structure's candidates, scored exactly)."""
-        chosen = self._structure(exact, structure)
-        if chosen is None or mode == "bm25":
+    def check(self, retrieval: Retrieval) -> None:
+        """ValueError (as `request`'s) unless this index can serve `retrieval`, made against it or against an
+        index it has replaced since."""
+        if retrieval.mode != "dense" and self.bm25 is None:
+            raise NoBm25Index(f"mode {retrieval.mode!r} needs a BM25 index; {self.index_dir} was built without --bm25")
+        pick_structure(self.structures, structure=retrieval.structure)
+        if retrieval.filter is not None:
+            retrieval.filter.check(self.field_types)
+        if retrieval.fields is not None:
+            chosen_fields(list(retrieval.fields), self.field_types)
+
+    def run(self, queries: Sequence[str], retrieval: Retrieval,
+            tokens: Sequence[Tokens] | None = None) -> list[list[Hit]]:
+        """Each query's hits by `retrieval` (made by `request`); `tokens`: the queries already tokenized."""
+        vectors = self.encode(queries, tokens) if retrieval.reads_dense else None
+        return self.hits(self.rank(queries, vectors, retrieval), retrieval.fields)
+
+    def answered_by(self, retrieval: Retrieval) -> str:
+        """How `retrieval` is answered: "exact" (every vector scanned, or mode bm25, or a filter too selective
+        for the structure: retrieval.filtered_search) or "approximate:KIND" (the dense list from a structure's
+        candidates, scored exactly)."""
+        chosen = self._structure(retrieval)
+        if chosen is None or retrieval.mode == "bm25":
             return "exact"
-        if filter is not None and not filtered_search.through_structure(self._restriction(filter), chosen):
+        if retrieval.filter is not None and not filtered_search.through_structure(
+                self.restrictions.of(retrieval.filter), chosen):
             return "exact"
         return f"approximate:{chosen.kind}"
 
-    def _restriction(self, filter) -> filtered_search.Restriction | None:
-        return None if filter is None else self.restrictions.of(self.parse_filter(filter))
+    def _structure(self, retrieval: Retrieval) -> candidates.Structure | None:
+        return pick_structure(self.structures, retrieval.exact, retrieval.structure)
 
-    def _structure(self, exact: bool, structure: str | None) -> candidates.Structure | None:
-        return pick_structure(self.structures, exact, structure)
-
-    def score_kind(self, mode: str = "dense", fusion: str = "interleave", **_) -> str:
-        """What a hit's score is for a retrieval set-up: `cosine` or `inner_product` (dense, as the
-        encoder's similarity), `bm25`, `rrf` (reciprocal rank fusion), `zscore` (the mean of standardised
-        scores) or `interleave` (1 / position)."""
-        if mode == "dense":
+    def score_kind(self, retrieval: Retrieval) -> str:
+        """What a hit's score is: `cosine` or `inner_product` (dense, as the encoder's similarity), `bm25`,
+        `rrf` (reciprocal rank fusion), `zscore` (the mean of standardised scores) or `interleave` (1 / position)."""
+        if retrieval.mode == "dense":
             return dense_score_kind(self.manifest)
-        return "bm25" if mode == "bm25" else fusion
+        return "bm25" if retrieval.mode == "bm25" else retrieval.fusion
 
     def encode(self, queries: Sequence[str], tokens: Sequence[Tokens] | None = None) -> np.ndarray:
         """The queries' vectors; from `tokens` (the queries tokenized) where this encoder made them:
         an index reloaded since with another model tokenizes afresh."""
         return self.encoder.encode_texts(queries, tokens)
 
-    def rank(
-        self,
-        queries: Sequence[str],
-        vectors: np.ndarray | None,
-        k: int,
-        mode: Mode = "dense",
-        fusion: Fusion = "interleave",
-        lead: Literal["dense", "bm25"] = "dense",
-        fusion_depth: int = MAX_K,
-        exact: bool = False,
-        candidates: int | None = None,
-        structure: str | None = None,
-        filter=None,
-    ) -> list[list[tuple[int, float]]]:
-        """(row, score) lists, best first; `vectors` are the encoded queries (unused for bm25).
-        The dense list: exact where `exact` or no structure is loaded, else `structure`'s (default: the
-        first loaded) `candidates` rows per query (default: its recorded depth; raised to the list's length,
-        at most MAX_CANDIDATES) scored exactly; see `answered_by`. `filter` (retrieval.filters): only the
-        passages it matches, the top k among them (in hybrid modes both lists filtered before fusion)."""
-        self.check(k, mode, fusion, lead, candidates, structure, filter)
-        chosen = self._structure(exact, structure)
-        restriction = self._restriction(filter)
+    def rank(self, queries: Sequence[str], vectors: np.ndarray | None,
+             retrieval: Retrieval) -> list[list[tuple[int, float]]]:
+        """(row, score) lists, best first, by `retrieval` (see retrieval.request.Retrieval and `answered_by`);
+        `vectors` are the encoded queries (unused for bm25). With a filter, only the passages it matches, the
+        top k among them (in hybrid modes both lists filtered before fusion)."""
+        k, mode, fusion = retrieval.k, retrieval.mode, retrieval.fusion
+        chosen = self._structure(retrieval)
+        restriction = None if retrieval.filter is None else self.restrictions.of(retrieval.filter)
         if mode == "dense":
-            return self._dense(vectors, k, chosen, candidates, restriction)
+            return self.dense.search(vectors, k, restriction, chosen, retrieval.candidates)
         if mode == "bm25":
             return self._bm25(queries, k, restriction)
-        depth = k if fusion == "interleave" else max(k, min(fusion_depth, MAX_K))
+        depth = k if fusion == "interleave" else max(k, min(retrieval.fusion_depth, MAX_K))
         fused = []
-        for dense, lexical in zip(self._dense(vectors, depth, chosen, candidates, restriction),
+        for dense, lexical in zip(self.dense.search(vectors, depth, restriction, chosen, retrieval.candidates),
                                   self._bm25(queries, depth, restriction)):
             lists = [[row for row, _ in dense], [row for row, _ in lexical]]
             if fusion == "rrf":
@@ -333,7 +258,7 @@ class Searcher:
             elif fusion == "zscore":
                 fused.append(standardised_score_fusion([dense, lexical], k))
             else:
-                first, second = lists if lead == "dense" else lists[::-1]
+                first, second = lists if retrieval.lead == "dense" else lists[::-1]
                 fused.append(interleave(first, second, k))
         return fused
 
@@ -342,18 +267,6 @@ class Searcher:
         if restriction is None:
             return self.bm25.search(queries, k)
         return self.bm25.search_among(queries, k, restriction.mask)
-
-    def _dense(self, vectors: np.ndarray, k: int, structure: candidates.Structure | None = None,
-               depth: int | None = None,
-               restriction: filtered_search.Restriction | None = None) -> list[list[tuple[int, float]]]:
-        k = min(k, self.count)
-        if restriction is not None:
-            scores, rows = filtered_search.search(self.index, vectors, k, restriction, structure, depth, self.scan)
-        elif structure is None or k == 0:
-            scores, rows = dense_index.search(self.index, vectors, k)
-        else:
-            scores, rows = candidates.search(structure, self.index, vectors, k, depth)
-        return [[(int(r), float(s)) for r, s in zip(row, score) if r >= 0] for row, score in zip(rows, scores)]
 
     def hits(self, ranked: list[list[tuple[int, float]]], fields: Sequence[str] | None = None) -> list[list[Hit]]:
         """Attach ids and texts to ranked rows; with `fields` (names), HitWithFields holding those each

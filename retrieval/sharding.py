@@ -20,12 +20,11 @@ from typing import NamedTuple, Sequence
 
 import numpy as np
 
-from retrieval import candidates as candidate_structures
-from retrieval import dense_index, filtered_search
+from retrieval.dense import DenseIndex, check_candidates, pick_structure, read_index_manifest
 from retrieval.filters import Filter
-from retrieval.index_format import INDEX_FILE, MANIFEST_FILE, Manifest, manifest_digest
+from retrieval.index_format import MANIFEST_FILE, PASSAGES_FILE, Manifest, manifest_digest
+from retrieval.passage_store import PassageStore
 from retrieval.pinned import PinnedFolder
-from retrieval.searcher import check_candidates, load_index_data, pick_structure, read_index_manifest
 
 
 @dataclass(frozen=True)
@@ -144,7 +143,7 @@ def check_shard_set(manifests: Sequence[tuple[str, Manifest]]) -> list[Shard]:
 
 class ShardIndex:
     """One shard directory's vectors, passages and candidate structures, loaded and checked as a `Searcher`
-    loads an index (retrieval.searcher.load_index_data: `device`, `fp16`, and `mmap`, None memory-mapping the
+    loads an index (retrieval.dense.DenseIndex.load: `device`, `fp16`, and `mmap`, None memory-mapping the
     vectors where a structure is loaded; a damaged or foreign structure is an IndexFormatError naming the
     reason); `search` takes encoded queries."""
 
@@ -154,11 +153,10 @@ class ShardIndex:
         pinned = PinnedFolder(self.index_dir)  # one generation: see retrieval.pinned
         with pinned.reading():
             self.manifest = read_index_manifest(pinned.root, device, verify_checksums)
-            self.index, self.passages, self.structures = load_index_data(
-                pinned.root, self.manifest, device, verify_checksums=verify_checksums, mmap=mmap, fp16=fp16)
-            self.restrictions = filtered_search.Restrictions(
-                self.passages.field_columns(self.manifest.fields, self.manifest.count))
-            self.scan = filtered_search.scan_index(self.index, pinned.path(INDEX_FILE), self.manifest.fields)
+            self.passages = PassageStore(pinned.path(PASSAGES_FILE))
+            self.dense = DenseIndex.load(pinned, self.manifest, self.passages, device,
+                                         verify_checksums=verify_checksums, mmap=mmap, fp16=fp16)
+        self.index, self.structures = self.dense.index, self.dense.structures
 
     def search(self, vectors: np.ndarray, k: int, build: str | None = None, *, structure: str | None = None,
                candidates: int | None = None, filter: Filter | None = None,
@@ -180,19 +178,11 @@ class ShardIndex:
                              f"{build[:12]}): deploy the new shards as a new application")
         check_candidates(candidates)
         chosen = pick_structure(self.structures, exact=structure is None, structure=structure)
-        k = min(k, self.manifest.count)
-        if k == 0:
+        if min(k, self.manifest.count) == 0:
             return [[] for _ in range(len(vectors))]
-        if filter is not None:
-            restriction = self.restrictions.of(filter)
-            scores, rows = filtered_search.search(self.index, vectors, k, restriction, chosen, candidates, self.scan)
-        elif chosen is None:
-            scores, rows = dense_index.search(self.index, vectors, k)
-        else:
-            scores, rows = candidate_structures.search(chosen, self.index, vectors, k, candidates)
+        restriction = None if filter is None else self.dense.restrictions.of(filter)
         results = []
-        for row_scores, row_ids in zip(scores, rows):
-            found = [(int(row), float(score)) for row, score in zip(row_ids, row_scores) if row >= 0]
+        for found in self.dense.search(vectors, k, restriction, chosen, candidates):
             records = self.passages.records([row for row, _ in found])
             stored = self.passages.fields([row for row, _ in found]) if fields is not None else [None] * len(found)
             results.append([ShardHit(score, line, pid, text, _chosen(values, fields))

@@ -4,6 +4,7 @@ timings. Plain Python: the HTTP layer, tests and benchmarks all drive this same 
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
@@ -13,10 +14,11 @@ import numpy as np
 from models.backends import Backend
 from models.encoder import InputType, Tokens
 from models.reranker import Reranker, load_reranker, reranker_kind
-from retrieval.fields import UnknownField, chosen_fields
-from retrieval.filters import Filter, FilterError
+from retrieval.fields import UnknownField
+from retrieval.filters import FilterError
 from retrieval.index_format import INDEX_FILE, PASSAGES_FILE, read_manifest
 from retrieval.rerank import BLEND, rerank
+from retrieval.request import Retrieval
 from retrieval.searcher import EncoderMismatch, Hit, Searcher, encoder_for
 from service.errors import NotServable, OverLimit
 
@@ -59,27 +61,26 @@ class SearchPlan:
     the micro-batcher fuses requests of equal plans only (`fusing_key`)."""
 
     k: int
-    mode: str = "dense"
-    fusion: str = "interleave"
-    lead: str = "dense"
-    exact: bool = False  # the full scan even where the index carries a candidate structure
-    candidates: int | None = None  # with a structure: candidates scored exactly per query (None: its own)
+    # What the first stage retrieves (retrieval.request.Retrieval), checked against the index: its k is the
+    # plan's `depth`. None in a plan made by hand: the dense exact default.
+    retrieval: Retrieval | None = None
     rerank_depth: int | None = None  # with a reranker: passages rescored (the rest of k follow unscored)
     reranker: str | None = None  # a configured reranker's kind
     retrieval_weight: float = 0.0  # with a reranker: the first stage's weight in the blend (0: reranker alone)
     allow_partial: bool = False  # sharded serving: answer from the shards that answered (one index: no effect)
-    filter: Filter | None = None  # only the passages it matches (retrieval.filters), checked against the index
-    fields: tuple[str, ...] | None = None  # metadata fields returned with each hit (None: none)
+
+    def __post_init__(self) -> None:
+        if self.retrieval is None:
+            object.__setattr__(self, "retrieval", Retrieval(max(self.rerank_depth or 0, self.k)))
 
     @property
     def depth(self) -> int:
         """Passages retrieved: k, or the rerank depth where it is deeper."""
-        return max(self.rerank_depth or 0, self.k)
+        return self.retrieval.k
 
     @property
-    def retrieval(self) -> dict:
-        return {"mode": self.mode, "fusion": self.fusion, "lead": self.lead, "exact": self.exact,
-                "candidates": self.candidates, "filter": self.filter}
+    def mode(self) -> str:
+        return self.retrieval.mode
 
     @property
     def fusing_key(self) -> "SearchPlan":
@@ -89,12 +90,16 @@ class SearchPlan:
         return self
 
 
-def _check(searcher, plan: SearchPlan) -> None:
-    """NotServable (OverLimit for its filter) unless `searcher` can serve `plan`."""
+@contextmanager
+def refusals():
+    """The searcher's refusals as the service's: OverLimit for a filter or a field to return that does not fit
+    the index, NotServable for anything else it cannot serve (a mode it lacks, say)."""
     try:
-        searcher.check(plan.depth, **plan.retrieval)
+        yield
     except FilterError as error:
         raise OverLimit(("filter", *error.path), str(error)) from None
+    except UnknownField as error:
+        raise OverLimit(("fields", error.position), str(error)) from None
     except ValueError as error:
         raise NotServable(f"mode: {error}") from None
 
@@ -127,8 +132,8 @@ class Run:
                  started: float, encoded: float, fetch: Fetch) -> None:
         self.engine, self.queries, self.plan = engine, queries, plan
         # All of the run is answered by the searcher (the generation) it started with.
-        self.score_kind, self.generation = searcher.score_kind(**plan.retrieval), searcher.generation
-        self.searched = searcher.answered_by(**plan.retrieval)
+        self.score_kind, self.generation = searcher.score_kind(plan.retrieval), searcher.generation
+        self.searched = searcher.answered_by(plan.retrieval)
         self.started, self.encoded, self._fetch = started, encoded, fetch
         self.waits, self.reranks = engine.waits, plan.rerank_depth is not None
         self.hits: list[list[Hit]] = []
@@ -200,15 +205,14 @@ class SearchEngine:
 
     def plan(self, k: int, *, rerank_depth: int | None = None, reranker: str | None = None,
              retrieval_weight: float = 0.0, max_rerank_depth: int | None = None, allow_partial: bool = False,
-             **retrieval) -> SearchPlan:
-        """`k` hits by `retrieval` (mode, fusion, lead; see Searcher), with `rerank_depth` the top
-        `rerank_depth` (<= `max_rerank_depth`; the rest of k follow in retrieval order) rescored by `reranker`
-        (a kind; default: the first configured) and ordered by its score, or by its blend with the first
-        stage's at `retrieval_weight` (retrieval.rerank.reordered), checked once: NotServable for what this
-        service or its index cannot do, OverLimit for a value past a limit or not usable (a filter that does
-        not fit the index's fields, a field to return it lacks). `allow_partial` matters to a sharded engine
-        only. `retrieval` may hold `filter` (as JSON gives it; retrieval.filters) and `fields` (names, or True
-        for all)."""
+             **options) -> SearchPlan:
+        """`k` hits retrieved by `options` (those of Searcher.request: mode, fusion, lead, exact, candidates,
+        structure, filter, fields; TypeError for any other), with `rerank_depth` the top `rerank_depth`
+        (<= `max_rerank_depth`; the rest of k follow in retrieval order) rescored by `reranker` (a kind; default:
+        the first configured) and ordered by its score, or by its blend with the first stage's at
+        `retrieval_weight` (retrieval.rerank.reordered), checked once: NotServable for what this service or its
+        index cannot do, OverLimit for a value past a limit or not usable (a filter that does not fit the
+        index's fields, a field to return it lacks). `allow_partial` matters to a sharded engine only."""
         if rerank_depth is not None:
             if not self.rerankers:
                 raise NotServable("rerank: no reranker is configured on this service (set SEARCH_RERANKERS)")
@@ -219,24 +223,16 @@ class SearchEngine:
                 raise OverLimit(("depth",), f"depth={rerank_depth} is over the max_rerank_depth limit of "
                                             f"{max_rerank_depth} (SEARCH_MAX_RERANK_DEPTH)", rerank_depth)
             reranker = reranker or self.default_reranker
-        searcher = self._searcher
-        try:
-            retrieval["filter"] = searcher.parse_filter(retrieval.get("filter"))
-            retrieval["fields"] = chosen_fields(retrieval.get("fields"), searcher.field_types)
-        except FilterError as error:
-            raise OverLimit(("filter", *error.path), str(error)) from None
-        except UnknownField as error:
-            raise OverLimit(("fields", error.position), str(error)) from None
-        plan = SearchPlan(k, rerank_depth=rerank_depth, reranker=reranker, allow_partial=allow_partial,
-                          retrieval_weight=retrieval_weight if rerank_depth is not None else 0.0, **retrieval)
-        _check(searcher, plan)
-        return plan
+        with refusals():
+            retrieval = self._searcher.request(max(rerank_depth or 0, k), **options)
+        return SearchPlan(k, retrieval, rerank_depth=rerank_depth, reranker=reranker, allow_partial=allow_partial,
+                          retrieval_weight=retrieval_weight if rerank_depth is not None else 0.0)
 
     def evaluate_filter(self, plan: SearchPlan) -> None:
         """The plan's filter evaluated over the served index's rows now (kept in its Searcher's restrictions),
         so the search that runs the plan on the model thread finds the rows it matches already known."""
-        if plan.filter is not None:
-            self._searcher.restrictions.of(plan.filter)
+        if plan.retrieval.filter is not None:
+            self._searcher.restrictions.of(plan.retrieval.filter)
 
     def tokenize(self, text: str, truncate: bool = True, field: tuple = ("query",),
                  input_type: InputType = "query") -> Tokens:
@@ -288,16 +284,17 @@ class SearchEngine:
         one index, done). The served engine calls it on the model thread and waits for the rest elsewhere."""
         searcher = self._searcher  # the run's one generation, whatever is swapped in meanwhile
         # The plan was checked against the index served when it was made; a reload may have come since.
-        _check(searcher, plan)
+        with refusals():
+            searcher.check(plan.retrieval)
         started = time.perf_counter()
-        vectors = searcher.encode(queries, tokens) if plan.mode != "bm25" else None
+        vectors = searcher.encode(queries, tokens) if plan.retrieval.reads_dense else None
         encoded = time.perf_counter()
         return Run(self, list(queries), plan, searcher, started, encoded, self._send(searcher, queries, vectors, plan))
 
     def _send(self, searcher, queries: Sequence[str], vectors: np.ndarray | None, plan: SearchPlan) -> Fetch:
         """Retrieval begun, and the call that returns its hits and shards. One index is searched here, so
         the call only hands its hits over (`waits` is false)."""
-        found = searcher.hits(searcher.rank(queries, vectors, plan.depth, **plan.retrieval), plan.fields), None
+        found = searcher.hits(searcher.rank(queries, vectors, plan.retrieval), plan.retrieval.fields), None
         return lambda: found
 
     # Whether `Run.wait` waits for other processes (shards): then it is worth running off the model thread.
@@ -305,7 +302,7 @@ class SearchEngine:
 
     def answered_by(self, plan: SearchPlan) -> str:
         """How the plan's dense list is found: "exact" or "approximate:KIND" (see Searcher.answered_by)."""
-        return self._searcher.answered_by(**plan.retrieval)
+        return self._searcher.answered_by(plan.retrieval)
 
     @property
     def default_reranker(self) -> str | None:

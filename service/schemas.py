@@ -8,7 +8,14 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic.json_schema import SkipJsonSchema
 
-from retrieval.searcher import MAX_CANDIDATES, MAX_K, Fusion, Mode
+from retrieval.dense import MAX_CANDIDATES
+from retrieval.request import MAX_K, Fusion, Mode
+
+def _integral(value):
+    """A number without a fraction as an int (JSON Schema's integer: 195.0 is one); anything else as given,
+    for the strict check to refuse (a string, a boolean)."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
 
 RerankerKind = Literal["monobert", "coattention", "generative"]
 ScoreKind = Literal["cosine", "inner_product", "bm25", "rrf", "zscore", "interleave", "probability", "logit",
@@ -52,6 +59,11 @@ class RetrievalOptions(BaseModel):
     fields: list[str] | bool = Field(False, description=(
         "metadata fields to return with each hit (`fields` of a hit: those the passage has): a list of names, or "
         "true for all the index's fields (/ready lists them); default none. An unknown name is a 422"))
+
+    @field_validator("k", "depth", "candidates", mode="before", check_fields=False)
+    @classmethod
+    def _whole(cls, value):
+        return _integral(value)
 
     def retrieval(self) -> dict:
         return {"mode": self.mode, "fusion": self.fusion, "lead": self.lead, "exact": self.exact,
@@ -266,6 +278,11 @@ class RerankRequest(BaseModel):
     truncate: Literal[True] = Field(True, description="rerankers cut texts at their own token limits: only true")
     raw_scores: bool = Field(False, description="accepted for compatibility: scores are always the reranker's own")
     model: RerankerKind | None = Field(None, description="which configured reranker (default: the first)")
+
+    @field_validator("top_n", mode="before")
+    @classmethod
+    def _whole(cls, value):
+        return _integral(value)
 
     @field_validator("texts", "documents", mode="before")
     @classmethod

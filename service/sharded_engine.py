@@ -19,18 +19,12 @@ import numpy as np
 
 from models.backends import Backend
 from models.encoder import Tokens
-from retrieval.fields import merged_types
+from retrieval.fields import chosen_fields, merged_types
 from retrieval.filters import Filter, parse_filter
 from retrieval.index_format import INDEX_FILE, PASSAGES_FILE, Manifest, generation_id
-from retrieval.searcher import (
-    Hit,
-    HitWithFields,
-    check_candidates,
-    check_encoder,
-    dense_score_kind,
-    encoder_for,
-    validate_k,
-)
+from retrieval.request import MAX_K, Fusion, Lead, Mode, Retrieval
+from retrieval.dense import check_candidates
+from retrieval.searcher import Hit, HitWithFields, check_encoder, dense_score_kind, encoder_for, validate_k
 from retrieval.sharding import ShardHit, ShardIndex, build_identity, check_shard_set, merge_top_k
 from service.engine import Fetch, ReloadError, SearchEngine, SearchPlan, load_rerankers
 from service.errors import ShardsUnavailable
@@ -133,49 +127,64 @@ class ShardedSearcher:
         self.cards = [{"shard": shard, **record.model_dump()} for shard, manifest in zip(self.shards, self.manifests)
                       for record in manifest.candidates if record.kind in kinds]
 
-    def check(self, k: int, mode: str = "dense", fusion: str = "interleave", lead: str = "dense",
-              candidates: int | None = None, filter=None, **_) -> None:
+    def request(self, k: int = 10, *, mode: Mode = "dense", fusion: Fusion = "interleave", lead: Lead = "dense",
+                exact: bool = False, candidates: int | None = None, structure: str | None = None, filter=None,
+                fields=None, fusion_depth: int = MAX_K) -> Retrieval:
+        """A search over the shards, checked as Searcher.request checks one (the fields of every shard together;
+        `structure`: none, or the kind every shard carries)."""
         validate_k(k)
         check_candidates(candidates)
-        self.parse_filter(filter)
-        if mode != "dense":
+        retrieval = Retrieval(k, mode, fusion, lead, bool(exact), candidates, structure, self.parse_filter(filter),
+                              chosen_fields(fields, self.field_types), fusion_depth)
+        self.check(retrieval)
+        return retrieval
+
+    def check(self, retrieval: Retrieval) -> None:
+        if retrieval.mode != "dense":
             raise ValueError(
-                f"{mode!r} is not served over shards: BM25's statistics (document frequencies, average passage "
-                "length) are corpus-wide, so a shard's BM25 scores differ from the whole index's; use dense, or "
-                "serve the merged index (index_builder merge) with python -m service")
+                f"{retrieval.mode!r} is not served over shards: BM25's statistics (document frequencies, average "
+                "passage length) are corpus-wide, so a shard's BM25 scores differ from the whole index's; use dense, "
+                "or serve the merged index (index_builder merge) with python -m service")
+        if retrieval.structure is not None and retrieval.structure != self.structure:
+            raise ValueError(f"structure {retrieval.structure!r} is not one every shard carries "
+                             f"(they share: {self.structure or 'none'})")
+        if retrieval.filter is not None:
+            retrieval.filter.check(self.field_types)
 
     def parse_filter(self, filter) -> Filter | None:
         """`filter` checked against the fields of every shard together (retrieval.filters.FilterError)."""
         return None if filter is None else parse_filter(filter, self.field_types)
 
-    def score_kind(self, **_) -> str:
+    def score_kind(self, retrieval: Retrieval) -> str:
         return dense_score_kind(self.manifest)
 
-    def answered_by(self, exact: bool = False, filter=None, **_) -> str:
+    def answered_by(self, retrieval: Retrieval) -> str:
         """"exact" (every shard scans its vectors; with a filter, each scans the rows it matches) or
         "approximate:KIND" (each answers through its own KIND structure, candidates scored exactly)."""
-        return "exact" if exact or filter is not None or self.structure is None else f"approximate:{self.structure}"
+        if retrieval.exact or retrieval.filter is not None or self.structure is None:
+            return "exact"
+        return f"approximate:{self.structure}"
 
     def encode(self, queries: Sequence[str], tokens: Sequence[Tokens] | None = None) -> np.ndarray:
         return self.encoder.encode_texts(queries, tokens)
 
-    def scatter(self, vectors: np.ndarray, k: int, exact: bool = False, candidates: int | None = None,
-                filter=None, fields: tuple[str, ...] | None = None) -> Callable[[bool], tuple[list[list[Hit]], dict]]:
+    def scatter(self, vectors: np.ndarray,
+                retrieval: Retrieval) -> Callable[[bool], tuple[list[list[Hit]], dict]]:
         """The vectors sent to every shard now, and the call that waits for their answers (within
-        timeout_s of now, on any thread) and merges every shard's top k for each vector. Each shard answers
-        through its `structure` (`candidates` of its rows per query, default its own depth, scored exactly)
-        unless `exact` or there is none: see `answered_by`. Given `allow_partial` false, it raises
+        timeout_s of now, on any thread) and merges every shard's top `retrieval.k` for each vector. Each shard
+        answers through its `structure` (`candidates` of its rows per query, default its own depth, scored
+        exactly) unless `exact` or there is none: see `answered_by`. Given `allow_partial` false, it raises
         ShardsUnavailable naming the first shard that failed or did not answer in time; true, it lists that
         shard as missing. `filter`: each shard searches exactly among the rows it matches (its structure
         unused), so the merge is the exact filtered answer; `fields`: the metadata fields each hit carries."""
         vectors = np.ascontiguousarray(vectors, dtype=np.float32)
-        restricted = self.parse_filter(filter)
-        options = {} if exact or restricted is not None or self.structure is None else {
-            "structure": self.structure, "candidates": candidates}
-        if restricted is not None:
-            options["filter"] = restricted
-        if fields is not None:
-            options["fields"] = tuple(fields)
+        k = retrieval.k
+        options = {} if self.answered_by(retrieval) == "exact" else {
+            "structure": self.structure, "candidates": retrieval.candidates}
+        if retrieval.filter is not None:
+            options["filter"] = retrieval.filter
+        if retrieval.fields is not None:
+            options["fields"] = tuple(retrieval.fields)
         deadline = time.monotonic() + self.timeout_s
         pending, failures = [], {}
         for shard, client, build in zip(self.shards, self.clients, self.builds):  # all sent before any is awaited
@@ -244,8 +253,7 @@ class ShardedEngine(SearchEngine):
 
     def _send(self, searcher: "ShardedSearcher", queries: Sequence[str], vectors: np.ndarray | None,
               plan: SearchPlan) -> Fetch:
-        fetch = searcher.scatter(vectors, plan.depth, exact=plan.exact, candidates=plan.candidates,
-                                       filter=plan.filter, fields=plan.fields)
+        fetch = searcher.scatter(vectors, plan.retrieval)
         return functools.partial(fetch, plan.allow_partial)
 
     def evaluate_filter(self, plan: SearchPlan) -> None:

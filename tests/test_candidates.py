@@ -18,7 +18,8 @@ from index_builder.ann import AnnOptions, add_structure
 from index_builder.cli import main as cli_main
 from retrieval import candidates, dense_index
 from retrieval.index_format import INDEX_FILE, MANIFEST_FILE, IndexFormatError, read_manifest
-from retrieval.searcher import MAX_CANDIDATES, Searcher
+from retrieval.dense import MAX_CANDIDATES
+from retrieval.searcher import Searcher
 from retrieval.text_hashes import TEXT_HASHES_FILE
 from tests.conftest import DEMO, ROOT, SMALL_CORPUS_LINES
 
@@ -82,16 +83,16 @@ def test_the_hnsw_file_holds_the_graph_only_the_vectors_are_index_faiss(hnsw_ind
 
 
 def test_exact_answers_equal_todays_flat_search_bit_for_bit(approximate, searcher, queries):
-    assert approximate.answered_by(exact=True) == "exact"
+    assert approximate.answered_by(approximate.request(10, exact=True)) == "exact"
     for mode in ("dense", "hybrid"):
         found = approximate.batch_search(queries, k=50, mode=mode, exact=True)
         assert found == searcher.batch_search(queries, k=50, mode=mode)  # Hit equality: ids, texts, scores
 
 
 def test_approximate_answers_carry_exact_scores_of_the_stored_vectors(approximate, queries, stored_vectors):
-    assert approximate.answered_by() == "approximate:hnsw"
+    assert approximate.answered_by(approximate.request(10)) == "approximate:hnsw"
     vectors = approximate.encode(queries)
-    for vector, ranked in zip(vectors, approximate.rank(queries, vectors, 100)):
+    for vector, ranked in zip(vectors, approximate.rank(queries, vectors, approximate.request(100))):
         rows = [row for row, _ in ranked]
         np.testing.assert_allclose([score for _, score in ranked], stored_vectors[rows] @ vector, rtol=0, atol=1e-6)
         # ordered as the flat search orders: score descending, then row ascending
@@ -100,8 +101,8 @@ def test_approximate_answers_carry_exact_scores_of_the_stored_vectors(approximat
 
 def test_hnsw_with_default_parameters_finds_the_exact_top_10_of_every_demo_query(approximate, queries):
     vectors = approximate.encode(queries)
-    found = approximate.rank(queries, vectors, 10)
-    exact = approximate.rank(queries, vectors, 10, exact=True)
+    found = approximate.rank(queries, vectors, approximate.request(10))
+    exact = approximate.rank(queries, vectors, approximate.request(10, exact=True))
     assert [[row for row, _ in ranked] for ranked in found] == [[row for row, _ in ranked] for ranked in exact]
     # a batch's exact scan multiplies through BLAS, a few rows' rescoring does not: the last bit may differ
     np.testing.assert_allclose([[s for _, s in r] for r in found], [[s for _, s in r] for r in exact], atol=1e-6)
@@ -113,8 +114,8 @@ def test_a_single_query_gets_the_exact_scans_answer_bit_for_bit(approximate, que
 
 
 def test_hybrid_modes_take_their_dense_list_from_the_structure(approximate, queries):
-    assert approximate.answered_by(mode="hybrid") == "approximate:hnsw"
-    assert approximate.answered_by(mode="bm25") == "exact"
+    assert approximate.answered_by(approximate.request(10, mode="hybrid")) == "approximate:hnsw"
+    assert approximate.answered_by(approximate.request(10, mode="bm25")) == "exact"
     for fusion in ("interleave", "rrf"):
         found = approximate.batch_search(queries[:20], k=10, mode="hybrid", fusion=fusion)
         assert found == approximate.batch_search(queries[:20], k=10, mode="hybrid", fusion=fusion, exact=True)
@@ -125,7 +126,7 @@ def test_the_vectors_are_memory_mapped_where_a_structure_is_used_unless_the_call
     assert dense_index.is_mapped(approximate.index)
     assert not dense_index.is_mapped(searcher.index)  # no structure: held, as before
     held = Searcher(hnsw_index, encoder, device="cpu", mmap=False)
-    assert not dense_index.is_mapped(held.index) and held.answered_by() == "approximate:hnsw"
+    assert not dense_index.is_mapped(held.index) and held.answered_by(held.request(10)) == "approximate:hnsw"
 
 
 def test_candidates_rescored_per_request_are_bounded(approximate, queries):
@@ -139,7 +140,7 @@ def test_candidates_rescored_per_request_are_bounded(approximate, queries):
 
 def test_an_index_without_structures_behaves_as_before(small_index, searcher, queries):
     assert "candidates" not in json.loads((small_index / MANIFEST_FILE).read_text())
-    assert searcher.structures == {} and searcher.answered_by() == "exact"
+    assert searcher.structures == {} and searcher.answered_by(searcher.request(10)) == "exact"
     assert searcher.batch_search(queries[:10], k=10) == searcher.batch_search(queries[:10], k=10, exact=True)
     with pytest.raises(ValueError, match="structure 'hnsw' is not loaded"):
         searcher.search(queries[0], structure="hnsw")
@@ -324,13 +325,13 @@ def test_ivf_records_its_lists_and_probes_in_the_card(ivf_index, small_index, tm
 
 def test_ivf_answers_carry_exact_scores_and_more_probes_find_more(ivf_index, encoder, queries, stored_vectors):
     searcher = Searcher(ivf_index, encoder, device="cpu", verify_checksums=True)
-    assert searcher.answered_by() == "approximate:ivf"
+    assert searcher.answered_by(searcher.request(10)) == "approximate:ivf"
     vectors = searcher.encode(queries)
-    narrow = searcher.rank(queries, vectors, 10)  # 20 candidates from 2 lists of 8
+    narrow = searcher.rank(queries, vectors, searcher.request(10))  # 20 candidates from 2 lists of 8
     for vector, ranked in zip(vectors, narrow):
         rows = [row for row, _ in ranked]
         np.testing.assert_allclose([score for _, score in ranked], stored_vectors[rows] @ vector, rtol=0, atol=1e-6)
-    exact = [[row for row, _ in ranked] for ranked in searcher.rank(queries, vectors, 10, exact=True)]
+    exact = [[row for row, _ in ranked] for ranked in searcher.rank(queries, vectors, searcher.request(10, exact=True))]
 
     def recall(found):
         return np.mean([len(set(e) & {row for row, _ in f}) / 10 for e, f in zip(exact, found)])
@@ -339,7 +340,7 @@ def test_ivf_answers_carry_exact_scores_and_more_probes_find_more(ivf_index, enc
     structure = searcher.structures["ivf"]
     assert candidates.ivf_probes(structure, 10) == 2 and candidates.ivf_probes(structure, 80) == 8
     assert recall(narrow) < 1.0
-    assert recall(searcher.rank(queries, vectors, 10, candidates=80)) == 1.0
+    assert recall(searcher.rank(queries, vectors, searcher.request(10, candidates=80))) == 1.0
 
 
 def test_ivf_flags_are_for_ivf_only(small_index, tmp_path, capsys):

@@ -445,19 +445,19 @@ def fields_hnsw(tmp_path_factory, fields_index, encoder) -> Searcher:
 
 def test_a_selective_filter_over_a_hnsw_index_is_answered_by_the_exact_scan(fields_hnsw, fields_searcher):
     for spec, count in FILTERS:
-        assert fields_hnsw.answered_by(filter=spec) == "exact", spec  # 240 rows: under STRUCTURE_MIN_ROWS
+        assert fields_hnsw.answered_by(fields_hnsw.request(K, filter=spec)) == "exact", spec  # 240 rows: under STRUCTURE_MIN_ROWS
         for mode in ("dense", "hybrid"):
             assert (fields_hnsw.batch_search(QUERIES, K, mode=mode, filter=spec)
                     == fields_searcher.batch_search(QUERIES, K, mode=mode, filter=spec))
-    assert fields_hnsw.answered_by() == "approximate:hnsw"
+    assert fields_hnsw.answered_by(fields_hnsw.request(K)) == "approximate:hnsw"
 
 
 def test_a_broad_filter_over_a_hnsw_index_searches_the_graph_with_the_filter_as_its_selector(
         fields_hnsw, fields_searcher, monkeypatch):
     monkeypatch.setattr(filtered_search, "STRUCTURE_MIN_ROWS", 10)
     spec = {"source": {"$in": ["pubmed", "wiki"]}}  # a third of the rows drop
-    assert fields_hnsw.answered_by(filter=spec) == "approximate:hnsw"
-    assert fields_hnsw.answered_by(filter={"uid": "3"}) == "exact"
+    assert fields_hnsw.answered_by(fields_hnsw.request(K, filter=spec)) == "approximate:hnsw"
+    assert fields_hnsw.answered_by(fields_hnsw.request(K, filter={"uid": "3"})) == "exact"
     for query in QUERIES:
         hits = fields_hnsw.search(query, K, filter=spec, fields=["source"])
         assert len(hits) == K and all(hit.fields["source"] in ("pubmed", "wiki") for hit in hits)

@@ -39,8 +39,8 @@ def test_memory_mapped_index_answers_exactly_as_an_in_memory_one(small_index, en
     mapped = Searcher(small_index, encoder, device="cpu", mmap=True)
     queries = list(demo_queries.values())
     for k in (10, mapped.count):  # k = all: every passage ranked, so every stored vector is compared
-        expected = in_memory.hits(in_memory.rank(queries, query_vectors, k))
-        assert mapped.hits(mapped.rank(queries, query_vectors, k)) == expected  # ids, texts, ranks, scores
+        expected = in_memory.hits(in_memory.rank(queries, query_vectors, in_memory.request(k)))
+        assert mapped.hits(mapped.rank(queries, query_vectors, mapped.request(k))) == expected  # ids, texts, ranks, scores
         for exact, got in zip(dense_index.search(in_memory.index, query_vectors, k),
                               dense_index.search(mapped.index, query_vectors, k)):
             assert np.array_equal(exact, got)  # scores bit for bit, rows in the same order

@@ -18,7 +18,8 @@ from index_builder.cli import main as cli_main
 from retrieval import candidates, dense_index
 from retrieval.index_format import INDEX_FILE, PASSAGES_FILE, IndexFormatError, read_manifest
 from retrieval.passage_store import PassageStore
-from retrieval.searcher import MAX_CANDIDATES, Searcher
+from retrieval.dense import MAX_CANDIDATES
+from retrieval.searcher import Searcher
 from retrieval.sharding import ShardIndex, shard_folder
 from service.app import create_app
 from service.engine import SearchEngine
@@ -145,7 +146,7 @@ def test_the_merged_answer_is_the_exact_scoring_of_the_shards_candidates_togethe
     vectors, row_of = stored
     k, depth = 10, 20
     query_vectors = encoder.encode_texts(queries)
-    hits, shards = sharded.searcher.scatter(query_vectors, k, candidates=depth)(False)
+    hits, shards = sharded.searcher.scatter(query_vectors, sharded.searcher.request(k, candidates=depth))(False)
     assert shards["missing"] == []
     proposed = []
     for folder in hnsw_shards:
@@ -169,7 +170,7 @@ def test_every_approximate_score_is_the_inner_product_of_the_stored_vectors(shar
     vectors, row_of = stored
     query_vectors = encoder.encode_texts(queries)
     for depth in (None, 10):
-        hits, _ = sharded.searcher.scatter(query_vectors, K, candidates=depth)(False)
+        hits, _ = sharded.searcher.scatter(query_vectors, sharded.searcher.request(K, candidates=depth))(False)
         for query_vector, found in zip(query_vectors, hits):
             rows = [row_of[h.id] for h in found]
             assert len(found) == K

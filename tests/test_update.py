@@ -391,7 +391,20 @@ def test_an_update_while_another_update_or_a_build_holds_the_index_exits_2_and_c
     before = (index / MANIFEST_FILE).read_bytes()
     deletes = tmp_path / "delete.txt"
     deletes.write_text("p3\n")
-    with out_lock.hold(index, holder):
+    held, release = threading.Event(), threading.Event()
+
+    def other() -> None:  # another thread: the lock is re-entrant within one
+        with out_lock.hold(index, holder):
+            held.set()
+            release.wait(60)
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    try:
+        assert held.wait(60)
         assert cli.main(["update", "--index", str(index), "--delete", str(deletes)]) == 2
+    finally:
+        release.set()
+        thread.join(60)
     assert f"{index} is in use by pid {os.getpid()} (another {holder})" in capsys.readouterr().err
     assert (index / MANIFEST_FILE).read_bytes() == before

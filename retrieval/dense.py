@@ -1,0 +1,114 @@
+"""The dense side of one index generation: its exact vectors and what searches them (its candidate structures,
+its fields' columns, the flat scan a filtered search reads), loaded once and searched through one `search`,
+by the Searcher and by a shard (retrieval.sharding.ShardIndex) alike."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import faiss
+import numpy as np
+
+from retrieval import candidates, dense_index, filtered_search
+from retrieval.index_format import INDEX_FILE, PASSAGES_FILE, IndexFormatError, Manifest, candidates_file, read_manifest
+from retrieval.passage_store import PassageStore
+from retrieval.pinned import PinnedFolder
+
+MAX_CANDIDATES = candidates.MAX_CANDIDATES
+Ranked = list[list[tuple[int, float]]]  # (row, score) per query, best first
+
+
+def structures_served(device: str) -> bool:
+    """Whether an index searched on `device` loads its candidate structures: on the CPU only, since a GPU
+    scans every vector faster than a CPU structure proposes candidates. A GPU asked for that neither faiss
+    nor torch can use counts as the CPU here: dense_index.load_index says so, after the manifest's checks."""
+    try:
+        return not dense_index.stays_on_gpu(device)
+    except RuntimeError:
+        return True
+
+
+def read_index_manifest(index_dir: Path, device: str, verify_checksums: bool) -> Manifest:
+    """The index's manifest (index_format.read_manifest), with every file's checksum checked here (where
+    `verify_checksums`) but those `DenseIndex.load` checks from the bytes it loads: index.faiss, and the
+    structures loaded on `device`."""
+    structure_files = tuple(candidates_file(kind) for kind in candidates.KINDS) if structures_served(device) else ()
+    return read_manifest(index_dir, verify_checksums=verify_checksums, hashed_on_load=(INDEX_FILE, *structure_files))
+
+
+def check_rows(index_dir: Path, manifest: Manifest, index, passages: PassageStore) -> None:
+    """IndexFormatError unless the manifest, the FAISS index and the passage store agree on the rows
+    (count, and rows 0 .. count - 1) and the vectors' dimension: a mismatch would serve short lists or 500s."""
+    if index.d != manifest.dimension:
+        raise IndexFormatError(f"{index_dir}: {INDEX_FILE} holds {index.d}-d vectors, the manifest says "
+                               f"{manifest.dimension}-d")
+    stored, low, high = passages.row_range()
+    if not manifest.count == index.ntotal == stored or (stored and (low, high) != (0, stored - 1)):
+        raise IndexFormatError(
+            f"{index_dir}: the manifest counts {manifest.count} passages, {INDEX_FILE} holds {index.ntotal} "
+            f"vectors and {PASSAGES_FILE} {stored} rows ({low} .. {high}); they must agree, rows 0 .. count - 1"
+        )
+
+
+def pick_structure(structures: dict[str, candidates.Structure], exact: bool = False,
+                   structure: str | None = None) -> candidates.Structure | None:
+    """The structure a search answers through: None where `exact` or none is loaded, else `structure`'s
+    kind (default: the first loaded); ValueError naming those loaded for a kind that is not."""
+    if structure is not None and structure not in structures:
+        raise ValueError(f"structure {structure!r} is not loaded (loaded: {', '.join(structures) or 'none'})")
+    if exact or not structures:
+        return None
+    return structures[structure] if structure is not None else next(iter(structures.values()))
+
+
+def check_candidates(depth: int | None) -> None:
+    """ValueError unless `depth`, the candidates rescored per query, is None or within 1 .. MAX_CANDIDATES."""
+    if depth is not None and not 1 <= depth <= MAX_CANDIDATES:
+        raise ValueError(f"candidates must be between 1 and {MAX_CANDIDATES}, got {depth}")
+
+
+class DenseIndex:
+    """`index`: the exact vectors (faiss's flat index, on the CPU or a GPU, or torch's: retrieval.torch_flat);
+    `structures`: the candidate structures loaded, by kind in the manifest's order (none on a GPU);
+    `restrictions`: each filter's matching rows over the fields' columns (retrieval.filtered_search);
+    `scan`: the flat index a filtered search scans (the vectors themselves on the CPU)."""
+
+    def __init__(self, index, structures: dict[str, candidates.Structure],
+                 restrictions: filtered_search.Restrictions, scan: faiss.IndexFlat | None, count: int) -> None:
+        self.index, self.structures, self.restrictions, self.scan, self.count = (
+            index, structures, restrictions, scan, count)
+
+    @classmethod
+    def load(cls, pinned: PinnedFolder, manifest: Manifest, passages: PassageStore, device: str, *,
+             verify_checksums: bool, mmap: bool | None = None, fp16: bool = False) -> "DenseIndex":
+        """The dense side of the generation `pinned` holds, whose manifest `read_index_manifest` read and whose
+        passages `passages` are: the rows agree (check_rows), and each structure listed is the one of these
+        vectors, its file checked from the bytes read where `verify_checksums` (candidates.load). `mmap`
+        (None: where a structure is loaded) and `fp16`: see dense_index.load_index. IndexFormatError says
+        what is wrong."""
+        records = manifest.candidates if structures_served(device) else []
+        files = manifest.files
+        index = dense_index.load_index(pinned.path(INDEX_FILE), device, fp16=fp16,
+                                       mmap=mmap if mmap is not None else bool(records),
+                                       expected=files[INDEX_FILE] if verify_checksums else None)
+        check_rows(pinned.root, manifest, index, passages)
+        structures = {record.kind: candidates.load(pinned.path(record.file), record, index,
+                                                   files[record.file] if verify_checksums else None)
+                      for record in records}
+        restrictions = filtered_search.Restrictions(passages.field_columns(manifest.fields, manifest.count))
+        scan = filtered_search.scan_index(index, pinned.path(INDEX_FILE), manifest.fields)
+        return cls(index, structures, restrictions, scan, manifest.count)
+
+    def search(self, vectors: np.ndarray, k: int, restriction: filtered_search.Restriction | None = None,
+               structure: candidates.Structure | None = None, depth: int | None = None) -> Ranked:
+        """The best min(k, rows) rows per query vector with their exact scores: among the rows `restriction`
+        keeps (None: all), through `structure`'s `depth` candidates (None: the exact scan; see
+        retrieval.candidates and retrieval.filtered_search for when a restricted search uses it)."""
+        k = min(k, self.count)
+        if restriction is not None:
+            scores, rows = filtered_search.search(self.index, vectors, k, restriction, structure, depth, self.scan)
+        elif structure is None or k == 0:
+            scores, rows = dense_index.search(self.index, vectors, k)
+        else:
+            scores, rows = candidates.search(structure, self.index, vectors, k, depth)
+        return [[(int(r), float(s)) for r, s in zip(row, score) if r >= 0] for row, score in zip(rows, scores)]

@@ -1,0 +1,48 @@
+"""One search's retrieval as a typed value: made and checked once where a search enters (Searcher.request, for
+the Python API, eval and the service's plan), then read unchanged by every layer below, so an option is
+either one of these fields or refused where it is written."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Literal, get_args
+
+from retrieval.filters import Filter
+
+MAX_K = 1000
+Mode = Literal["dense", "bm25", "hybrid"]
+Fusion = Literal["interleave", "rrf", "zscore"]
+Lead = Literal["dense", "bm25"]
+MODES: tuple[str, ...] = get_args(Mode)
+FUSIONS: tuple[str, ...] = get_args(Fusion)
+LEADS: tuple[str, ...] = get_args(Lead)
+
+
+@dataclass(frozen=True)
+class Retrieval:
+    """`k` passages by `mode` ("dense", "bm25" or "hybrid", its lists combined by `fusion`: "interleave", paper
+    000 eq. 6, `lead` going first; "rrf" or "zscore" over each list's top `fusion_depth`). The dense list: the
+    exact scan where `exact` or no candidate structure is loaded, else `structure`'s (None: the first loaded)
+    `candidates` rows per query (None: its recorded depth) scored exactly. `filter`: only the passages it
+    matches, parsed against the index. `fields`: the metadata fields each hit carries (None: none). Frozen and
+    hashable: equal retrievals may share one search (the micro-batcher fuses them)."""
+
+    k: int
+    mode: Mode = "dense"
+    fusion: Fusion = "interleave"
+    lead: Lead = "dense"
+    exact: bool = False
+    candidates: int | None = None
+    structure: str | None = None
+    filter: Filter | None = None
+    fields: tuple[str, ...] | None = None
+    fusion_depth: int = MAX_K
+
+    def at_depth(self, k: int) -> "Retrieval":
+        """The same retrieval of `k` passages."""
+        return replace(self, k=k)
+
+    @property
+    def reads_dense(self) -> bool:
+        """Whether it encodes its queries: every mode but bm25."""
+        return self.mode != "bm25"
