@@ -74,9 +74,11 @@ class DenseIndex:
     `scan`: the flat index a filtered search scans (the vectors themselves on the CPU)."""
 
     def __init__(self, index, structures: dict[str, candidates.Structure],
-                 restrictions: filtered_search.Restrictions, scan: faiss.IndexFlat | None, count: int) -> None:
+                 restrictions: filtered_search.Restrictions, scan: faiss.IndexFlat | None, count: int,
+                 pinned: PinnedFolder | None = None) -> None:
         self.index, self.structures, self.restrictions, self.scan, self.count = (
             index, structures, restrictions, scan, count)
+        self.pinned = pinned  # held while the index is: the vectors' prefetch reads through it after the load
 
     @classmethod
     def load(cls, pinned: PinnedFolder, manifest: Manifest, passages: PassageStore, device: str, *,
@@ -97,7 +99,7 @@ class DenseIndex:
                       for record in records}
         restrictions = filtered_search.Restrictions(passages.field_columns(manifest.fields, manifest.count))
         scan = filtered_search.scan_index(index, pinned.path(INDEX_FILE), manifest.fields)
-        return cls(index, structures, restrictions, scan, manifest.count)
+        return cls(index, structures, restrictions, scan, manifest.count, pinned)
 
     def search(self, vectors: np.ndarray, k: int, restriction: filtered_search.Restriction | None = None,
                structure: candidates.Structure | None = None, depth: int | None = None) -> Ranked:

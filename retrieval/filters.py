@@ -166,7 +166,7 @@ def _filter(spec, types, path, used, depth):
             if not isinstance(value, list) or not value:
                 raise FilterError(here, f'filter: "{key}" needs a non-empty list of filters, got {_shown(value)}')
             children = tuple(_filter(child, types, (*here, i), used, depth + 1) for i, child in enumerate(value))
-            clauses.append(All(children) if key == "$and" else Any_(children))
+            clauses.append(All(children) if key == "$and" else _any(children))
         elif key == "$not":
             clauses.append(Not(_filter(value, types, here, used, depth + 1)))
         elif key.startswith("$"):
@@ -175,6 +175,15 @@ def _filter(spec, types, path, used, depth):
         else:
             clauses.append(_field(key, value, types, here, used, depth))
     return clauses[0] if len(clauses) == 1 else All(tuple(clauses))
+
+
+def _any(children: tuple):
+    """`$or` of children; where each is equality on one and the same field, that field's `$in`: one pass over
+    the rows rather than one a clause (a passage matches either alike, list fields included)."""
+    if all(isinstance(child, Compare) and child.op == "$eq" for child in children) and \
+            len({child.field for child in children}) == 1:
+        return Within(children[0].field, tuple(dict.fromkeys(child.value for child in children)))
+    return Any_(children)
 
 
 def _field(name, value, types, path, used, depth):

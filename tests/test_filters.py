@@ -515,3 +515,14 @@ def test_over_an_index_that_takes_no_id_selector_the_matching_rows_are_scanned_i
             mine = filtered_search.search(sharded, query_vectors, k, restriction, scan=scan)
             np.testing.assert_array_equal(mine[1], theirs[1])
             np.testing.assert_allclose(mine[0], theirs[0], rtol=0, atol=1e-6)
+
+
+def test_an_or_of_equalities_on_one_field_matches_what_its_in_matches(fields_searcher, stored):
+    columns = fields_searcher.restrictions.columns
+    for field, values in (("source", ["pubmed", "wiki", "nowhere"]), ("year", [1990, 2001, 2024]),
+                          ("tags", ["t1", "rare"]), ("open", [True])):
+        as_or = parse_filter({"$or": [{field: value} for value in values]}, fields_searcher.field_types)
+        as_in = parse_filter({field: {"$in": values}}, fields_searcher.field_types)
+        assert as_or.root == as_in.root
+        expected = [row for row, fields in enumerate(stored[1]) if matches({field: {"$in": values}}, fields)]
+        assert np.flatnonzero(evaluate(as_or, columns)).tolist() == expected
