@@ -17,8 +17,8 @@ from models.reranker import Reranker, load_reranker, reranker_kind
 from retrieval.fields import UnknownField
 from retrieval.filters import FilterError
 from retrieval.index_format import INDEX_FILE, PASSAGES_FILE, read_manifest
-from retrieval.rerank import BLEND, rerank
 from retrieval.request import Retrieval
+from retrieval.rerank import BLEND, rerank
 from retrieval.searcher import EncoderMismatch, Hit, Searcher, encoder_for
 from service.errors import NotServable, OverLimit
 

@@ -19,11 +19,11 @@ import numpy as np
 
 from models.backends import Backend
 from models.encoder import Tokens
+from retrieval.dense import check_candidates
 from retrieval.fields import chosen_fields, merged_types
 from retrieval.filters import Filter, parse_filter
 from retrieval.index_format import INDEX_FILE, PASSAGES_FILE, Manifest, generation_id
 from retrieval.request import MAX_K, Fusion, Lead, Mode, Retrieval
-from retrieval.dense import check_candidates
 from retrieval.searcher import Hit, HitWithFields, check_encoder, dense_score_kind, encoder_for, validate_k
 from retrieval.sharding import ShardHit, ShardIndex, build_identity, check_shard_set, merge_top_k
 from service.engine import Fetch, ReloadError, SearchEngine, SearchPlan, load_rerankers

@@ -9,8 +9,8 @@ from fastapi import APIRouter, Request, Response
 from service import limits
 from service.errors import OverLimit
 from service.routes.access import Access
-from service.routes.bodies import JsonOffLoopRoute
 from service.routes.answers import GONE, json_answer, unless_gone
+from service.routes.bodies import JsonOffLoopRoute
 from service.runtime import Runtime
 from service.schemas import EmbeddingsRequest, EmbeddingsResponse
 
