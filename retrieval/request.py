@@ -4,7 +4,7 @@ either one of these fields or refused where it is written."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Literal, get_args
 
 from retrieval.filters import Filter
@@ -37,10 +37,6 @@ class Retrieval:
     filter: Filter | None = None
     fields: tuple[str, ...] | None = None
     fusion_depth: int = MAX_K
-
-    def at_depth(self, k: int) -> "Retrieval":
-        """The same retrieval of `k` passages."""
-        return replace(self, k=k)
 
     @property
     def reads_dense(self) -> bool:

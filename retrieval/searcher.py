@@ -185,23 +185,25 @@ class Searcher:
         validate_k(k)
         if mode not in MODES or fusion not in FUSIONS or lead not in LEADS:
             raise ValueError(f"mode must be one of {MODES}, fusion one of {FUSIONS}, lead dense or bm25")
-        if mode != "dense" and self.bm25 is None:
-            raise NoBm25Index(f"mode {mode!r} needs a BM25 index; {self.index_dir} was built without --bm25")
+        self._servable(mode, structure)
         check_candidates(candidates)
-        pick_structure(self.structures, structure=structure)  # ValueError for a kind not loaded
         return Retrieval(k, mode, fusion, lead, bool(exact), candidates, structure, self.parse_filter(filter),
                          chosen_fields(fields, self.field_types), fusion_depth)
 
     def check(self, retrieval: Retrieval) -> None:
         """ValueError (as `request`'s) unless this index can serve `retrieval`, made against it or against an
         index it has replaced since."""
-        if retrieval.mode != "dense" and self.bm25 is None:
-            raise NoBm25Index(f"mode {retrieval.mode!r} needs a BM25 index; {self.index_dir} was built without --bm25")
-        pick_structure(self.structures, structure=retrieval.structure)
+        self._servable(retrieval.mode, retrieval.structure)
         if retrieval.filter is not None:
             retrieval.filter.check(self.field_types)
         if retrieval.fields is not None:
             chosen_fields(list(retrieval.fields), self.field_types)
+
+    def _servable(self, mode: str, structure: str | None) -> None:
+        """NoBm25Index where `mode` needs BM25 and this index has none; ValueError for a `structure` not loaded."""
+        if mode != "dense" and self.bm25 is None:
+            raise NoBm25Index(f"mode {mode!r} needs a BM25 index; {self.index_dir} was built without --bm25")
+        pick_structure(self.structures, structure=structure)
 
     def run(self, queries: Sequence[str], retrieval: Retrieval,
             tokens: Sequence[Tokens] | None = None) -> list[list[Hit]]:

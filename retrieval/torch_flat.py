@@ -27,6 +27,8 @@ class TorchFlatIndex:
                  score_budget_bytes: int = SCORE_BUDGET_BYTES) -> None:
         self.d, self.ntotal = d, 0
         self.devices = [torch.device(device) for device in devices]
+        if not self.devices:
+            raise ValueError("a torch flat index needs at least one device")
         self.dtype = torch.float16 if fp16 else torch.float32
         self.score_budget_bytes = score_budget_bytes
         self.shards: list[tuple[int, torch.Tensor]] = []  # (first row, the rows on one device)
@@ -51,6 +53,8 @@ class TorchFlatIndex:
     @classmethod
     def of_tensors(cls, shards: Sequence[torch.Tensor], score_budget_bytes: int = SCORE_BUDGET_BYTES) -> "TorchFlatIndex":
         """Row blocks already on their devices (one each, in row order, all of one dtype), used as they are."""
+        if not shards:
+            raise ValueError("a torch flat index needs at least one device")
         index = cls(shards[0].shape[1], [shard.device for shard in shards], shards[0].dtype == torch.float16,
                     score_budget_bytes)
         for shard in shards:
@@ -83,10 +87,8 @@ class TorchFlatIndex:
             raise ValueError("a torch flat index takes no search parameters (filtered searches scan on the CPU)")
         queries = np.ascontiguousarray(queries, dtype=np.float32)
         found = [self._shard_top(start, shard, queries, k) for start, shard in self.shards]  # every device at once
-        scores = np.concatenate([s.float().cpu().numpy() for s, _ in found], axis=1) if found else \
-            np.zeros((len(queries), 0), dtype=np.float32)
-        rows = np.concatenate([r.cpu().numpy() for _, r in found], axis=1) if found else \
-            np.zeros((len(queries), 0), dtype=np.int64)
+        scores = np.concatenate([s.float().cpu().numpy() for s, _ in found], axis=1)
+        rows = np.concatenate([r.cpu().numpy() for _, r in found], axis=1)
         best = np.argsort(-scores, axis=1, kind="stable")[:, :k]
         scores, rows = np.take_along_axis(scores, best, axis=1), np.take_along_axis(rows, best, axis=1)
         if scores.shape[1] < k:  # fewer rows than k: faiss's padding (the lowest float32 for inner products)

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -23,6 +28,22 @@ SMALL_CORPUS_LINES = 300
 SMALL_SHARDS = 3
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def killed_after_chunks(arguments: list[str], state: Path, chunks: int) -> int:
+    """`python -m index_builder ARGUMENTS...` killed with SIGKILL once its build's `state` file records `chunks`
+    committed chunks (so while it encodes); the chunks it had committed when it died."""
+    process = subprocess.Popen([sys.executable, "-m", "index_builder", *arguments], cwd=ROOT,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and process.poll() is None:
+        if state.is_file() and len(json.loads(state.read_text())["chunks"]) >= chunks:
+            process.send_signal(signal.SIGKILL)
+            break
+        time.sleep(0.02)
+    process.wait()
+    assert process.returncode == -signal.SIGKILL, f"{arguments[0]} finished before it could be killed"
+    return len(json.loads(state.read_text())["chunks"])
 
 
 def head(path: Path, lines: int) -> str:

@@ -3,13 +3,8 @@
 from __future__ import annotations
 
 import hashlib
-import json
 import os
-import signal
 import sqlite3
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import faiss
@@ -21,7 +16,7 @@ from index_builder.cli import main as cli_main
 from retrieval import index_writer
 from retrieval.index_format import INDEX_FILE, MANIFEST_FILE, PASSAGES_FILE, read_manifest
 from retrieval.text_hashes import TEXT_HASHES_FILE
-from tests.conftest import DEMO, ROOT, SMALL_CORPUS_LINES, head
+from tests.conftest import DEMO, SMALL_CORPUS_LINES, head, killed_after_chunks
 
 
 def index_contents(directory: Path) -> tuple[np.ndarray, list[tuple]]:
@@ -64,21 +59,9 @@ def test_interrupted_build_resumes_to_the_same_index(tmp_path, encoder):
 
     out = tmp_path / "resumed"
     state = tmp_path / ".resumed.partial" / "state.json"
-    process = subprocess.Popen(
-        [sys.executable, "-m", "index_builder", "build", "--corpus", str(corpus), "--out", str(out),
-         "--chunk-size", "20", "--device", "cpu"],
-        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and process.poll() is None:
-        if state.is_file() and len(json.loads(state.read_text())["chunks"]) >= 3:
-            process.send_signal(signal.SIGKILL)
-            break
-        time.sleep(0.02)
-    process.wait()
-    assert process.returncode == -signal.SIGKILL, "the build finished before it could be killed"
+    done = killed_after_chunks(["build", "--corpus", str(corpus), "--out", str(out), "--chunk-size", "20",
+                                "--device", "cpu"], state, 3)
     assert not out.exists()
-    done = len(json.loads(state.read_text())["chunks"])
     assert 3 <= done < 10
 
     report = build_index(BuildOptions(corpus, out, chunk_size=20), encoder)

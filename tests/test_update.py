@@ -12,7 +12,6 @@ import sqlite3
 import subprocess
 import sys
 import threading
-import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -31,7 +30,7 @@ from retrieval.index_format import INDEX_FILE, MANIFEST_FILE, PASSAGES_FILE, rea
 from retrieval.searcher import Searcher
 from retrieval.text_hashes import TEXT_HASHES_FILE, text_sha256
 from service.engine import SearchEngine
-from tests.conftest import ROOT
+from tests.conftest import ROOT, killed_after_chunks
 from tests.test_admission import serving, wait_until
 
 NOUNS = ["river", "lantern", "compiler", "meadow", "engine", "archive", "harbour", "violin", "glacier", "parser"]
@@ -219,20 +218,8 @@ def test_a_killed_update_leaves_the_old_index_whole_and_serving_and_a_rerun_resu
     records = [passage(i) for i in range(BASE)] + [passage(i) for i in range(300, 324)]  # 24 to encode
     corpus = write_corpus(tmp_path / "grown.jsonl", records)
     state = tmp_path / ".index.partial" / "state.json"
-    process = subprocess.Popen(
-        [sys.executable, "-m", "index_builder", "build", "--corpus", str(corpus), "--out", str(index), "--update",
-         "--chunk-size", "2", "--device", "cpu"],
-        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and process.poll() is None:
-        if state.is_file() and len(json.loads(state.read_text())["chunks"]) >= BASE // 2 + 2:  # encoding now
-            process.send_signal(signal.SIGKILL)
-            break
-        time.sleep(0.02)
-    process.wait()
-    assert process.returncode == -signal.SIGKILL, "the update finished before it could be killed"
-    done = len(json.loads(state.read_text())["chunks"])
+    done = killed_after_chunks(["build", "--corpus", str(corpus), "--out", str(index), "--update",
+                                "--chunk-size", "2", "--device", "cpu"], state, BASE // 2 + 2)  # encoding now
     assert (index / MANIFEST_FILE).read_bytes() == before
     read_manifest(index, verify_checksums=True)
     hits = Searcher(index, encoder, device="cpu").search(passage(17)["title"] + " " + passage(17)["text"], k=1)
@@ -366,17 +353,8 @@ def test_an_update_add_killed_while_it_encodes_leaves_the_old_index_and_a_rerun_
     before = (index / MANIFEST_FILE).read_bytes()
     add = write_corpus(tmp_path / "add.jsonl", [passage(i) for i in range(500, 524)])
     state = tmp_path / "..index.adding.partial" / "state.json"  # the --add build's work folder
-    update = ["update", "--index", str(index), "--add", str(add), "--chunk-size", "2", "--device", "cpu"]
-    process = subprocess.Popen([sys.executable, "-m", "index_builder", *update], cwd=ROOT,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and process.poll() is None:
-        if state.is_file() and len(json.loads(state.read_text())["chunks"]) >= 2:
-            process.send_signal(signal.SIGKILL)
-            break
-        time.sleep(0.02)
-    process.wait()
-    assert process.returncode == -signal.SIGKILL, "the update finished before it could be killed"
+    killed_after_chunks(["update", "--index", str(index), "--add", str(add), "--chunk-size", "2", "--device", "cpu"],
+                        state, 2)
     assert (index / MANIFEST_FILE).read_bytes() == before
     read_manifest(index, verify_checksums=True)
     report = apply_changes(ChangeOptions(index, add=add, chunk_size=2), lambda manifest: encoder)
