@@ -8,8 +8,8 @@ Synthetic: N x 384 unit vectors around 1,000 gaussian cluster centres (noise SIG
 queries drawn alike, recall@10 against their exact top 10.
 --index: an index's own stored vectors (real embeddings: bench/wordnet.py makes one of 117k passages), 1,000
 held-out passages as queries, each searched with itself excluded (as `index_builder ann`'s recall card is).
-For binary, int8, hnsw and ivf (retrieval.candidates; hnsw once per --ef-construction): build seconds, then at
-several depths (ivf: several nprobe) recall@10 and @100 and ms per single query, with the ratio to the flat scan's.
+For each kind (retrieval/candidates/; hnsw once per --ef-construction): build seconds, then at several depths
+(ivf: several nprobe) recall@10 and @100 and ms per single query, with the ratio to the flat scan's.
 """
 import argparse
 import sys
@@ -22,7 +22,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from retrieval import candidates, dense_index  # noqa: E402
+from retrieval import dense_index  # noqa: E402
+from retrieval.candidates import recall, structures  # noqa: E402
+from retrieval.candidates.kind import SEED, Structure  # noqa: E402
+from retrieval.candidates.registry import KINDS  # noqa: E402
 from retrieval.index_format import INDEX_FILE  # noqa: E402
 
 D, CLUSTERS, Q = 384, 1000, 1000
@@ -51,14 +54,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("synthetic", nargs="*", help="N SIGMA")
     parser.add_argument("--index", type=Path, help="an index directory: its stored vectors, held-out queries")
-    parser.add_argument("--ef-construction", type=int, nargs="+", default=[candidates.HNSW_PARAMS["efConstruction"]])
-    parser.add_argument("--kinds", nargs="+", default=list(candidates.KINDS), choices=candidates.KINDS)
+    parser.add_argument("--ef-construction", type=int, nargs="+", default=[KINDS["hnsw"].params["efConstruction"].default])
+    parser.add_argument("--kinds", nargs="+", default=list(KINDS), choices=list(KINDS))
     args = parser.parse_args()
     if (args.index is None) == (len(args.synthetic) != 2):
         parser.error("give N SIGMA or --index DIR")
     if args.index is not None:
         flat = dense_index.load_index(args.index / INDEX_FILE, "cpu", mmap=True)
-        own = np.sort(np.random.default_rng(candidates.RECALL_SEED).choice(flat.ntotal, Q, replace=False))
+        own = np.sort(np.random.default_rng(SEED).choice(flat.ntotal, Q, replace=False))
         queries = flat.reconstruct_batch(own)
         label = f"{args.index}: {flat.ntotal:,} x {flat.d} stored vectors, {Q} held-out passages as queries"
     else:
@@ -80,19 +83,20 @@ def main() -> None:
     ms_exact = timed_single(lambda q: dense_index.search(flat, q, 10), 50)
     print(f"flat exact: {ms_exact:.2f} ms/query (single queries), threads {faiss.omp_get_max_threads()}", flush=True)
 
-    def recall(structure: candidates.Structure) -> candidates.RecallCard:
+    def card(structure: Structure) -> recall.RecallCard:
         if own is not None:
-            return candidates.measure_recall(structure, flat)  # held-out, self excluded: the card's own measure
-        return candidates.measure_recall(structure, flat, queries, queries="synthetic queries")
+            return recall.measure_recall(structure, flat)  # held-out, self excluded: the card's own measure
+        return recall.measure_recall(structure, flat, queries, queries="synthetic queries")
 
     plans = [("binary", {}, (400, 1000, 4000)), ("int8", {}, (100, 256, 1000))]
     plans += [("hnsw", {"efConstruction": ef}, (64, 128, 256, 512)) for ef in args.ef_construction]
     plans += [("ivf", {}, (16, 32, 64, 128, 256))]  # nprobe, at the default depth
+    plans += [("pq", {}, (128, 256, 512, 1024))]
     for kind, params, depths in plans:
         if kind not in args.kinds:
             continue
         started = time.perf_counter()
-        structure = candidates.build(flat, kind, params, progress=False)
+        structure = structures.build(flat, kind, params, progress=False)
         built = time.perf_counter() - started
         for depth in depths:
             if kind == "ivf":
@@ -100,15 +104,15 @@ def main() -> None:
             structure.depth = depth
             if kind == "hnsw":
                 structure.params["efSearch"] = depth
-            card = recall(structure)
-            ms = timed_single(lambda q: candidates.search(structure, flat, q, 10, depth))
+            found = card(structure)
+            ms = timed_single(lambda q: structures.search(structure, flat, q, 10, depth))
             setting = f"{depth} candidates"
             if kind == "hnsw":
                 setting = f"efConstruction {params['efConstruction']}, efSearch {depth}"
-            elif kind == "ivf":
+            elif kind in ("ivf", "pq"):
                 setting = f"nlist {structure.params['nlist']}, nprobe {structure.params['nprobe']}, {setting}"
-            print(f"{kind} (built in {built:.1f} s): {setting}: recall@10 {card.recall_at_10:.4f}, @100 "
-                  f"{card.recall_at_100:.4f}; {ms:.2f} ms/query ({ms_exact / ms:.0f}x the flat scan's speed)",
+            print(f"{kind} (built in {built:.1f} s): {setting}: recall@10 {found.recall_at_10:.4f}, @100 "
+                  f"{found.recall_at_100:.4f}; {ms:.2f} ms/query ({ms_exact / ms:.0f}x the flat scan's speed)",
                   flush=True)
 
 

@@ -72,7 +72,8 @@ sys.path.insert(0, str(ROOT))
 
 from index_builder.build import BuildOptions, build_index  # noqa: E402
 from models.encoder import BiEncoder, default_model_path  # noqa: E402
-from retrieval import candidates, dense_index, index_writer  # noqa: E402
+from retrieval import dense_index, index_writer  # noqa: E402
+from retrieval.candidates.registry import KINDS  # noqa: E402
 from retrieval.index_format import INDEX_FILE, MANIFEST_FILE, CorpusRecord, EncoderRecord, read_manifest  # noqa: E402
 
 DEMO_CORPUS = ROOT / "data" / "demo" / "corpus.tsv"
@@ -622,7 +623,7 @@ def main() -> None:
     parser.add_argument("--work", type=Path, help="folder for the indexes (default: the system's temporary folder)")
     parser.add_argument("--keep", action="store_true", help="keep the indexes built")
     parser.add_argument("--sigma", type=float, default=0.05, help="noise a dimension around each cluster centre")
-    parser.add_argument("--structures", nargs="+", choices=list(candidates.KINDS), default=[],
+    parser.add_argument("--structures", nargs="+", choices=list(KINDS), default=[],
                         help="candidate structures served, each against the flat scan (CPU)")
     parser.add_argument("--ef-construction", type=int, help="hnsw's, passed to `index_builder ann` (default its own)")
     parser.add_argument("--root", type=Path, help="keep the indexes here, and reuse those an earlier run left")

@@ -1,4 +1,4 @@
-"""`python -m index_builder ann` and `build --ann`: an approximate candidate structure (retrieval.candidates)
+"""`python -m index_builder ann` and `build --ann`: an approximate candidate structure (retrieval/candidates/)
 over an index's stored vectors, with its recall card, added without encoding anything again.
 
 On a published index the structure is written in a new generation beside it, `.NAME.ann/` (hard links to
@@ -12,7 +12,7 @@ folder of a `build --shards N`, `ann` adds one to each shard in turn, over the s
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -20,27 +20,19 @@ import numpy as np
 from index_builder import out_lock
 from index_builder.errors import BuildError
 from retrieval import index_writer
-from retrieval.candidates import (HELD_OUT, KINDS, MAX_CANDIDATES, PARAMS, RECALL_SAMPLE, RECALL_THRESHOLD,
-                                  structure_params)
-from retrieval.index_format import CandidateRecord, read_manifest
+from retrieval.candidates.recall import HELD_OUT, RECALL_SAMPLE, RECALL_THRESHOLD
+from retrieval.candidates.registry import KINDS, params_by_name
+from retrieval.candidates.structures import MAX_CANDIDATES, structure_params
+from retrieval.index_format import CandidateRecord, Manifest, read_manifest
 from retrieval.readers import read_queries
 from retrieval.sharding import check_shard_set, expand_shard_dirs
-
-
-# The AnnOptions field of each structure parameter (retrieval.candidates.PARAMS says which kind has it); its
-# flag is the field's name, as `--ef-search` is `ef_search`'s.
-FIELDS = {"M": "m", "efConstruction": "ef_construction", "efSearch": "ef_search", "nlist": "nlist", "nprobe": "nprobe"}
 
 
 @dataclass
 class AnnOptions:
     kind: str
-    m: int | None = None  # hnsw: links per node (default 32)
-    ef_construction: int | None = None  # hnsw: search width while building (default 200)
-    ef_search: int | None = None  # hnsw: search width while searching (default 128)
-    nlist: int | None = None  # ivf: lists (default: the power of two nearest 4 sqrt(passages))
-    nprobe: int | None = None  # ivf: lists a query scans (default 32)
-    candidates: int | None = None  # rescored per query by default (default: efSearch, or the kind's)
+    params: dict[str, int] = field(default_factory=dict)  # the kind's parameters set (retrieval/candidates/KIND.py)
+    candidates: int | None = None  # rescored per query by default (default: the kind's)
     queries: Path | None = None  # recall measured on these queries, else on held-out passages
     sample: int = RECALL_SAMPLE
     recall_threshold: float = RECALL_THRESHOLD
@@ -48,23 +40,24 @@ class AnnOptions:
 
     @classmethod
     def of(cls, kind: str, params: dict[str, int], **others) -> AnnOptions:
-        """Options for a `kind` structure with `params` by their names in retrieval.candidates.PARAMS."""
-        return cls(kind, **{FIELDS[name]: value for name, value in params.items()}, **others)
+        """Options for a `kind` structure built again with a manifest's `params`: those the kind takes (not
+        those it worked out from them at build, as pq's code bits)."""
+        return cls(kind, {name: value for name, value in params.items() if name in KINDS[kind].params}, **others)
 
-    def given(self) -> dict[str, int]:
-        """The structure parameters set, by their names in retrieval.candidates.PARAMS."""
-        values = {name: getattr(self, field) for name, field in FIELDS.items()}
-        return {name: value for name, value in values.items() if value is not None}
-
-    def params(self) -> dict[str, int]:
-        """The structure's parameters; BuildError for flags that do not apply to the kind."""
-        given = self.given()
-        for owner in KINDS:
-            flags = ["--" + FIELDS[name].replace("_", "-") for name in given if name in PARAMS[owner]]
-            if self.kind != owner and flags:
-                raise BuildError(f"{', '.join(flags)}: for kind {owner} only, not {self.kind}")
+    def structure_params(self, manifest: Manifest | None = None) -> dict[str, int]:
+        """The structure's parameters; BuildError for flags that do not apply to the kind, or (given the
+        index's `manifest`) to its vectors."""
+        known = params_by_name()
+        misplaced = [name for name in self.params if name in known and self.kind not in known[name][1]]
+        if misplaced:
+            kinds = known[misplaced[0]][1]
+            raise BuildError(f"{', '.join(known[name][0].flag for name in misplaced)}: for kind"
+                             f"{'s' if len(kinds) > 1 else ''} {' and '.join(kinds)} only, not {self.kind}")
         try:
-            params = structure_params(self.kind, **given)
+            params = structure_params(self.kind, **self.params)
+            if manifest is not None:
+                KINDS[self.kind].check(KINDS[self.kind].chosen(params, manifest.count, manifest.dimension),
+                                       manifest.dimension)
         except ValueError as error:
             raise BuildError(str(error)) from None
         if self.candidates is not None and not 1 <= self.candidates <= MAX_CANDIDATES:
@@ -89,29 +82,21 @@ class AnnReport:
                 f"{record.file} {self.bytes / 2**20:.1f} MiB")
 
 
-def raise_recall_hint(record: CandidateRecord) -> str:
-    """The flag that raises a structure's recall."""
-    if record.kind == "hnsw":
-        return f"raise --ef-search (now {record.params['efSearch']}), or --candidates (now {record.depth})"
-    if record.kind == "ivf":
-        return f"raise --nprobe (now {record.params['nprobe']}), or --candidates (now {record.depth})"
-    return f"raise --candidates (now {record.depth}), the candidates rescored"
-
-
 def add_in_place(folder: Path, options: AnnOptions, progress: bool = True, published: Path | None = None,
                  queries: tuple[np.ndarray | None, str] | None = None) -> AnnReport:
     """Adds the structure to the finished, unpublished index in `folder` (see index_writer.write_candidates)
     and warns on stderr where its recall@10 is under the threshold, naming the flag that raises it and the
     index as `published` (where `folder` will be moved; default `folder`). `queries`: the recall queries
     already encoded, and their name (default: `_query_vectors`)."""
-    params = options.params()
+    params = options.structure_params(read_manifest(folder))
     query_vectors, name = queries or _query_vectors(folder, options)
     record = index_writer.write_candidates(folder, options.kind, params, depth=options.candidates,
                                            query_vectors=query_vectors, queries=name, sample=options.sample,
                                            progress=progress)
     if record.recall_at_10 < options.recall_threshold:
+        hint = KINDS[record.kind].recall_hint(record.params, record.depth)
         print(f"warning: {published or folder}: {record.kind} recall@10 {record.recall_at_10:.4f} is under "
-              f"{options.recall_threshold} (--recall-threshold): {raise_recall_hint(record)}", file=sys.stderr)
+              f"{options.recall_threshold} (--recall-threshold): {hint}", file=sys.stderr)
     return AnnReport(published or folder, read_manifest(folder).count, record, (folder / record.file).stat().st_size)
 
 
@@ -120,9 +105,9 @@ def add_structure(index_dir: Path, options: AnnOptions, progress: bool = True,
     """`ann`: the structure added to the published index at `index_dir` as a new generation, swapped in
     atomically. BuildError while another build or `ann` writes `index_dir`; IndexFormatError for a folder
     that is not a whole index (every file's checksum is checked first). `queries`: see add_in_place."""
-    options.params()  # bad flags fail before the lock and the checksums
+    options.structure_params()  # bad flags fail before the lock and the checksums
     with out_lock.hold(index_dir, "ann"):
-        read_manifest(index_dir, verify_checksums=True)
+        options.structure_params(read_manifest(index_dir, verify_checksums=True))
         work = index_dir.parent / f".{index_dir.name}.ann"
         checkpoint = index_writer.checkpoint_file(options.kind)
         index_writer.link_generation(index_dir, work, keep=(checkpoint, checkpoint + ".json"))
@@ -141,7 +126,7 @@ def add_structures(index_dir: Path, options: AnnOptions, progress: bool = True) 
     shards = expand_shard_dirs([index_dir])
     if shards == [index_dir]:
         return [add_structure(index_dir, options, progress)]
-    options.params()
+    options.structure_params()
     with out_lock.hold(index_dir, "ann"):
         try:
             check_shard_set([(str(shard), read_manifest(shard)) for shard in shards])

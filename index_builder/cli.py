@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from index_builder import out_lock
-from index_builder.ann import FIELDS, AnnOptions, add_structures
+from index_builder.ann import AnnOptions, add_structures
 from index_builder.build import BuildError, BuildOptions, build_index
 from index_builder.changes import ChangeOptions, apply_changes
 from index_builder.corpus_file import check_corpus_file
@@ -21,7 +21,8 @@ from index_builder.smart import convert_cranfield
 from index_builder.update import build_update, check_updatable, index_encoder
 from models.backends import BACKENDS
 from models.encoder import BiEncoder
-from retrieval import candidates
+from retrieval.candidates.recall import RECALL_SAMPLE, RECALL_THRESHOLD
+from retrieval.candidates.registry import KINDS, params_by_name
 from retrieval.corpus import DEFAULT_MAX_PASSAGE_BYTES
 from retrieval.fields import MAX_FIELDS
 from retrieval.index_format import IndexFormatError, read_manifest
@@ -57,35 +58,32 @@ def _fraction(text: str) -> float:
 
 def _add_ann_flags(parser: argparse.ArgumentParser) -> None:
     """The structure's parameters, shared by `ann` and `build --ann`."""
-    hnsw = candidates.HNSW_PARAMS
-    parser.add_argument("--m", type=_positive, metavar="M", help=f"hnsw: links per node (default {hnsw['M']})")
-    parser.add_argument("--ef-construction", type=_positive, metavar="N",
-                        help=f"hnsw: search width while building (default {hnsw['efConstruction']})")
-    parser.add_argument("--ef-search", type=_positive, metavar="N",
-                        help=f"hnsw: search width while searching (default {hnsw['efSearch']}); raises recall")
-    ivf = candidates.IVF_PARAMS
-    parser.add_argument("--nlist", type=_positive, metavar="N",
-                        help="ivf: k-means lists (default: the power of two nearest 4 sqrt(passages))")
-    parser.add_argument("--nprobe", type=_positive, metavar="N",
-                        help=f"ivf: lists a query scans (default {ivf['nprobe']}); raises recall")
+    for name, (param, kinds) in params_by_name().items():
+        default = f" (default {param.default})" if param.default else ""
+        parser.add_argument(param.flag, type=_positive, metavar="N", dest=_dest(name),
+                            help=f"{', '.join(kinds)}: {param.help}{default}{'; raises recall' if param.raises_recall else ''}")
+    depths = "; ".join(f"{kind.name}: {kind.depth_text()}" for kind in KINDS.values())
     parser.add_argument("--candidates", type=_positive, metavar="N",
-                        help="candidates rescored exactly per query by default (hnsw: --ef-search; ivf: "
-                        f"{candidates.IVF_DEPTH}; binary: {candidates.SCAN_DEPTH['binary']}; int8: "
-                        f"{candidates.SCAN_DEPTH['int8']}); raises recall")
+                        help=f"candidates rescored exactly per query by default ({depths}); raises recall")
     parser.add_argument("--queries", type=Path, metavar="FILE",
                         help="measure recall on these queries (TSV qid<TAB>query or BEIR JSONL) instead of "
-                        f"{candidates.RECALL_SAMPLE} held-out passages (each searched with itself excluded)")
-    parser.add_argument("--sample", type=_positive, default=candidates.RECALL_SAMPLE, metavar="N",
-                        help=f"held-out passages recall is measured on (default {candidates.RECALL_SAMPLE})")
-    parser.add_argument("--recall-threshold", type=_fraction, default=candidates.RECALL_THRESHOLD, metavar="R",
+                        f"{RECALL_SAMPLE} held-out passages (each searched with itself excluded)")
+    parser.add_argument("--sample", type=_positive, default=RECALL_SAMPLE, metavar="N",
+                        help=f"held-out passages recall is measured on (default {RECALL_SAMPLE})")
+    parser.add_argument("--recall-threshold", type=_fraction, default=RECALL_THRESHOLD, metavar="R",
                         help="warn when the measured recall@10 is under this, naming the flag that raises it "
-                        f"(default {candidates.RECALL_THRESHOLD})")
+                        f"(default {RECALL_THRESHOLD})")
+
+
+def _dest(param: str) -> str:
+    """The argparse attribute of a structure parameter's flag."""
+    return f"param_{param}"
 
 
 def _ann_options(args: argparse.Namespace, kind: str) -> AnnOptions:
-    return AnnOptions(kind, **{field: getattr(args, field) for field in FIELDS.values()}, candidates=args.candidates,
-                      queries=args.queries, sample=args.sample, recall_threshold=args.recall_threshold,
-                      device=args.device)
+    given = {name: getattr(args, _dest(name)) for name in params_by_name() if getattr(args, _dest(name)) is not None}
+    return AnnOptions(kind, given, candidates=args.candidates, queries=args.queries, sample=args.sample,
+                      recall_threshold=args.recall_threshold, device=args.device)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -128,8 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--backend", choices=BACKENDS, default="torch",
                        help="torch, or ONNX Runtime on the CPU (onnx; onnx-int8: int8 weights), recorded in the manifest")
     build.add_argument("--bm25", action="store_true", help="also build a BM25 index (bm25s) over the same passages")
-    build.add_argument("--ann", choices=candidates.KINDS, metavar="KIND",
-                       help="also build an approximate candidate structure (hnsw, ivf, binary or int8; see `ann`)")
+    build.add_argument("--ann", choices=list(KINDS), metavar="KIND",
+                       help=f"also build an approximate candidate structure ({', '.join(KINDS)}; see `ann`)")
     build.add_argument("--shard", type=_shard, metavar="i/N",
                        help="keep only records i, i+N, i+2N, ... (0-based) of the corpus; combine with `merge`")
     build.add_argument("--shards", type=_positive, metavar="N",
@@ -152,10 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
     ann.add_argument("--index", type=Path, required=True,
                      help="index directory (replaced atomically), or the folder of a build --shards N (a structure in "
                      "each shard)")
-    ann.add_argument("--kind", choices=candidates.KINDS, required=True,
-                     help="hnsw (a graph over the stored vectors), ivf (k-means lists of 8-bit codes, the nearest "
-                     "scanned), binary (sign bits, Hamming scan) or int8 (8-bit codes, scan); candidates are rescored "
-                     "exactly from the stored vectors")
+    ann.add_argument("--kind", choices=list(KINDS), required=True,
+                     help="; ".join(f"{kind.name}: {kind.summary}" for kind in KINDS.values())
+                     + "; their candidates are rescored exactly from the stored vectors")
     ann.add_argument("--device", default="auto", help="where --queries are encoded: auto, cpu, cuda or cuda:N")
     _add_ann_flags(ann)
 
@@ -230,12 +227,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _check_build_flags(args: argparse.Namespace) -> None:
     """BuildError (one line, exit 2) for flags that cannot work together, before anything is loaded."""
-    given = ["--" + field.replace("_", "-") for field in (*FIELDS.values(), "candidates", "queries")
-             if getattr(args, field) is not None]
+    given = [param.flag for name, (param, _) in params_by_name().items() if getattr(args, _dest(name)) is not None]
+    given += ["--" + flag for flag in ("candidates", "queries") if getattr(args, flag) is not None]
     if args.ann is None and given:
         raise BuildError(f"{', '.join(given)} need --ann KIND")
     if args.ann is not None:
-        _ann_options(args, args.ann).params()
+        _ann_options(args, args.ann).structure_params()
     if args.shard is not None and args.shards is not None:
         raise BuildError("--shard i/N builds one shard, --shards N all of them: pass one of the two")
     if args.update and (args.shard is not None or args.shards is not None or args.if_missing):

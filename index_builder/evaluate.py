@@ -17,6 +17,7 @@ from ir_measures import AP, RR, R, nDCG
 from tqdm import tqdm
 
 from models.reranker import Reranker
+from retrieval.candidates import recall
 from retrieval.fusion import standardised
 from retrieval.readers import Qrels, Run
 from retrieval.rerank import rescored
@@ -164,16 +165,10 @@ def consistency_factor(run: Run, reference: Run, depth: int, reference_depth: in
 
 
 def recall_against_exact(run: Run, exact: Run, depth: int = 10) -> float:
-    """The mean share of the exact run's top `depth` that `run`'s top `depth` holds (a candidate structure's
-    recall@depth, as retrieval.candidates measures it, on these queries and this row's lists); a query the
-    exact run found nothing for is left out."""
-    shares = []
-    for qid, ranked in exact.items():
-        truth = {docid for docid, _ in ranked[:depth]}
-        if truth:
-            found = {docid for docid, _ in run.get(qid, [])[:depth]}
-            shares.append(len(truth & found) / len(truth))
-    return sum(shares) / len(shares) if shares else 1.0
+    """A candidate structure's recall@depth on these queries and this row's lists (recall.share_found,
+    the measure of its recall card); a query the exact run found nothing for is left out."""
+    return recall.share_found([[docid for docid, _ in ranked] for ranked in exact.values()],
+                              [[docid for docid, _ in run.get(qid, [])] for qid in exact], depth)
 
 
 def format_table(rows: Mapping[str, Mapping[str, float | None]]) -> str:

@@ -32,7 +32,7 @@ from index_builder.ann import AnnOptions, AnnReport
 from index_builder.build import BuildOptions, PassageEncoder, build_index
 from index_builder.errors import BuildError
 from models.encoder import BiEncoder
-from retrieval.candidates import HELD_OUT, RECALL_SAMPLE
+from retrieval.candidates.recall import HELD_OUT, RECALL_SAMPLE
 from retrieval.index_format import INDEX_FILE, MANIFEST_FILE, PASSAGES_FILE, EncoderRecord, Manifest, read_manifest
 from retrieval.sharding import shard_folder
 from retrieval.text_hashes import HashLookup, index_text_hashes, text_sha256

@@ -203,7 +203,10 @@ def parameter_counts(model: nn.Module) -> tuple[int, int]:
 class CoAttentionReranker:
     """Scores a query against many passages with a CoAttentionNet; thread-compatible for inference."""
 
+    kind = "coattention"  # models.reranker.RERANKERS
     score_kind = "logit"
+    score_meaning = "logit of relevance"
+    backends = ("torch",)
 
     def __init__(self, net: CoAttentionNet, vocabulary: Vocabulary, *, name: str = "coattention",
                  device: str = "auto", batch_size: int = 32, idf_source: str | None = None) -> None:
@@ -292,7 +295,7 @@ class CoAttentionReranker:
         self.vocabulary.save(folder / VOCAB_FILE)
         trainable, total = parameter_counts(self.net)
         write_reranker_json(
-            folder, "coattention", config=asdict(self.net.config),
+            folder, self.kind, config=asdict(self.net.config),
             idf={"documents": self.vocabulary.documents, "bucket_width": IDF_BUCKET_WIDTH, "source": self.idf_source},
             parameters={"trainable": trainable, "all": total},
         )
@@ -301,7 +304,7 @@ class CoAttentionReranker:
     def load(cls, folder: str | Path, *, device: str = "auto", batch_size: int = 32) -> "CoAttentionReranker":
         folder = Path(folder)
         record = read_reranker_json(folder)
-        if not record or record["kind"] != "coattention":
+        if not record or record["kind"] != cls.kind:
             raise ValueError(f"{folder}: reranker.json does not describe a coattention reranker")
         for name in (VOCAB_FILE, WEIGHTS_FILE):
             if not (folder / name).is_file():

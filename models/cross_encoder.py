@@ -50,7 +50,10 @@ def relevance_probability(logits: torch.Tensor) -> torch.Tensor:
 class CrossEncoder:
     """Scores a query against many passages; thread-compatible for inference."""
 
+    kind = "monobert"  # models.reranker.RERANKERS
     score_kind = "probability"
+    score_meaning = "P(relevant)"
+    backends = ("torch", "onnx", "onnx-int8")
 
     def __init__(
         self,
@@ -126,7 +129,7 @@ class CrossEncoder:
         """A folder `load_reranker` (and this class) loads back: weights, tokenizer and reranker.json."""
         self.model.save_pretrained(folder)
         self.tokenizer.save_pretrained(folder)
-        write_reranker_json(folder, "monobert", query_max_tokens=self.query_max_tokens, max_tokens=self.max_tokens)
+        write_reranker_json(folder, self.kind, query_max_tokens=self.query_max_tokens, max_tokens=self.max_tokens)
 
     @classmethod
     def load(cls, folder: str | Path, **options) -> "CrossEncoder":

@@ -48,7 +48,10 @@ Pair = tuple[list[int], list[int]]  # (passage token ids, query token ids)
 class GenerativeReranker:
     """Scores passages by the likelihood of generating the query from them; thread-compatible for inference."""
 
+    kind = "generative"  # models.reranker.RERANKERS
     score_kind = "log_likelihood"
+    score_meaning = "log p(query | passage)"
+    backends = ("torch",)
 
     def __init__(
         self,
@@ -64,8 +67,8 @@ class GenerativeReranker:
         self.path = Path(path)
         self.name = self.path.name
         record = read_reranker_json(self.path) or {}
-        if record and record["kind"] != "generative":
-            raise ValueError(f"{self.path}: reranker.json says kind {record['kind']!r}, not 'generative'")
+        if record and record["kind"] != self.kind:
+            raise ValueError(f"{self.path}: reranker.json says kind {record['kind']!r}, not {self.kind!r}")
         gguf_file = gguf_file or record.get("gguf_file")  # a hand-written reranker.json may name one
         self.batch_size = batch_size
         config = load_config(self.path, gguf_file)
@@ -204,7 +207,7 @@ class GenerativeReranker:
         """A folder `load_reranker` (and this class) loads back: model, tokenizer and reranker.json."""
         self.model.save_pretrained(folder)
         self.tokenizer.save_pretrained(folder)
-        write_reranker_json(folder, "generative", architecture=self.architecture,
+        write_reranker_json(folder, self.kind, architecture=self.architecture,
                             query_max_tokens=self.query_max_tokens, passage_max_tokens=self.passage_max_tokens,
                             parameters=sum(p.numel() for p in self.model.parameters()))
 
@@ -250,6 +253,6 @@ def new_small_model(folder: str | Path, architecture: Architecture, texts: Seque
         raise ValueError(f"architecture must be causal or seq2seq, got {architecture!r}")
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
-    write_reranker_json(folder, "generative", architecture=architecture,
+    write_reranker_json(folder, GenerativeReranker.kind, architecture=architecture,
                         parameters=sum(p.numel() for p in model.parameters()))
     return folder

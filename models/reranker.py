@@ -1,10 +1,9 @@
-"""The reranker interface the service calls, and the one loader that turns a folder into a reranker.
+"""The reranker interface the service calls, the kinds that implement it, and the one loader that turns a
+folder into a reranker.
 
-Three kinds implement it:
-
-- `monobert`: the BERT cross-encoder of paper 004 (`models.cross_encoder.CrossEncoder`);
-- `coattention`: the n-gram co-attention network of paper 002 (`models.coattention.CoAttentionReranker`);
-- `generative`: ranking by generation, paper 003 (`models.generative.GenerativeReranker`).
+RERANKERS holds every kind by name, one line each: the service's schemas (`RerankerKind`, `ScoreKind` and
+its description), the settings' checks and the docs read it, so a new kind is its class (with `kind`,
+`score_kind`, `score_meaning`, `backends`, `load` and `save`) and its line here.
 
 A reranker folder says which kind it holds in `reranker.json` (`{"kind": ..., ...}`); the
 training CLIs write it. A folder without that file that is a Hugging Face checkpoint is
@@ -14,7 +13,7 @@ taken for monoBERT, so every cross-encoder folder made before this file existed 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Protocol, Sequence, runtime_checkable
+from typing import ClassVar, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
@@ -29,8 +28,11 @@ from models.generative import GenerativeReranker
 class Reranker(Protocol):
     """Scores passages against one query; callers rank by score, higher first."""
 
+    kind: ClassVar[str]  # its name in RERANKERS and in its folder's reranker.json
+    score_kind: ClassVar[str]  # what a score is, in a word: "probability", "logit", ...
+    score_meaning: ClassVar[str]  # and in a few: "P(relevant)"
+    backends: ClassVar[tuple[str, ...]]  # the backends it runs on (models.backends), torch first
     name: str
-    score_kind: str  # what a score is: "probability", "logit" or "log_likelihood"
 
     def score(self, query: str, passages: Sequence[str]) -> np.ndarray:
         """One float32 score per passage, in the order of `passages`; higher = more relevant."""
@@ -46,15 +48,29 @@ class Reranker(Protocol):
         ...
 
 
+# monobert: the BERT cross-encoder of paper 004; coattention: the n-gram co-attention network of paper 002;
+# generative: ranking by generation, paper 003.
+RERANKERS: dict[str, type] = {kind.kind: kind for kind in (CrossEncoder, CoAttentionReranker, GenerativeReranker)}
+
+
 def reranker_kind(folder: str | Path) -> str:
-    """The kind of reranker a folder holds: its reranker.json's, else monobert."""
+    """The kind of reranker a folder holds: its reranker.json's, else monobert where it is a Hugging Face
+    checkpoint. ValueError for a kind not in RERANKERS, FileNotFoundError for a folder that is neither."""
+    folder = Path(folder)
     record = read_reranker_json(folder)
-    return record["kind"] if record else "monobert"
+    if record is None:
+        if not (folder / "config.json").is_file():
+            raise FileNotFoundError(f"{folder}: neither {RERANKER_FILE} nor a Hugging Face checkpoint (config.json)")
+        return CrossEncoder.kind
+    if record["kind"] not in RERANKERS:
+        raise ValueError(f"{folder / RERANKER_FILE}: 'kind' must be one of {', '.join(RERANKERS)}, "
+                         f"got {record['kind']!r}")
+    return record["kind"]
 
 
 def load_reranker(path: str | Path, *, device: str = "auto", backend: Backend = "torch") -> Reranker:
     """The reranker saved in folder `path`, on `device` ("auto", "cpu", "cuda", "cuda:N"); `backend`
-    (models.onnx_backend) applies to monobert, the other kinds run on torch.
+    (models.onnx_backend) applies to a kind that runs on more than torch (monobert); the others run on torch.
 
     Raises FileNotFoundError for a missing folder or one that is no reranker, ValueError for a
     `reranker.json` that names an unknown kind or settings the model refuses.
@@ -62,11 +78,5 @@ def load_reranker(path: str | Path, *, device: str = "auto", backend: Backend = 
     folder = Path(path)
     if not folder.is_dir():
         raise FileNotFoundError(f"{folder}: no such reranker folder")
-    kind = reranker_kind(folder)
-    if kind == "coattention":
-        return CoAttentionReranker.load(folder, device=device)
-    if kind == "generative":
-        return GenerativeReranker.load(folder, device=device)
-    if not (folder / "config.json").is_file():
-        raise FileNotFoundError(f"{folder}: neither {RERANKER_FILE} nor a Hugging Face checkpoint (config.json)")
-    return CrossEncoder.load(folder, device=device, backend=backend)
+    kind = RERANKERS[reranker_kind(folder)]
+    return kind.load(folder, device=device, **({"backend": backend} if len(kind.backends) > 1 else {}))

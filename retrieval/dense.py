@@ -9,12 +9,15 @@ from pathlib import Path
 import faiss
 import numpy as np
 
-from retrieval import candidates, dense_index, filtered_search
+from retrieval import dense_index, filtered_search
+from retrieval.candidates import structures
+from retrieval.candidates.structures import MAX_CANDIDATES
+from retrieval.candidates.kind import Structure
+from retrieval.candidates.registry import KINDS
 from retrieval.index_format import INDEX_FILE, PASSAGES_FILE, IndexFormatError, Manifest, candidates_file, read_manifest
 from retrieval.passage_store import PassageStore
 from retrieval.pinned import PinnedFolder
 
-MAX_CANDIDATES = candidates.MAX_CANDIDATES
 Ranked = list[list[tuple[int, float]]]  # (row, score) per query, best first
 
 
@@ -32,7 +35,7 @@ def read_index_manifest(index_dir: Path, device: str, verify_checksums: bool) ->
     """The index's manifest (index_format.read_manifest), with every file's checksum checked here (where
     `verify_checksums`) but those `DenseIndex.load` checks from the bytes it loads: index.faiss, and the
     structures loaded on `device`."""
-    structure_files = tuple(candidates_file(kind) for kind in candidates.KINDS) if structures_served(device) else ()
+    structure_files = tuple(candidates_file(kind) for kind in KINDS) if structures_served(device) else ()
     return read_manifest(index_dir, verify_checksums=verify_checksums, hashed_on_load=(INDEX_FILE, *structure_files))
 
 
@@ -50,8 +53,8 @@ def check_rows(index_dir: Path, manifest: Manifest, index, passages: PassageStor
         )
 
 
-def pick_structure(structures: dict[str, candidates.Structure], exact: bool = False,
-                   structure: str | None = None) -> candidates.Structure | None:
+def pick_structure(structures: dict[str, Structure], exact: bool = False,
+                   structure: str | None = None) -> Structure | None:
     """The structure a search answers through: None where `exact` or none is loaded, else `structure`'s
     kind (default: the first loaded); ValueError naming those loaded for a kind that is not."""
     if structure is not None and structure not in structures:
@@ -73,7 +76,7 @@ class DenseIndex:
     `restrictions`: each filter's matching rows over the fields' columns (retrieval.filtered_search);
     `scan`: the flat index a filtered search scans (the vectors themselves on the CPU)."""
 
-    def __init__(self, index, structures: dict[str, candidates.Structure],
+    def __init__(self, index, structures: dict[str, Structure],
                  restrictions: filtered_search.Restrictions, scan: faiss.IndexFlat | None, count: int,
                  pinned: PinnedFolder | None = None) -> None:
         self.index, self.structures, self.restrictions, self.scan, self.count = (
@@ -85,7 +88,7 @@ class DenseIndex:
              verify_checksums: bool, mmap: bool | None = None, fp16: bool = False) -> "DenseIndex":
         """The dense side of the generation `pinned` holds, whose manifest `read_index_manifest` read and whose
         passages `passages` are: the rows agree (check_rows), and each structure listed is the one of these
-        vectors, its file checked from the bytes read where `verify_checksums` (candidates.load). `mmap`
+        vectors, its file checked from the bytes read where `verify_checksums` (structures.load). `mmap`
         (None: where a structure is loaded) and `fp16`: see dense_index.load_index. IndexFormatError says
         what is wrong."""
         records = manifest.candidates if structures_served(device) else []
@@ -94,23 +97,23 @@ class DenseIndex:
                                        mmap=mmap if mmap is not None else bool(records),
                                        expected=files[INDEX_FILE] if verify_checksums else None)
         check_rows(pinned.root, manifest, index, passages)
-        structures = {record.kind: candidates.load(pinned.path(record.file), record, index,
-                                                   files[record.file] if verify_checksums else None)
-                      for record in records}
+        loaded = {record.kind: structures.load(pinned.path(record.file), record, index,
+                                               files[record.file] if verify_checksums else None)
+                  for record in records}
         restrictions = filtered_search.Restrictions(passages.field_columns(manifest.fields, manifest.count))
         scan = filtered_search.scan_index(index, pinned.path(INDEX_FILE), manifest.fields)
-        return cls(index, structures, restrictions, scan, manifest.count, pinned)
+        return cls(index, loaded, restrictions, scan, manifest.count, pinned)
 
     def search(self, vectors: np.ndarray, k: int, restriction: filtered_search.Restriction | None = None,
-               structure: candidates.Structure | None = None, depth: int | None = None) -> Ranked:
+               structure: Structure | None = None, depth: int | None = None) -> Ranked:
         """The best min(k, rows) rows per query vector with their exact scores: among the rows `restriction`
         keeps (None: all), through `structure`'s `depth` candidates (None: the exact scan; see
-        retrieval.candidates and retrieval.filtered_search for when a restricted search uses it)."""
+        retrieval.candidates.structures and retrieval.filtered_search for when a restricted search uses it)."""
         k = min(k, self.count)
         if restriction is not None:
             scores, rows = filtered_search.search(self.index, vectors, k, restriction, structure, depth, self.scan)
         elif structure is None or k == 0:
             scores, rows = dense_index.search(self.index, vectors, k)
         else:
-            scores, rows = candidates.search(structure, self.index, vectors, k, depth)
+            scores, rows = structures.search(structure, self.index, vectors, k, depth)
         return [[(int(r), float(s)) for r, s in zip(row, score) if r >= 0] for row, score in zip(rows, scores)]

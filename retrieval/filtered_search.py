@@ -31,7 +31,9 @@ from typing import Mapping
 import faiss
 import numpy as np
 
-from retrieval import candidates, dense_index
+from retrieval import dense_index
+from retrieval.candidates import structures
+from retrieval.candidates.kind import Structure
 from retrieval.fields import FieldColumns
 from retrieval.filters import Filter, evaluate
 
@@ -103,14 +105,14 @@ def scan_index(index: faiss.Index, path: Path, fields: Mapping[str, str]) -> fai
     return faiss.read_index(str(path), faiss.IO_FLAG_MMAP_IFC) if fields else None
 
 
-def through_structure(restriction: Restriction, structure: candidates.Structure | None) -> bool:
+def through_structure(restriction: Restriction, structure: Structure | None) -> bool:
     """Whether a filtered search with `structure` asked for goes through it (else: exactly)."""
     return (structure is not None and restriction.count > STRUCTURE_MIN_ROWS
             and restriction.share >= STRUCTURE_MIN_SHARE)
 
 
 def search(index: faiss.Index, vectors: np.ndarray, k: int, restriction: Restriction,
-           structure: candidates.Structure | None = None, depth: int | None = None,
+           structure: Structure | None = None, depth: int | None = None,
            scan: faiss.IndexFlat | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(scores, rows), each (len(vectors), min(k, matching rows)): the best matching rows by score, then row.
     Exact unless `through_structure`, where scores are still exact and only recall is approximate. `scan`:
@@ -156,14 +158,14 @@ def _among(index: faiss.IndexFlat, vectors: np.ndarray, k: int,
     return dense_index.search(index, vectors, k, params=params, allowed=restriction.count)
 
 
-def _through_structure(structure: candidates.Structure, index: faiss.Index, vectors: np.ndarray, k: int,
+def _through_structure(structure: Structure, index: faiss.Index, vectors: np.ndarray, k: int,
                        restriction: Restriction, depth: int | None) -> tuple[np.ndarray, np.ndarray]:
     bitmap = restriction.bitmap()
     selector = faiss.IDSelectorBitmap(restriction.total, faiss.swig_ptr(bitmap))
     depth = min(max(k, depth or structure.depth), restriction.count)
-    proposed = candidates.candidates(structure, vectors, depth, selector=selector)
+    proposed = structures.candidates(structure, vectors, depth, selector=selector)
     proposed[(proposed >= 0) & ~restriction.mask[np.maximum(proposed, 0)]] = -1  # a selector keeps none; to be sure
-    scores, rows = candidates.rescore(index, vectors, proposed, k)
+    scores, rows = structures.rescore(index, vectors, proposed, k)
     short = np.any(rows < 0, axis=1)  # fewer than k matching rows found: exactly, then
     if np.any(short):
         scores[short], rows[short] = exact(index, vectors[short], k, restriction)

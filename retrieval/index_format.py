@@ -22,6 +22,7 @@ from typing import Collection, Literal
 from pydantic import BaseModel, ValidationError
 
 from models.checkpoint import file_sha256
+from retrieval.candidates.registry import KINDS
 
 FORMAT_VERSION = 1
 MANIFEST_FILE = "manifest.json"
@@ -80,9 +81,9 @@ class CandidateRecord(BaseModel):
     """One approximate candidate structure (retrieval.candidates) and its recall card: recall@10 and
     @100 of the approximate path (candidates, rescored exactly) against the exact flat search."""
 
-    kind: Literal["hnsw", "ivf", "binary", "int8"]
+    kind: Literal[tuple(KINDS)]  # retrieval.candidates.registry
     file: str  # relative to the directory, also listed (with its checksum) in `files`
-    params: dict[str, int]  # hnsw: M, efConstruction, efSearch; ivf: nlist, nprobe; binary and int8: none
+    params: dict[str, int]  # the kind's (retrieval/candidates/KIND.py), those it chose at build included
     depth: int  # candidates rescored per query by default (at least k), the depth recall was measured at
     recall_at_10: float
     recall_at_100: float

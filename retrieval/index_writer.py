@@ -22,7 +22,8 @@ from typing import Iterable, Sequence
 import faiss
 import numpy as np
 
-from retrieval import candidates, dense_index
+from retrieval import dense_index
+from retrieval.candidates import recall, structures
 from retrieval.bm25_index import BM25_DIR, bm25_record, build_bm25
 from retrieval.fields import has_fields_column, stored_types
 from retrieval.index_format import (
@@ -147,24 +148,24 @@ def checkpoint_file(kind: str) -> str:
 
 
 def write_candidates(work: Path, kind: str, params: dict[str, int] | None = None, *, depth: int | None = None,
-                     query_vectors: np.ndarray | None = None, queries: str = candidates.HELD_OUT,
-                     sample: int = candidates.RECALL_SAMPLE, progress: bool = True) -> CandidateRecord:
-    """Builds a `kind` structure over the finished index in `work` (see retrieval.candidates.build; resumed
+                     query_vectors: np.ndarray | None = None, queries: str = recall.HELD_OUT,
+                     sample: int = recall.RECALL_SAMPLE, progress: bool = True) -> CandidateRecord:
+    """Builds a `kind` structure over the finished index in `work` (see retrieval.candidates.structures.build; resumed
     from its checkpoint there), writes it as `candidates-KIND.faiss`, measures its recall card
-    (candidates.measure_recall: `query_vectors` named `queries`, else `sample` held-out passages), and
+    (recall.measure_recall: `query_vectors` named `queries`, else `sample` held-out passages), and
     reseals the manifest listing it with its checksum, in place of a structure of the same kind."""
     manifest = read_manifest(work)
     flat = dense_index.load_index(work / INDEX_FILE, "cpu", mmap=True)
     checkpoint = work / checkpoint_file(kind)
     started = time.perf_counter()
-    structure = candidates.build(flat, kind, params, depth=depth, progress=progress, checkpoint=checkpoint,
+    structure = structures.build(flat, kind, params, depth=depth, progress=progress, checkpoint=checkpoint,
                                  identity=manifest.files[INDEX_FILE].sha256)
     seconds = time.perf_counter() - started
     name = candidates_file(kind)
     tmp = work / (name + ".tmp")
-    candidates.write(structure, tmp)
+    structures.write(structure, tmp)
     os.replace(tmp, work / name)
-    card = candidates.measure_recall(structure, flat, query_vectors, queries=queries, sample=sample)
+    card = recall.measure_recall(structure, flat, query_vectors, queries=queries, sample=sample)
     record = CandidateRecord(kind=kind, file=name, params=structure.params, depth=structure.depth,
                              recall_at_10=round(card.recall_at_10, 4), recall_at_100=round(card.recall_at_100, 4),
                              recall_queries=card.queries, sample=card.sample, seconds=round(seconds, 2),

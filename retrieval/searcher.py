@@ -12,7 +12,8 @@ import numpy as np
 from models.backends import Backend
 from models.checkpoint import resolve_device
 from models.encoder import BiEncoder, Tokens
-from retrieval import candidates, filtered_search
+from retrieval import filtered_search
+from retrieval.candidates.kind import Structure
 from retrieval.bm25_index import BM25_DIR, Bm25Index
 from retrieval.dense import DenseIndex, check_candidates, pick_structure, read_index_manifest
 from retrieval.fields import chosen_fields
@@ -110,7 +111,7 @@ class Searcher:
     the same lists).
     The dense list comes from the index's candidate structure where its manifest lists one and the
     vectors stay on the CPU (the first listed; `structure` names another): `candidates` rows per query
-    proposed by it, then scored exactly from the stored vectors (retrieval.candidates.search), so every
+    proposed by it, then scored exactly from the stored vectors (retrieval.candidates.structures.search), so every
     score is the exact one; `exact` asks for the full scan instead. `answered_by` says which was used.
     `mmap` memory-maps the vectors of an index kept on the CPU (None, the default: where a candidate
     structure is used, so the process holds the structure, not the vectors); `fp16` stores them as fp16
@@ -150,7 +151,7 @@ class Searcher:
         return self.dense.index
 
     @property
-    def structures(self) -> dict[str, candidates.Structure]:
+    def structures(self) -> dict[str, Structure]:
         return self.dense.structures
 
     @property
@@ -223,7 +224,7 @@ class Searcher:
             return "exact"
         return f"approximate:{chosen.kind}"
 
-    def _structure(self, retrieval: Retrieval) -> candidates.Structure | None:
+    def _structure(self, retrieval: Retrieval) -> Structure | None:
         return pick_structure(self.structures, retrieval.exact, retrieval.structure)
 
     def score_kind(self, retrieval: Retrieval) -> str:

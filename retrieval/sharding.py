@@ -166,7 +166,7 @@ class ShardIndex:
         (a replica started later, on another node or after the folder was replaced, loads what is there then).
         `structure`: the kind of a candidate structure loaded here to answer through, its `candidates` rows
         per query (default its recorded depth; at least k, at most the shard's rows) scored exactly
-        (retrieval.candidates.search); None, the default: the exact scan. The caller names it, so that every
+        (retrieval.candidates.structures.search); None, the default: the exact scan. The caller names it, so that every
         shard of a search answers alike. ValueError for a kind not loaded or candidates out of bounds.
         `filter` (parsed by the caller against the fields of every shard together): only the passages it
         matches, exactly (retrieval.filtered_search; a field this shard's passages never have is absent from

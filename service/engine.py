@@ -173,7 +173,7 @@ class Run:
 class SearchEngine:
     """Owns the current Searcher; `prepare` then `install` swap in another atomically (a search in flight
     keeps the one it took).
-    With rerankers (by kind: monobert, coattention, generative), `rerank_depth` rescoring by one of
+    With rerankers (by kind: models.reranker.RERANKERS), `rerank_depth` rescoring by one of
     them follows retrieval; the first one given is the default."""
 
     def __init__(self, searcher: Searcher, rerankers: dict[str, Reranker] | None = None,

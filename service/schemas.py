@@ -8,8 +8,10 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic.json_schema import SkipJsonSchema
 
-from retrieval.dense import MAX_CANDIDATES
-from retrieval.request import MAX_K, Fusion, Mode
+from retrieval.candidates.structures import MAX_CANDIDATES
+from models.reranker import RERANKERS
+from retrieval.request import FUSIONS, MAX_K, Fusion, Mode
+from retrieval.rerank import BLEND
 
 def _integral(value):
     """A number without a fraction as an int (JSON Schema's integer: 195.0 is one); anything else as given,
@@ -17,15 +19,15 @@ def _integral(value):
     return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
-RerankerKind = Literal["monobert", "coattention", "generative"]
-ScoreKind = Literal["cosine", "inner_product", "bm25", "rrf", "zscore", "interleave", "probability", "logit",
-                    "log_likelihood", "blend"]
+RerankerKind = Literal[tuple(RERANKERS)]
+RERANKED = {reranker.score_kind: f"{kind}'s {reranker.score_meaning}" for kind, reranker in RERANKERS.items()}
+ScoreKind = Literal[("cosine", "inner_product", "bm25", *FUSIONS, *RERANKED, BLEND)]
 SCORE_KIND_DESCRIPTION = (
     "what `score` holds: cosine or inner_product (dense retrieval, by the encoder's similarity), bm25, "
-    "rrf, zscore or interleave (1 / position) for hybrid fusion; when reranked, the reranker's score: probability "
-    "(monobert's P(relevant)), logit (coattention) or log_likelihood (generative: log p(query | passage)); "
-    "blend when reranked with a retrieval_weight: z(reranker) + retrieval_weight * z(first stage), each score "
-    "standardised over the reranked passages"
+    f"{', '.join(FUSIONS)} for hybrid fusion (interleave: 1 / position); when reranked, the reranker's score: "
+    + ", ".join(f"{score_kind} ({meaning})" for score_kind, meaning in RERANKED.items())
+    + f"; {BLEND} when reranked with a retrieval_weight: z(reranker) + retrieval_weight * z(first stage), each "
+    "score standardised over the reranked passages"
 )
 
 

@@ -10,6 +10,7 @@ from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from models.backends import Backend
+from models.reranker import RERANKERS
 
 
 class ServiceSettings(BaseSettings):
@@ -52,7 +53,7 @@ class ServiceSettings(BaseSettings):
     )
     rerankers: list[Path] = Field(
         default_factory=list,
-        description="Reranker folders as a JSON list, at most one per kind (monobert, coattention, generative), "
+        description=f"Reranker folders as a JSON list, at most one per kind ({', '.join(RERANKERS)}), "
         "the first being the default; empty: no reranking.",
     )
     rerank_depth: int = Field(
@@ -137,6 +138,12 @@ class ServiceSettings(BaseSettings):
         10.0, gt=0, description="Sharded serving (--ray) only: how long, in seconds, a search waits for every "
         "shard before failing with 503 naming the one that did not answer (or listing it as missing with "
         "allow_partial).",
+    )
+    drain_timeout_s: float = Field(
+        25.0, gt=0, description="Sharded serving (--ray) only: how long, in seconds, a stop (Ctrl-C, SIGTERM) lets "
+        "the ingress replicas answer the searches they hold before the application is deleted; a search still in "
+        "one then is cut off. Keep it under the grace period of whatever sends SIGTERM (Kubernetes: 30 s unless "
+        "terminationGracePeriodSeconds says more).",
     )
 
     access_log: bool = Field(

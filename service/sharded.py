@@ -464,7 +464,7 @@ def serve_sharded(args: argparse.Namespace, settings: ServiceSettings) -> int:
         pass
     finally:
         # A search waits for the shards at most SEARCH_SHARD_TIMEOUT_S, after its encoding.
-        _stop(started_here, serving, stop if serving and not failed else None, settings.shard_timeout_s + 10)
+        _stop(started_here, serving, stop if serving and not failed else None, settings.drain_timeout_s)
     if unplaceable:
         print(f"error: the application cannot be placed on this machine's Ray: {'; '.join(unplaceable)}",
               file=sys.stderr)

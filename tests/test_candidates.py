@@ -16,9 +16,12 @@ import pytest
 
 from index_builder.ann import AnnOptions, add_structure
 from index_builder.cli import main as cli_main
-from retrieval import candidates, dense_index
+from retrieval import dense_index
+from retrieval.candidates import ivf, recall, structures
+from retrieval.candidates.hnsw import Hnsw
+from retrieval.candidates.registry import KINDS
+from retrieval.candidates.structures import MAX_CANDIDATES
 from retrieval.index_format import INDEX_FILE, MANIFEST_FILE, IndexFormatError, read_manifest
-from retrieval.dense import MAX_CANDIDATES
 from retrieval.searcher import Searcher
 from retrieval.text_hashes import TEXT_HASHES_FILE
 from tests.conftest import DEMO, ROOT, SMALL_CORPUS_LINES
@@ -146,12 +149,12 @@ def test_an_index_without_structures_behaves_as_before(small_index, searcher, qu
         searcher.search(queries[0], structure="hnsw")
 
 
-@pytest.mark.parametrize("kind", ["hnsw", "ivf", "binary", "int8"])
+@pytest.mark.parametrize("kind", list(KINDS))
 def test_a_structure_over_no_passages_answers_with_no_rows(kind):
     # An index whose every passage was deleted (update --delete) still carries its structures.
     flat = faiss.IndexFlatIP(8)
-    structure = candidates.build(flat, kind, progress=False)
-    scores, rows = candidates.search(structure, flat, np.ones((2, 8), dtype=np.float32), 5)
+    structure = structures.build(flat, kind, progress=False)
+    scores, rows = structures.search(structure, flat, np.ones((2, 8), dtype=np.float32), 5)
     assert rows.shape == (2, 5) and (rows == -1).all()
 
 
@@ -163,7 +166,7 @@ def test_rescore_orders_equal_scores_by_row_as_the_flat_search_does():
     flat.add(vectors)
     query = vectors[5:6] + 0.01
     proposed = np.array([[31, 5, 29, 0, 17, 3, 8, -1]])
-    scores, rows = candidates.rescore(flat, query, proposed, 5)
+    scores, rows = structures.rescore(flat, query, proposed, 5)
     assert rows.tolist() == [[3, 5, 17, 29, 31]]
     exact_scores, exact_rows = dense_index.search(flat, query, 5)
     np.testing.assert_array_equal(rows, exact_rows)
@@ -205,7 +208,7 @@ def test_a_structure_of_another_index_is_refused(hnsw_index, tmp_path, encoder):
     manifest = read_manifest(index)
     record = manifest.candidates[0].model_copy(update={"kind": "binary", "file": "candidates-binary.faiss"})
     with pytest.raises(IndexFormatError, match="not the binary structure of index.faiss's 300 384-d vectors"):
-        candidates.load(index / record.file, record, faiss.read_index(str(index / INDEX_FILE)))
+        structures.load(index / record.file, record, faiss.read_index(str(index / INDEX_FILE)))
 
 
 HOLD_THE_LOCK = """
@@ -249,7 +252,7 @@ def test_a_low_recall_warns_naming_the_parameter_that_raises_it(small_index, tmp
     assert report.record.recall_at_10 < 0.999
     assert "raise --candidates (now 10)" in capsys.readouterr().err
     # a threshold over any recall always warns
-    add_structure(index, AnnOptions("hnsw", ef_search=16, recall_threshold=1.01, sample=50), progress=False)
+    add_structure(index, AnnOptions("hnsw", {"efSearch": 16}, recall_threshold=1.01, sample=50), progress=False)
     assert "raise --ef-search (now 16), or --candidates (now 16)" in capsys.readouterr().err
     assert [c.kind for c in read_manifest(index).candidates] == ["binary", "hnsw"]  # both kept
 
@@ -275,8 +278,8 @@ def test_build_with_ann_publishes_the_index_with_its_structure(small_corpus, tmp
 
 
 def test_an_interrupted_hnsw_build_resumes_from_its_checkpoint(small_index, tmp_path, monkeypatch):
-    monkeypatch.setattr(candidates, "BLOCK", 100)
-    monkeypatch.setattr(candidates, "CHECKPOINT_SECONDS", -1.0)  # a checkpoint after every block
+    monkeypatch.setattr(structures, "BLOCK", 100)
+    monkeypatch.setattr(Hnsw, "checkpoint_seconds", -1.0)  # a checkpoint after every block
     flat = faiss.read_index(str(small_index / INDEX_FILE))
     checkpoint = tmp_path / "candidates-hnsw.faiss.partial"
 
@@ -293,13 +296,13 @@ def test_an_interrupted_hnsw_build_resumes_from_its_checkpoint(small_index, tmp_
             return flat.reconstruct_n(start, count)
 
     with pytest.raises(Interrupted):
-        candidates.build(FailsOnTheThirdBlock(), "hnsw", progress=False, checkpoint=checkpoint, identity="same")
+        structures.build(FailsOnTheThirdBlock(), "hnsw", progress=False, checkpoint=checkpoint, identity="same")
     assert faiss.read_index(str(checkpoint), faiss.IO_FLAG_SKIP_STORAGE).ntotal == 200
-    resumed = candidates.build(flat, "hnsw", progress=False, checkpoint=checkpoint, identity="same")
+    resumed = structures.build(flat, "hnsw", progress=False, checkpoint=checkpoint, identity="same")
     assert resumed.index.ntotal == SMALL_CORPUS_LINES
-    card = candidates.measure_recall(resumed, flat)
+    card = recall.measure_recall(resumed, flat)
     assert card.recall_at_10 == 1.0
-    other = candidates.build(flat, "hnsw", progress=False, checkpoint=checkpoint, identity="other vectors")
+    other = structures.build(flat, "hnsw", progress=False, checkpoint=checkpoint, identity="other vectors")
     assert other.index.ntotal == SMALL_CORPUS_LINES  # a checkpoint of other vectors is not resumed
 
 
@@ -318,9 +321,9 @@ def test_ivf_records_its_lists_and_probes_in_the_card(ivf_index, small_index, tm
     assert card.params == {"nlist": 8, "nprobe": 2} and card.depth == 20
     # by default nlist follows the passages (4 sqrt(300) is near 64) but leaves faiss 39 training points a list
     report = add_structure(copy_of(small_index, tmp_path), AnnOptions("ivf"), progress=False)
-    assert report.record.params == {"nlist": SMALL_CORPUS_LINES // 39, "nprobe": candidates.IVF_PARAMS["nprobe"]}
-    assert report.record.depth == candidates.IVF_DEPTH
-    assert candidates.ivf_lists(5_000_000) == 8192 and candidates.ivf_lists(1_000_000) == 4096
+    assert report.record.params == {"nlist": SMALL_CORPUS_LINES // 39, "nprobe": ivf.LIST_PARAMS["nprobe"].default}
+    assert report.record.depth == ivf.Ivf.depth
+    assert ivf.lists(5_000_000) == 8192 and ivf.lists(1_000_000) == 4096
 
 
 def test_ivf_answers_carry_exact_scores_and_more_probes_find_more(ivf_index, encoder, queries, stored_vectors):
@@ -338,17 +341,54 @@ def test_ivf_answers_carry_exact_scores_and_more_probes_find_more(ivf_index, enc
 
     # up to the default 20 candidates a query scans nprobe lists; 4x as many candidates, 4x the lists: all 8
     structure = searcher.structures["ivf"]
-    assert candidates.ivf_probes(structure, 10) == 2 and candidates.ivf_probes(structure, 80) == 8
+    assert ivf.probes(structure, 10) == 2 and ivf.probes(structure, 80) == 8
     assert recall(narrow) < 1.0
     assert recall(searcher.rank(queries, vectors, searcher.request(10, candidates=80))) == 1.0
 
 
-def test_ivf_flags_are_for_ivf_only(small_index, tmp_path, capsys):
+def test_a_kinds_flags_are_for_its_kind_only(small_index, tmp_path, capsys):
     assert cli_main(["ann", "--index", str(small_index), "--kind", "hnsw", "--nprobe", "4"]) == 2
-    assert capsys.readouterr().err.strip() == "error: --nprobe: for kind ivf only, not hnsw"
+    assert capsys.readouterr().err.strip() == "error: --nprobe: for kinds ivf and pq only, not hnsw"
     assert cli_main(["ann", "--index", str(small_index), "--kind", "ivf", "--m", "16"]) == 2
     assert capsys.readouterr().err.strip() == "error: --m: for kind hnsw only, not ivf"
     assert cli_main(["build", "--corpus", str(DEMO / "corpus.tsv"), "--out", str(tmp_path / "out"), "--nprobe", "4",
                      "--candidates", "10"]) == 2
     assert capsys.readouterr().err.strip() == "error: --nprobe, --candidates need --ann KIND"
     assert not (tmp_path / "out").exists()
+
+
+@pytest.fixture(scope="module")
+def pq_index(tmp_path_factory, small_index) -> Path:
+    """The small index with a pq structure of default parameters, added by `ann`."""
+    index = copy_of(small_index, tmp_path_factory.mktemp("pq"))
+    assert cli_main(["ann", "--index", str(index), "--kind", "pq"]) == 0
+    return index
+
+
+def test_pq_holds_a_48_byte_code_a_passage_at_384_dimensions_and_records_what_it_chose(pq_index):
+    (card,) = read_manifest(pq_index, verify_checksums=True).candidates
+    # 300 passages: 7 lists (39 training points each); 256 centroids a sub-quantizer, as the 300 can train
+    assert card.params == {"nlist": SMALL_CORPUS_LINES // 39, "nprobe": 32, "bytes": 48, "nbits": 8}
+    assert card.depth == 256 and card.recall_at_10 >= 0.99
+    structure = structures.load(pq_index / card.file, card, faiss.read_index(str(pq_index / INDEX_FILE)))
+    assert structure.index.code_size == 48 and structure.index.pq.M == 48
+
+
+def test_pq_answers_carry_exact_scores_and_narrow_ones_miss_what_wider_find(pq_index, encoder, queries,
+                                                                             stored_vectors):
+    searcher = Searcher(pq_index, encoder, device="cpu", verify_checksums=True)
+    vectors = searcher.encoder.encode_queries(queries)
+    exact = searcher.rank(queries, vectors, searcher.request(10, exact=True))
+    narrow = searcher.rank(queries, vectors, searcher.request(10, candidates=10))
+    for vector, ranked in zip(vectors, narrow):
+        rows = [row for row, _ in ranked]
+        np.testing.assert_allclose([score for _, score in ranked], stored_vectors[rows] @ vector, rtol=0, atol=1e-6)
+    assert recall.share_found([[row for row, _ in e] for e in exact], [[row for row, _ in n] for n in narrow], 10) < 1
+    wide = searcher.rank(queries, vectors, searcher.request(10, candidates=100))
+    assert [[row for row, _ in ranked] for ranked in wide] == [[row for row, _ in ranked] for ranked in exact]
+
+
+def test_pq_bytes_must_divide_the_dimensions(small_index, capsys):
+    assert cli_main(["ann", "--index", str(small_index), "--kind", "pq", "--pq-bytes", "5"]) == 2
+    assert capsys.readouterr().err.strip() == "error: pq: --pq-bytes 5 must divide the vectors' 384 dimensions"
+    assert [record.kind for record in read_manifest(small_index).candidates] == []

@@ -19,7 +19,7 @@ from retrieval import index_writer
 from retrieval.index_format import generation_id, read_manifest
 from retrieval.searcher import Searcher
 from service.engine import SearchEngine
-from tests.test_admission import serving, wait_until
+from tests.test_admission import serving
 
 TOPICS = ["rivers", "lanterns", "compilers", "meadows", "violins", "glaciers", "parsers", "harbours", "archives"]
 PASSAGES = 30

@@ -169,7 +169,8 @@ def test_searches_are_answered_between_the_slices_of_a_long_rerank(small_index, 
     # Before: one /rerank held the model thread whole (1,000 long texts on monoBERT: 47.6 s), and every
     # search waited behind it.
     engine = SearchEngine(searcher, {"monobert": small_cross_encoder})
-    texts = [f"passage {i}: " + "the boundary layer of a swept wing thickens downstream " * 60 for i in range(1000)]
+    # 400 texts of 512 tokens: 25 slices, time for several searches between them
+    texts = [f"passage {i}: " + "the boundary layer of a swept wing thickens downstream " * 60 for i in range(400)]
     done: dict[str, float] = {}
     with serving(small_index, engine, rerankers=[small_cross_encoder.path], max_rerank_depth=1000,
                  max_rerank_tokens=1_000_000, write_timeout_s=60) as (app, base, port):

@@ -4,10 +4,12 @@ every model, one meaning of a device string, and indexes built before the layout
 from __future__ import annotations
 
 import ast
+import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import get_args
 
 import numpy as np
 import pytest
@@ -19,9 +21,11 @@ from models.coattention import CoAttentionConfig, CoAttentionReranker, Vocabular
 from models.cross_encoder import CrossEncoder
 from models.encoder import BiEncoder
 from models.generative import new_small_model
-from models.reranker import load_reranker
+from models.reranker import RERANKERS, load_reranker
+from retrieval.candidates.registry import KINDS
 from retrieval.index_format import read_manifest
 from retrieval.searcher import Searcher
+from service import schemas
 from tests.conftest import DEMO, ROOT, head, read_tsv
 from tests.test_cross_encoder import tiny_bert
 
@@ -52,15 +56,42 @@ def imported_packages(path: Path) -> set[str]:
 def test_no_folder_imports_against_the_direction_of_the_data(package):
     offenders = {
         str(path.relative_to(ROOT)): sorted(imported_packages(path) & FORBIDDEN[package])
-        for path in sorted((ROOT / package).glob("*.py"))
+        for path in sorted((ROOT / package).rglob("*.py"))
     }
     assert {path: names for path, names in offenders.items() if names} == {}
+
+
+def code_naming(name: str, *, besides: Path) -> list[str]:
+    """The code files outside `besides` (a folder or a module) that hold `name` as a string literal."""
+    literal = re.compile(rf"[\"']{re.escape(name)}[\"']")
+    return sorted(str(path.relative_to(ROOT)) for package in PACKAGES if package != "training"
+                  for path in (ROOT / package).rglob("*.py")
+                  if not path.is_relative_to(besides) and literal.search(path.read_text()))
+
+
+def test_a_candidate_kind_is_its_module_and_its_line_in_the_registry():
+    folder = ROOT / "retrieval" / "candidates"
+    shared = {"__init__", "kind", "registry", "structures", "recall"}
+    assert {path.stem for path in folder.glob("*.py")} - shared == set(KINDS)
+    for name, kind in KINDS.items():
+        assert type(kind).__module__ == f"retrieval.candidates.{name}"
+        assert code_naming(name, besides=folder) == [], name  # the manifest, `ann` and the service ask the registry
+
+
+def test_a_reranker_kind_is_its_class_and_its_line_in_the_registry():
+    for name, kind in RERANKERS.items():
+        assert code_naming(name, besides=Path(sys.modules[kind.__module__].__file__)) == [], name
+    # and the HTTP API names it, with its score's kind and meaning
+    assert get_args(schemas.RerankerKind) == tuple(RERANKERS)
+    for name, kind in RERANKERS.items():
+        assert kind.score_kind in get_args(schemas.ScoreKind)
+        assert f"{kind.score_kind} ({name}'s {kind.score_meaning})" in schemas.SCORE_KIND_DESCRIPTION
 
 
 def test_refusals_get_their_status_codes_in_one_module():
     # Routes, limits and middleware raise the domain errors of service/errors.py; only it picks codes.
     offenders = {}
-    for path in sorted((ROOT / "service").glob("*.py")):
+    for path in sorted((ROOT / "service").rglob("*.py")):
         if path.name == "errors.py":
             continue
         tree = ast.parse(path.read_text(), filename=str(path))
@@ -129,7 +160,7 @@ def test_an_index_built_before_the_layout_change_still_loads_and_answers_as_a_ne
 
 
 def test_only_the_ray_modules_import_ray_and_the_plain_service_never_loads_it():
-    importers = sorted(str(path.relative_to(ROOT)) for package in PACKAGES for path in (ROOT / package).glob("*.py")
+    importers = sorted(str(path.relative_to(ROOT)) for package in PACKAGES for path in (ROOT / package).rglob("*.py")
                        if "ray" in imported_packages(path))
     assert importers == ["index_builder/ray_build.py", "service/sharded.py", "service/stop_signal.py"]
     script = "import sys, service.__main__, service.app, service.sharded_engine; print('ray' in sys.modules)"

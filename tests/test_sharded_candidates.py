@@ -15,10 +15,11 @@ import numpy as np
 import pytest
 
 from index_builder.cli import main as cli_main
-from retrieval import candidates, dense_index
+from retrieval import dense_index
+from retrieval.candidates import structures
+from retrieval.candidates.structures import MAX_CANDIDATES
 from retrieval.index_format import INDEX_FILE, PASSAGES_FILE, IndexFormatError, read_manifest
 from retrieval.passage_store import PassageStore
-from retrieval.dense import MAX_CANDIDATES
 from retrieval.searcher import Searcher
 from retrieval.sharding import ShardIndex, shard_folder
 from service.app import create_app
@@ -129,7 +130,7 @@ def test_sharded_approximate_search_equals_unsharded_approximate_search_where_th
     depth = SMALL_CORPUS_LINES
     query_vectors = encoder.encode_texts(queries)
     for searcher in [client.index for client in sharded.searcher.clients] + [whole.searcher]:
-        rows = candidates.candidates(searcher.structures["hnsw"], query_vectors, searcher.index.ntotal)
+        rows = structures.candidates(searcher.structures["hnsw"], query_vectors, searcher.index.ntotal)
         assert all(sorted(found) == list(range(searcher.index.ntotal)) for found in rows.tolist())
     for query in queries[:5]:
         mine, theirs = sharded.search(query, K, candidates=depth), whole.search(query, K, candidates=depth)
@@ -151,7 +152,7 @@ def test_the_merged_answer_is_the_exact_scoring_of_the_shards_candidates_togethe
     proposed = []
     for folder in hnsw_shards:
         shard = ShardIndex(folder, device="cpu")
-        rows = candidates.candidates(shard.structures["hnsw"], query_vectors, depth)
+        rows = structures.candidates(shard.structures["hnsw"], query_vectors, depth)
         ids = [[pid for pid, _ in shard.passages.get([r for r in ranked if r >= 0])] for ranked in rows.tolist()]
         proposed.append([[row_of[pid] for pid in found] for found in ids])
     union = [sorted({row for shard in proposed for row in shard[q]}) for q in range(len(queries))]
@@ -160,7 +161,7 @@ def test_the_merged_answer_is_the_exact_scoring_of_the_shards_candidates_togethe
     padded = np.array([rows + [-1] * (width - len(rows)) for rows in union])
     flat = faiss.IndexFlatIP(vectors.shape[1])
     flat.add(vectors)
-    scores, rows = candidates.rescore(flat, query_vectors, padded, k)
+    scores, rows = structures.rescore(flat, query_vectors, padded, k)
     for found, row_list, score_list in zip(hits, rows.tolist(), scores.tolist()):
         assert [row_of[h.id] for h in found] == row_list
         assert [h.score for h in found] == score_list  # bit for bit
