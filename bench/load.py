@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 from bench.ports import unclaimed_ports  # noqa: E402
 from index_builder.build import BuildOptions, build_index  # noqa: E402
 from models.encoder import BiEncoder  # noqa: E402
-from service.engine import SearchEngine  # noqa: E402
+from service.engine.search_engine import SearchEngine  # noqa: E402
 
 QUERIES = [line.split("\t", 1)[1].strip() for line in (ROOT / "data/demo/queries.tsv").read_text().splitlines()]
 

@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 from index_builder.build import BuildOptions, build_index  # noqa: E402
 from models.cross_encoder import CrossEncoder, relevance_probability  # noqa: E402
 from models.encoder import BiEncoder, default_model_path  # noqa: E402
-from service.engine import SearchEngine  # noqa: E402
+from service.engine.search_engine import SearchEngine  # noqa: E402
 
 DEMO = ROOT / "data" / "demo"
 

@@ -35,8 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.scale import generated_texts, vocabulary  # noqa: E402
 from index_builder.build import BuildOptions, build_index  # noqa: E402
-from index_builder.changes import ChangeOptions, apply_changes  # noqa: E402
-from index_builder.update import build_update  # noqa: E402
+from index_builder.build_update import build_update  # noqa: E402
+from index_builder.update import ChangeOptions, apply_changes  # noqa: E402
 from models.encoder import BiEncoder  # noqa: E402
 from retrieval import index_writer  # noqa: E402
 from retrieval.index_format import INDEX_FILE, PASSAGES_FILE  # noqa: E402

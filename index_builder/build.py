@@ -41,7 +41,6 @@ from index_builder import out_lock
 from index_builder.ann import AnnOptions, AnnReport, add_in_place
 from index_builder.corpus_file import check_corpus_file, check_unchanged, count_lines
 from index_builder.errors import BuildError
-from index_builder.shard import Shard
 from models.checkpoint import read_json
 from models.encoder import EncoderSpec
 from retrieval import index_writer
@@ -53,7 +52,7 @@ from retrieval.index_format import (
     EncoderRecord,
     write_json_atomic,
 )
-from retrieval.sharding import shard_folder
+from retrieval.sharding import Shard, shard_folder
 
 STATE_FILE = "state.json"
 CHUNKS_DIR = "chunks"  # STATE_FILE and CHUNKS_DIR are a build's scratch, dropped once the index is in place
@@ -87,7 +86,7 @@ class BuildOptions:
     overwrite: bool = False
     restart: bool = False
     bm25: bool = False  # also build a BM25 index over the same passages
-    shard: Shard | None = None  # keep only this shard's records (see index_builder.shard)
+    shard: Shard | None = None  # keep only this shard's records (see retrieval.sharding)
     shards: int | None = None  # write this many shard directories (shard_folder) instead of one index
     max_passage_bytes: int = DEFAULT_MAX_PASSAGE_BYTES  # a longer corpus line (its line end aside) is a bad line
     ann: list[AnnOptions] = field(default_factory=list)  # candidate structures (index_builder.ann), in each shard

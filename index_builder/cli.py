@@ -6,19 +6,19 @@ from __future__ import annotations
 import argparse
 import sqlite3
 import sys
+from dataclasses import fields
 from pathlib import Path
 
 from index_builder import out_lock
 from index_builder.ann import AnnOptions, add_structures
 from index_builder.build import BuildError, BuildOptions, build_index
-from index_builder.changes import ChangeOptions, apply_changes
+from index_builder.build_update import build_update, check_updatable, index_encoder
+from index_builder.convert_cranfield import convert_cranfield
 from index_builder.corpus_file import check_corpus_file
-from index_builder.eval_command import run_eval
+from index_builder.eval_command import EvalOptions, evaluate_index
 from index_builder.evaluate import EVAL_MODES
 from index_builder.merge import merge_shards
-from index_builder.shard import Shard
-from index_builder.smart import convert_cranfield
-from index_builder.update import build_update, check_updatable, index_encoder
+from index_builder.update import ChangeOptions, apply_changes
 from models.backends import BACKENDS
 from models.encoder import BiEncoder
 from retrieval.candidates.recall import RECALL_SAMPLE, RECALL_THRESHOLD
@@ -28,7 +28,7 @@ from retrieval.fields import MAX_FIELDS
 from retrieval.index_format import IndexFormatError, read_manifest
 from retrieval.readers import InputFileError
 from retrieval.searcher import MAX_K, EncoderMismatch
-from retrieval.sharding import expand_shard_dirs, shard_folder
+from retrieval.sharding import Shard, expand_shard_dirs, shard_folder
 
 LOCAL_RAY = "local"  # `--ray` with no address: ray.init()'s own choice
 # OSError and sqlite3.Error cover a full disk too: the build's partial folder stays for a resume.
@@ -328,7 +328,8 @@ def main(argv: list[str] | None = None) -> int:
             for report in add_structures(args.index, _ann_options(args, args.kind)):
                 print(report.summary())
         elif args.command == "eval":
-            run_eval(args)
+            options = EvalOptions(**{option.name: getattr(args, option.name) for option in fields(EvalOptions)})
+            print(evaluate_index(options))
         else:
             counts = convert_cranfield(args.data, args.out)
             print(f"wrote {args.out}: " + ", ".join(f"{v} {k}" for k, v in counts.items()))

@@ -1,12 +1,13 @@
 """`python -m index_builder eval`: the rows to compare (modes, each exact and through each candidate
-structure, each reranked), searched, scored and printed as one table."""
+structure, each reranked), searched, scored and printed as one table. From Python: `evaluate_index(
+EvalOptions(index, queries, qrels, ...))` returns the table, the runs and the lines the command prints."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from index_builder.evaluate import (
@@ -36,8 +37,44 @@ def _row_name(folder: Path) -> str:
     return f"{folder.parent.name}-{folder.name}" if folder.name.startswith("checkpoint-") else folder.name
 
 
-def run_eval(args: argparse.Namespace) -> None:
-    """`eval`: every row's measures in one table (docs/evaluation.md); ValueError for bad input."""
+@dataclass
+class EvalOptions:
+    """What `eval` measures (its flags, docs/evaluation.md): the index, its queries and judgements, and the rows."""
+
+    index: Path
+    queries: Path
+    qrels: Path
+    modes: list[str] | None = None  # default: every mode the index has (EVAL_MODES)
+    exact: bool = False  # exact rows only, even where the index carries candidate structures
+    filter: str | None = None  # a filter's JSON: every row searches among the passages it keeps
+    runs_dir: Path | None = None  # a TREC run file per row, written here
+    compare: Path | None = None  # a run to measure the dense run's consistency with
+    k: int = MAX_K
+    rerank: list[Path] | None = None  # reranker folders: each row reranked by each
+    depth: int = 100  # passages reranked
+    retrieval_weight: list[float] | None = None
+    ensemble: bool = False
+    query_max_tokens: int | None = None
+    device: str = "auto"
+    backend: str | None = None
+    rerank_backend: str | None = None
+
+
+@dataclass
+class EvalReport:
+    """`eval`'s answer: each row's measures by row name (None where a row has no such measure), each row's
+    run, and the lines the command prints (the table among them)."""
+
+    table: dict[str, dict[str, float | None]] = field(default_factory=dict)
+    runs: dict[str, Run] = field(default_factory=dict)
+    lines: list[str] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        return "\n".join(self.lines)
+
+
+def evaluate_index(args: EvalOptions) -> EvalReport:
+    """Every row's measures in one table; ValueError for bad input."""
     names = [_row_name(folder) for folder in args.rerank or []]
     if args.ensemble and len(names) < 2:
         raise ValueError("--ensemble averages two rerankers or more: give --rerank two folders or more")
@@ -62,7 +99,9 @@ def run_eval(args: argparse.Namespace) -> None:
     reference = read_run(args.compare) if args.compare else None
     encoder = encoder_for(read_manifest(args.index), args.device, args.query_max_tokens, args.backend)
     searcher = Searcher(args.index, encoder, device=args.device)
-    only = _eval_filter(searcher, args.filter)  # {"filter": the parsed filter}, or {}
+    report = EvalReport()
+    runs, table, say = report.runs, report.table, report.lines.append
+    only = _eval_filter(searcher, args.filter, say)  # {"filter": the parsed filter}, or {}
     rerankers = {name: load_reranker(folder, device=args.device, backend=args.rerank_backend or encoder.backend)
                  for name, folder in zip(names, args.rerank or [])}
     if args.ensemble:  # last: it reads the scores its members' rows kept
@@ -76,7 +115,6 @@ def run_eval(args: argparse.Namespace) -> None:
               f"only, and --device {args.device} searches on a GPU", file=sys.stderr)
     rows = eval_rows(modes, structures)
     approximate = any(row.structure for row in rows)
-    runs, table = {}, {}
 
     def record(name: str, run: Run, seconds: float, exact_name: str | None) -> None:
         runs[name] = run
@@ -112,9 +150,9 @@ def run_eval(args: argparse.Namespace) -> None:
             for weight, run in reranked.items():
                 record(f"{row.name}+{name}{_blended(weight)}", run, seconds,
                        exact_row and f"{exact_row}+{name}{_blended(weight)}")
-    print(format_table(table))
+    say(format_table(table))
     if approximate:
-        _describe_structures(searcher, structures, args.k)
+        _describe_structures(searcher, structures, args.k, say)
     comparisons = {"bm25": runs["bm25"]} if "dense" in runs and "bm25" in runs else {}
     if reference is not None:
         comparisons[args.compare.name] = reference
@@ -123,17 +161,18 @@ def run_eval(args: argparse.Namespace) -> None:
         values = ", ".join(f"C(dense, {n}) = {consistency_factor(runs['dense'], other, n):.4f}"
                            for n in CONSISTENCY_DEPTHS if n <= args.k)
         if values:
-            print(f"consistency of dense with {name}'s top {depth}: {values}")
+            say(f"consistency of dense with {name}'s top {depth}: {values}")
     through = f", exact and through {', '.join(structures)}" if approximate else ""
     blends = [weight for weight in weights if weight]
     if rerankers and blends:
-        print("ROW+RERANKER~wW: the reranked passages ordered by z(reranker) + W * z(first stage), each score "
+        say("ROW+RERANKER~wW: the reranked passages ordered by z(reranker) + W * z(first stage), each score "
               "standardised over them (SEARCH_RERANK_RETRIEVAL_WEIGHT W).")
     if args.ensemble:
-        print("ROW+ensemble: the reranked passages ordered by the mean of the rerankers' standardised scores, "
+        say("ROW+ensemble: the reranked passages ordered by the mean of the rerankers' standardised scores, "
               "its ms/query the sum of theirs.")
     reranked = f", {len(args.rerank)} rerankers at depth {args.depth}" if rerankers else ""
-    print(f"evaluated {len(queries)} queries x {len(modes)} modes at k={args.k}{through}{reranked}")
+    say(f"evaluated {len(queries)} queries x {len(modes)} modes at k={args.k}{through}{reranked}")
+    return report
 
 
 def _blended(weight: float) -> str:
@@ -141,7 +180,7 @@ def _blended(weight: float) -> str:
     return f"~w{weight:g}" if weight else ""
 
 
-def _eval_filter(searcher: Searcher, given: str | None) -> dict:
+def _eval_filter(searcher: Searcher, given: str | None, say) -> dict:
     """--filter's JSON parsed and checked against the index's fields (ValueError saying what is wrong), as
     the rows' retrieval option; a line says how many passages it keeps. {} without one."""
     if given is None:
@@ -152,21 +191,21 @@ def _eval_filter(searcher: Searcher, given: str | None) -> dict:
         raise ValueError(f"--filter: not valid JSON ({error})") from None
     parsed = searcher.parse_filter(spec)
     matching = searcher.restrictions.of(parsed).count
-    print(f"filter {parsed.spec}: {matching} of {searcher.count} passages match; every row searches among them")
+    say(f"filter {parsed.spec}: {matching} of {searcher.count} passages match; every row searches among them")
     return {"filter": parsed}
 
 
-def _describe_structures(searcher: Searcher, structures: list[str], k: int) -> None:
+def _describe_structures(searcher: Searcher, structures: list[str], k: int, say) -> None:
     """What the approximate rows and their recall column are, and where --k makes them search deeper than a
     short request would."""
     depths = {kind: searcher.structures[kind].depth for kind in structures}
-    print("MODE: exact, every vector scanned. MODE@KIND: the dense list from KIND's candidates ("
+    say("MODE: exact, every vector scanned. MODE@KIND: the dense list from KIND's candidates ("
           + ", ".join(f"{kind} {depth}" for kind, depth in depths.items())
           + " per query, at least the list's depth), each scored exactly.")
-    print(f"{RECALL_AGAINST_EXACT}: the share of the exact row's top 10 that the row's top 10 holds, averaged "
+    say(f"{RECALL_AGAINST_EXACT}: the share of the exact row's top 10 that the row's top 10 holds, averaged "
           "over the queries.")
     shallow = [f"{kind}'s {depth}" for kind, depth in depths.items() if depth < k]
     if shallow:
-        print(f"note: --k {k} is past {', '.join(shallow)} candidates, so those rows rescore {k} per query, as a "
+        say(f"note: --k {k} is past {', '.join(shallow)} candidates, so those rows rescore {k} per query, as a "
               f"request of k={k} is answered; a --k of at most the candidates measures the top 10 that a request "
               "of k=10 gets.")

@@ -1,210 +1,256 @@
-"""Incremental builds: the index at DIR brought up to date as a whole new generation, re-encoding only the
-passages whose text it does not hold.
+"""`python -m index_builder update --index DIR [--add FILE] [--delete IDS_FILE]`: an index changed by a diff,
+for users who have only the changes.
 
-`build --corpus NEW --out DIR --update` is a build of NEW through `index_builder.build` (the same chunks,
-checks, resume in `.DIR.partial/`, writer and swap) whose encoder is a `ReusingEncoder`: a passage whose
-text the old index holds, by content hash (retrieval.text_hashes), gets the stored vector, and the rest
-are encoded, a chunk's at once. Its rows are NEW's, in NEW's order, as a full build of NEW makes them.
-The diff form, `update --index DIR --add FILE --delete IDS` (index_builder.changes), builds the --add file
-the same way beside DIR and then writes the old rows with the changes applied.
-
-Stored vectors are reused only where the old manifest's encoder record agrees with this encoder on every
-field a passage's vector depends on (`VECTOR_FIELDS`); otherwise the update is refused, naming the fields,
-since mixing vectors of two encoders would give an index no full build can make. Either way BM25 (where
-the old index has it) and the candidate structures its manifest lists are built again over the new rows.
+The --add file (any corpus a build reads) is built first into `.DIR.adding/` by `index_builder.build`,
+through a ReusingEncoder (index_builder.build_update): a build like any other, resumed after a kill from its own
+partial folder, with a stored vector for each passage whose text DIR already holds. The new generation is
+then written in `.DIR.updating/` and swapped in under DIR's lock: DIR's rows in their order, the deleted
+ones left out and each replaced one (an added id DIR holds) in its place, then the other added passages
+in the --add file's order; every column of the passage store copied as stored, the vectors gathered from
+the two indexes; BM25 and the candidate structures built again. The result equals a full build of the
+corpus that order defines (ids, texts, vectors and rows). Deletions come first: an id both deleted and
+added is added at the end. An id to delete that DIR does not hold is counted, and named on stderr.
 """
 
 from __future__ import annotations
 
+import shutil
 import sqlite3
 import sys
 import time
-from dataclasses import dataclass, field, replace
+from contextlib import closing
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Iterator
 
 import faiss
 import numpy as np
 from tqdm import tqdm
 
 from index_builder import out_lock
-from index_builder.ann import AnnOptions, AnnReport
+from index_builder.ann import AnnReport, add_in_place
 from index_builder.build import BuildOptions, PassageEncoder, build_index
+from index_builder.build_update import (
+    OldIndex,
+    ReusingEncoder,
+    UpdateReport,
+    check_same_vectors,
+    check_updatable,
+    encoder_record,
+    rebuilt_structures,
+)
+from index_builder.corpus_file import check_corpus_file, file_sha256
 from index_builder.errors import BuildError
-from models.encoder import BiEncoder
-from retrieval.candidates.recall import HELD_OUT, RECALL_SAMPLE
-from retrieval.index_format import INDEX_FILE, MANIFEST_FILE, PASSAGES_FILE, EncoderRecord, Manifest, read_manifest
-from retrieval.sharding import shard_folder
-from retrieval.text_hashes import HashLookup, index_text_hashes, text_sha256
+from retrieval import index_writer
+from retrieval.corpus import DEFAULT_MAX_PASSAGE_BYTES, Passage, detect_format, read_corpus
+from retrieval.fields import MAX_FIELDS, FieldTypes
+from retrieval.index_format import INDEX_FILE, PASSAGES_FILE, Manifest, read_manifest
 
-# The encoder record's fields a passage's vector depends on; the query's settings, the model's name and the
-# folder its weights are read from do not change it.
-VECTOR_FIELDS = ("weights_sha256", "dimension", "pooling", "similarity", "passage_segment_id", "passage_max_tokens",
-                 "passage_prefix", "backend", "export_sha256")
-QUERY_FIELDS = ("query_segment_id", "query_max_tokens", "query_prefix")
-
-
-def check_updatable(index_dir: Path, verify_checksums: bool = True) -> Manifest:
-    """The manifest of the one whole index at `index_dir` (its files' sha256 checked against it unless
-    `verify_checksums` is off); BuildError or IndexFormatError (one line) for a folder an update cannot
-    start from."""
-    if not index_dir.exists():
-        raise BuildError(f"{index_dir}: no index to update (build it first, without --update)")
-    if not (index_dir / MANIFEST_FILE).is_file() and shard_folder(index_dir, 0).is_dir():
-        raise BuildError(f"{index_dir} holds the shards of a build --shards N; an update takes one whole index "
-                         "(rebuild the shards with build --shards N --overwrite)")
-    manifest = read_manifest(index_dir, verify_checksums=verify_checksums)
-    if manifest.shard is not None:
-        raise BuildError(f"{index_dir} is shard {manifest.shard} of a sharded build; an update takes one whole "
-                         "index (rebuild the shards, or update the merged index)")
-    return manifest
-
-
-def encoder_record(encoder: PassageEncoder) -> EncoderRecord:
-    """What a build with `encoder` writes into its manifest."""
-    return EncoderRecord(path=encoder.source, backend=encoder.backend, export_sha256=encoder.export_sha256,
-                         **encoder.spec.to_dict())
-
-
-def check_same_vectors(index_dir: Path, old: EncoderRecord, new: EncoderRecord) -> None:
-    """BuildError naming each field, with both values, where `new` would encode a passage otherwise than the
-    encoder that made `index_dir`'s vectors; a note on stderr where only the query settings change (the new
-    manifest records this encoder's)."""
-    changed = [f"{name} {getattr(old, name)!r} here, {getattr(new, name)!r} now" for name in VECTOR_FIELDS
-               if getattr(old, name) != getattr(new, name)]
-    if changed:
-        raise BuildError(f"{index_dir} was encoded by another encoder ({'; '.join(changed)}): an update keeps "
-                         "stored vectors only under the same one; pass the index's own settings, or rebuild "
-                         "with --overwrite")
-    queries = [f"{name} {getattr(old, name)!r} -> {getattr(new, name)!r}" for name in QUERY_FIELDS
-               if getattr(old, name) != getattr(new, name)]
-    if queries:
-        print(f"note: the updated {index_dir} records other query settings: {'; '.join(queries)}", file=sys.stderr)
-
-
-class OldIndex:
-    """The index being updated: its manifest, its passages' content hashes and its vectors (memory-mapped)."""
-
-    def __init__(self, folder: Path, manifest: Manifest) -> None:
-        self.folder, self.manifest = folder, manifest
-        self.lookup = HashLookup(index_text_hashes(folder, manifest))
-        self.flat = faiss.read_index(str(folder / INDEX_FILE), faiss.IO_FLAG_MMAP_IFC)
-
-    def vectors(self, rows: np.ndarray) -> np.ndarray:
-        """The stored vectors of `rows`, in the order given."""
-        if not len(rows):
-            return np.empty((0, self.flat.d), dtype=np.float32)
-        return self.flat.reconstruct_batch(np.ascontiguousarray(rows, dtype=np.int64))
-
-
-class ReusingEncoder:
-    """A PassageEncoder (index_builder.build) that gives each passage whose text `old` holds its stored vector
-    and has `encoder` encode the others, in one call per chunk. `encoded` counts what it encoded."""
-
-    def __init__(self, encoder: PassageEncoder, old: OldIndex) -> None:
-        self.encoder, self.old = encoder, old
-        self.spec, self.source = encoder.spec, encoder.source
-        self.backend, self.export_sha256 = encoder.backend, encoder.export_sha256
-        self.encoded = 0
-
-    @property
-    def dimension(self) -> int:
-        return self.encoder.dimension
-
-    def encode_passages(self, passages: Sequence[str], progress: tqdm | None = None) -> np.ndarray:
-        rows = self.old.lookup.rows(text_sha256(passages))
-        found = rows >= 0
-        vectors = np.empty((len(passages), self.dimension), dtype=np.float32)
-        vectors[found] = self.old.vectors(rows[found])
-        missing = np.flatnonzero(~found)
-        if len(missing):
-            vectors[missing] = self.encoder.encode_passages([passages[i] for i in missing], progress=progress)
-        if progress is not None:
-            progress.update(int(found.sum()))
-        self.encoded += len(missing)
-        return vectors
-
-
-def rebuilt_structures(manifest: Manifest, given: Sequence[AnnOptions] = ()) -> list[AnnOptions]:
-    """The candidate structures `manifest` lists, to be built again with the same kind, parameters and depth
-    (a kind in `given` takes the flags given instead), then `given`. Recall is measured on held-out passages
-    (the queries file a card names may be gone) as many as before, or the default where the old index had
-    fewer passages than that."""
-    kinds = {options.kind for options in given}
-    structures = []
-    for record in manifest.candidates:
-        if record.kind in kinds:
-            continue
-        if record.recall_queries != HELD_OUT:
-            print(f"note: {record.kind}'s recall is measured again on held-out passages, not {record.recall_queries}",
-                  file=sys.stderr)
-        capped = record.recall_queries != HELD_OUT or record.sample >= manifest.count
-        structures.append(AnnOptions.of(record.kind, record.params, candidates=record.depth,
-                                        sample=max(record.sample, RECALL_SAMPLE) if capped else record.sample))
-    return [*structures, *given]
+OLD, ADDED = 0, 1  # where a row of the new generation comes from
+BLOCK = 65_536  # rows whose vectors are gathered at a time
+SHOWN_MISSING = 5
 
 
 @dataclass
-class UpdateReport:
-    out: Path
-    passages: int
-    kept: int  # rows whose vector this run did not encode: stored ones reused (and, resumed, an earlier run's)
-    encoded: int
-    dropped: int  # passages of the old index whose id the new one does not hold
-    seconds: float
-    skipped: int = 0
-    resumed_chunks: int = 0
-    detail: str = ""  # the diff form's counts
-    ann: list[AnnReport] = field(default_factory=list)
-
-    def summary(self) -> str:
-        notes = [self.detail] if self.detail else []
-        notes += [f"{self.skipped} bad lines skipped"] if self.skipped else []
-        notes += [f"resumed after {self.resumed_chunks} chunks"] if self.resumed_chunks else []
-        return "\n".join([
-            f"updated {self.out}: {self.passages} passages; kept {self.kept}, encoded {self.encoded}, "
-            f"dropped {self.dropped} in {self.seconds:.1f} s" + (f" ({'; '.join(notes)})" if notes else ""),
-            *(report.summary() for report in self.ann),
-        ])
+class ChangeOptions:
+    index: Path
+    add: Path | None = None  # a corpus of new and replacing passages
+    delete: Path | None = None  # passage ids to delete, one a line
+    chunk_size: int = 2048
+    skip_bad: bool = False
+    restart: bool = False  # discard an interrupted build of the --add file
+    max_passage_bytes: int = DEFAULT_MAX_PASSAGE_BYTES
+    max_fields: int = MAX_FIELDS  # metadata fields the updated index may declare (at least the index's own)
 
 
-def build_update(options: BuildOptions, encoder: PassageEncoder) -> UpdateReport:
-    """`build --update`: `options.out` rebuilt from `options.corpus`, each passage whose text the index there
-    holds keeping its stored vector (see the module). BuildError or IndexFormatError for an `out` that holds
-    no whole index, another encoder, or any input a build refuses."""
-    if options.shard is not None or options.shards is not None:
-        raise BuildError("--update writes one whole index: drop --shard and --shards")
+@dataclass
+class _Plan:
+    sources: np.ndarray  # OLD or ADDED, one per new row
+    rows: np.ndarray  # the row in that source
+    replaced: int
+    deleted: int
+    missing: list[str]  # ids to delete that the index does not hold
+
+
+def apply_changes(options: ChangeOptions, load_encoder: Callable[[Manifest], PassageEncoder]) -> UpdateReport:
+    """`update`: the index at `options.index` with the passages of `options.delete` removed and those of
+    `options.add` put in (see the module); `load_encoder` gives the encoder for the index's manifest, asked only
+    when there is something to add. BuildError or IndexFormatError (one line each) for bad input."""
+    if options.add is None and options.delete is None:
+        raise BuildError("update needs --add FILE, --delete IDS_FILE, or both")
+    for path in (options.add, options.delete):
+        if path is not None:
+            check_corpus_file(path)
     started = time.perf_counter()
-    with out_lock.hold(options.out, "build"):
-        old = OldIndex(options.out, check_updatable(options.out))
-        check_same_vectors(options.out, old.manifest.encoder, encoder_record(encoder))
-        reusing = ReusingEncoder(encoder, old)
-        dropped: list[int] = []
-        build = build_index(replace(
-            options, overwrite=True, bm25=options.bm25 or old.manifest.bm25 is not None,
-            ann=rebuilt_structures(old.manifest, options.ann),
-            before_publish=lambda work: dropped.append(missing_ids(options.out, work)),
-        ), reusing)
-    return UpdateReport(build.out, build.passages, build.passages - reusing.encoded, reusing.encoded, dropped[0],
-                        time.perf_counter() - started, build.skipped, build.resumed_chunks, ann=build.ann)
+    index = options.index
+    with out_lock.hold(index, "update"):
+        old = OldIndex(index, check_updatable(index))
+        deletes = read_ids(options.delete) if options.delete is not None else set()
+        adding = index.parent / f".{index.name}.adding"
+        encoded, skipped, resumed = 0, 0, 0
+        if options.add is not None:
+            build = BuildOptions(options.add, adding, options.chunk_size, options.skip_bad, overwrite=True,
+                                 restart=options.restart, max_passage_bytes=options.max_passage_bytes,
+                                 max_fields=max(options.max_fields, len(old.manifest.fields)),
+                                 field_types=old.manifest.fields, field_types_of=f"the index {index}")
+            if not options.skip_bad:
+                check_fields(build)  # before the model loads and anything is encoded
+            encoder = load_encoder(old.manifest)
+            check_same_vectors(index, old.manifest.encoder, encoder_record(encoder))
+            if not _finished(adding, options.add, encoder_record(encoder)):
+                reusing = ReusingEncoder(encoder, old)
+                report = build_index(build, reusing)
+                encoded, resumed = reusing.encoded, report.resumed_chunks
+            skipped = read_manifest(adding).corpus.skipped
+        plan = _plan(old, adding if options.add is not None else None, deletes)
+        if not len(plan.rows):
+            raise BuildError(f"the update would leave {index} with no passages")
+        work = index.parent / f".{index.name}.updating"
+        if work.exists():  # left by an update that stopped while writing: written again (nothing is encoded there)
+            shutil.rmtree(work)
+        work.mkdir()
+        try:
+            ann = _write(work, old, adding, plan, skipped)
+        except BaseException:
+            shutil.rmtree(work, ignore_errors=True)
+            raise
+        index_writer.move_into_place(work, index)
+        if adding.exists():
+            shutil.rmtree(adding)
+    if plan.missing:
+        shown = ", ".join(repr(pid) for pid in plan.missing[:SHOWN_MISSING])
+        print(f"note: {len(plan.missing)} ids to delete were not in {index}: {shown}"
+              + (", ..." if len(plan.missing) > SHOWN_MISSING else ""), file=sys.stderr)
+    count = len(plan.rows)
+    appended = int(np.sum(plan.sources == ADDED)) - plan.replaced
+    detail = (f"{plan.replaced} replaced in place, {appended} added at the end, {len(plan.missing)} ids to delete "
+              "not in the index")
+    return UpdateReport(index, count, count - encoded, encoded, plan.deleted, time.perf_counter() - started,
+                        skipped, resumed, detail, ann)
 
 
-def missing_ids(old: Path, new: Path) -> int:
-    """Passages of the index in `old` whose id the passage store in `new` does not hold."""
-    connection = sqlite3.connect(f"{(new / PASSAGES_FILE).resolve().as_uri()}?mode=ro", uri=True)
+def check_fields(build: BuildOptions) -> None:
+    """BuildError naming the --add file's line and the index where a passage's metadata fields do not fit the
+    index's (a field of another type, or past --max-fields): one pass reading the file, nothing encoded."""
+    types = FieldTypes(max_fields=build.max_fields)
+    types.know(build.field_types, build.field_types_of)
+    with build.corpus.open("rb") as handle:
+        for record, _ in read_corpus(handle, detect_format(build.corpus), max_bytes=build.max_passage_bytes):
+            if isinstance(record, Passage):
+                conflict = types.admit([record])
+                if conflict:
+                    raise BuildError(f"{build.corpus}: line {record.line}: {conflict[0][1]} "
+                                     "(use --skip-bad to skip such lines)")
+
+
+def read_ids(path: Path) -> set[str]:
+    """The ids of an --delete file: one a line, surrounding white space and blank lines ignored. BuildError
+    naming the line for one that is not UTF-8."""
+    ids = set()
+    with path.open("rb") as handle:
+        for number, raw in enumerate(handle, start=1):
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                raise BuildError(f"{path}: line {number}: not UTF-8") from None
+            pid = (text.removeprefix("\ufeff") if number == 1 else text).strip()
+            if pid:
+                ids.add(pid)
+    return ids
+
+
+def _finished(adding: Path, add: Path, encoder) -> bool:
+    """Whether `adding` holds the build of this very --add file by this encoder, finished by an update that
+    stopped before it swapped its result in (then it is not built again)."""
     try:
-        connection.execute("ATTACH DATABASE ? AS old", (f"{(old / PASSAGES_FILE).resolve().as_uri()}?mode=ro",))
-        query = "SELECT COUNT(*) FROM old.passages WHERE id NOT IN (SELECT id FROM main.passages)"
-        return connection.execute(query).fetchone()[0]
+        manifest = read_manifest(adding, verify_checksums=True)
+    except Exception:  # noqa: BLE001 - absent or unusable: built again
+        return False
+    return (manifest.corpus.path == str(add.resolve()) and manifest.encoder == encoder
+            and manifest.corpus.sha256 == file_sha256(add))
+
+
+def _plan(old: OldIndex, adding: Path | None, deletes: set[str]) -> _Plan:
+    """The new generation's rows: where each comes from (see the module for the order)."""
+    added: dict[str, int] = {}
+    if adding is not None:
+        with closing(sqlite3.connect(f"{(adding / PASSAGES_FILE).resolve().as_uri()}?mode=ro", uri=True)) as store:
+            added = dict(store.execute("SELECT id, row FROM passages ORDER BY row"))
+    sources, rows, placed, deleted = [], [], set(), set()
+    with closing(sqlite3.connect(f"{(old.folder / PASSAGES_FILE).resolve().as_uri()}?mode=ro", uri=True)) as store:
+        for row, pid in store.execute("SELECT row, id FROM passages ORDER BY row"):
+            if pid in deletes:
+                deleted.add(pid)
+            elif pid in added:
+                sources.append(ADDED)
+                rows.append(added[pid])
+                placed.add(pid)
+            else:
+                sources.append(OLD)
+                rows.append(row)
+    for pid, row in added.items():
+        if pid not in placed:
+            sources.append(ADDED)
+            rows.append(row)
+    return _Plan(np.array(sources, dtype=np.int8), np.array(rows, dtype=np.int64), len(placed), len(deleted),
+                 sorted(deletes - deleted))
+
+
+def _write(work: Path, old: OldIndex, adding: Path, plan: _Plan, skipped: int) -> list[AnnReport]:
+    """The new generation in `work`: passages, vectors, then the manifest (with BM25 and the content hashes)
+    and the candidate structures, as a build writes them."""
+    _copy_passages(work, old.folder, adding, plan)
+    flats = {OLD: old.flat}
+    if np.any(plan.sources == ADDED):
+        flats[ADDED] = faiss.read_index(str(adding / INDEX_FILE), faiss.IO_FLAG_MMAP_IFC)
+    count = index_writer.write_vectors(work, _vectors(plan, flats, old.flat.d), old.flat.d)
+    manifest = old.manifest
+    # The passages no longer come from one file: the corpus record keeps the old path and format, without a sha256.
+    corpus = manifest.corpus.model_copy(update={"passages": count, "skipped": manifest.corpus.skipped + skipped,
+                                                "sha256": None})
+    index_writer.write_manifest(work, encoder=manifest.encoder, corpus=corpus, count=count,
+                                bm25=manifest.bm25 is not None)
+    return [add_in_place(work, structure, published=old.folder) for structure in rebuilt_structures(manifest)]
+
+
+def _copy_passages(work: Path, old: Path, adding: Path, plan: _Plan) -> None:
+    """Each new row's passage copied from its source's store with every column both stores have, so what a
+    store holds beside id and text travels with it."""
+    store = index_writer.open_store(work)
+    try:
+        store.execute("CREATE TEMP TABLE plan (new_row INTEGER PRIMARY KEY, source INTEGER, source_row INTEGER)")
+        store.executemany("INSERT INTO temp.plan VALUES (?, ?, ?)",
+                          zip(range(len(plan.rows)), plan.sources.tolist(), plan.rows.tolist()))
+        columns = [name for name in _columns(store, "main") if name != "row"]
+        for source, folder in ((OLD, old), (ADDED, adding)):
+            if not np.any(plan.sources == source):
+                continue
+            store.execute("ATTACH DATABASE ? AS source", (str(folder / PASSAGES_FILE),))
+            names = [name for name in columns if name in _columns(store, "source")]
+            shared = ", ".join(f'"{name}"' for name in names)
+            source_columns = ", ".join(f'passage."{name}"' for name in names)
+            with store:
+                store.execute(f"INSERT INTO main.passages (row, {shared}) SELECT plan.new_row, {source_columns} "
+                              "FROM temp.plan AS plan JOIN source.passages AS passage ON passage.row = plan.source_row "
+                              "WHERE plan.source = ? ORDER BY plan.new_row", (source,))
+            store.execute("DETACH DATABASE source")
     finally:
-        connection.close()
+        store.close()
 
 
-def index_encoder(manifest: Manifest, model: Path | None = None, device: str = "auto",
-                  batch_size: int | None = None) -> PassageEncoder:
-    """The encoder `manifest` records, configured as it was (`model`: its folder, where it has moved)."""
-    record = manifest.encoder
-    return BiEncoder(model or record.path, device=device, batch_size=batch_size, backend=record.backend,
-                     query_max_tokens=record.query_max_tokens, passage_max_tokens=record.passage_max_tokens,
-                     query_segment_id=record.query_segment_id, passage_segment_id=record.passage_segment_id,
-                     query_prefix=record.query_prefix, passage_prefix=record.passage_prefix)
+def _columns(store: sqlite3.Connection, schema: str) -> list[str]:
+    return [row[1] for row in store.execute(f"PRAGMA {schema}.table_info(passages)")]
+
+
+def _vectors(plan: _Plan, flats: dict, dimension: int) -> Iterator[np.ndarray]:
+    """The new rows' vectors, a block at a time, each gathered from its source index."""
+    with tqdm(total=len(plan.rows), desc="gathering vectors", unit=" passages") as progress:
+        for start in range(0, len(plan.rows), BLOCK):
+            sources, rows = plan.sources[start : start + BLOCK], plan.rows[start : start + BLOCK]
+            block = np.empty((len(rows), dimension), dtype=np.float32)
+            for source, flat in flats.items():
+                mask = sources == source
+                if mask.any():
+                    block[mask] = flat.reconstruct_batch(np.ascontiguousarray(rows[mask]))
+            progress.update(len(rows))
+            yield block

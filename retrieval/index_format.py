@@ -109,7 +109,7 @@ class Manifest(BaseModel):
     corpus: CorpusRecord
     files: dict[str, FileRecord]  # every file of the index, by path relative to the directory
     bm25: Bm25Record | None = None  # present when built with --bm25
-    shard: str | None = None  # "i/N" for one job of a sharded build (index_builder.shard); None for a whole index
+    shard: str | None = None  # "i/N" for one job of a sharded build (retrieval.sharding); None for a whole index
     # Approximate candidate structures beside the exact vectors (`ann`, `build --ann`); none before they existed.
     candidates: list[CandidateRecord] = []
     # The passages' metadata fields and the type of each (retrieval.fields), e.g. {"year": "number"}; none for

@@ -1,7 +1,7 @@
 """Each passage's content hash: the sha256 of its text as stored, which is the text the encoder saw.
 
 `text-sha256.npy` (one 32-byte row per passage, in row order) is written beside every index by the
-index writer and listed in its manifest, so an incremental build (index_builder.update) finds the
+index writer and listed in its manifest, so an incremental build (index_builder.build_update) finds the
 vector of an unchanged passage without reading the old corpus or the old texts. The stored text is
 what the corpus reader made of the record (TSV text stripped; JSONL title and text stripped and
 joined by a space), and the encoder sees that text after the passage prefix, cut at the passage

@@ -9,7 +9,7 @@ import sys
 
 from pydantic import ValidationError
 
-from service import allocator
+from service.engine import allocator
 from service.settings import ServiceSettings
 
 M_ARENA_MAX = -8  # glibc's mallopt parameter
@@ -19,7 +19,7 @@ def limit_malloc_arenas(arenas: int = 2) -> None:
     """glibc gives each thread that allocates its own malloc arena, up to 8 per core, and freed memory
     stays in them: under steady load (event loop, model thread, FAISS and OpenMP threads) RSS creeps up;
     with two arenas it grows far less (see docs/benchmarks.md, bench/overload.py; what remains is the
-    heap fragmenting, which jemalloc avoids: service/allocator.py). The same as MALLOC_ARENA_MAX=2;
+    heap fragmenting, which jemalloc avoids: service/engine/allocator.py). The same as MALLOC_ARENA_MAX=2;
     under jemalloc it sets what nobody uses, and off glibc nothing happens."""
     try:
         ctypes.CDLL("libc.so.6").mallopt(M_ARENA_MAX, arenas)
@@ -42,10 +42,10 @@ def _ray_parser() -> argparse.ArgumentParser:
 def build_parser(ray: bool = False) -> argparse.ArgumentParser:
     """The flags of `python -m service`, or with `ray` those of `python -m service --ray` (imports Ray)."""
     if ray:
-        from service import sharded
+        from service.sharded import command
 
         parser = argparse.ArgumentParser(prog="python -m service --ray", description=DESCRIPTION)
-        sharded.add_arguments(parser)
+        command.add_arguments(parser)
         return parser
     parser = _ray_parser()
     parser.add_argument("-h", "--help", action="help", help="show this help message and exit")
@@ -70,9 +70,9 @@ def main(argv: list[str] | None = None, *, reexec: bool = False) -> int:
             print(f"error: {name}: {problem['msg'].removeprefix('Value error, ')}", file=sys.stderr)
         return 2
     if args.ray is not None:
-        from service import sharded
+        from service.sharded import command
 
-        return sharded.serve_sharded(args, settings)
+        return command.serve_sharded(args, settings)
     # Before the service's imports (torch, FAISS, uvicorn): executed again with jemalloc, they would load twice.
     try:
         malloc = allocator.use(settings.allocator if reexec else "system")  # in words, for the log
@@ -81,9 +81,9 @@ def main(argv: list[str] | None = None, *, reexec: bool = False) -> int:
         return 2
     import uvicorn
 
-    from service.app import create_app
-    from service.protocol import timeout_protocol
-    from service.tracing import TracingUnavailable
+    from service.http.app import create_app
+    from service.http.protocol import timeout_protocol
+    from service.engine.tracing import TracingUnavailable
 
     logging.getLogger("service").info("malloc: %s", malloc)
     try:
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None, *, reexec: bool = False) -> int:
     except TracingUnavailable as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    protocol = timeout_protocol(settings.read_timeout_s, settings.write_timeout_s, app.state.runtime.occupancy,
+    protocol = timeout_protocol(settings.read_timeout_s, settings.write_timeout_s, app.state.occupancy,
                                 max_head_bytes=settings.max_head_bytes, max_headers=settings.max_headers)
     uvicorn.run(app, host=settings.host, port=settings.port, log_level="info", access_log=settings.access_log,
                 http=protocol)

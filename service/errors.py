@@ -1,20 +1,7 @@
-"""The service's errors and their HTTP answers, in one place.
-
-The engine, the limits and the middleware raise these domain errors; only this module knows their
-status codes and bodies, for routes (through exception handlers) and for ASGI middleware, which
-answers before any route or handler runs (`send_error`)."""
+"""The service's errors: what the engine, the limits and the middleware refuse, each with the status its
+class names in words; only service/http/status.py knows the codes and bodies."""
 
 from __future__ import annotations
-
-import json
-import math
-
-from fastapi import FastAPI, Request
-from fastapi.encoders import jsonable_encoder
-from fastapi.exception_handlers import http_exception_handler
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
-from starlette.exceptions import HTTPException
 
 
 class ServiceError(Exception):
@@ -68,66 +55,3 @@ class NotReady(ServiceError):
 class ShardsUnavailable(ServiceError):
     """Sharded serving: a shard did not answer, and the request did not allow a partial answer: 503.
     It is the same for every request of a batch, so a micro-batch fails as a whole (see the batcher)."""
-
-
-def _json_safe(value):
-    """`value` with every non-finite float written as a string: JSON has no NaN or Infinity, and a
-    request may send them (Python's JSON reader accepts NaN, Infinity and 1e309)."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    if isinstance(value, dict):
-        return {key: _json_safe(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_json_safe(item) for item in value]
-    return value
-
-
-def answer(error: ServiceError) -> tuple[int, dict, dict[str, str]]:
-    """Status code, JSON body and headers for `error`."""
-    if isinstance(error, OverLimit):
-        problem = {"type": "limit", "loc": ["body", *error.field], "msg": str(error), "input": error.value}
-        return 422, {"detail": _json_safe(jsonable_encoder([problem]))}, {}
-    if isinstance(error, Overloaded):  # Stopping too, 503
-        status = 503 if isinstance(error, Stopping) else 429
-        return status, {"detail": str(error)}, {"Retry-After": str(error.retry_after_s)}
-    if isinstance(error, Unauthorized):
-        return 401, {"detail": str(error)}, {"WWW-Authenticate": "Bearer"}
-    status = {NotServable: 400, NotFound: 404, TimedOut: 408, HeadTooLarge: 431, NotReady: 503,
-              ShardsUnavailable: 503}[type(error)]
-    return status, {"detail": str(error)}, {}
-
-
-async def send_error(send, error: ServiceError) -> None:
-    """`error`'s whole answer from ASGI middleware."""
-    status, body, headers = answer(error)
-    payload = json.dumps(body).encode()
-    await send({"type": "http.response.start", "status": status, "headers": [
-        (b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()),
-        *((name.lower().encode(), value.encode()) for name, value in headers.items())]})
-    await send({"type": "http.response.body", "body": payload})
-
-
-async def service_error(request: Request, error: ServiceError) -> JSONResponse:
-    status, body, headers = answer(error)
-    return JSONResponse(status_code=status, content=body, headers=headers)
-
-
-async def validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
-    """422 in FastAPI's own shape, `{"detail": [{"loc", "msg", "type", "input"}]}`, whatever the input held."""
-    return JSONResponse(status_code=422, content={"detail": _json_safe(jsonable_encoder(error.errors()))})
-
-
-async def unparsable_body(request: Request, error: HTTPException) -> JSONResponse:
-    """FastAPI's 400 for a body its JSON reader gave up on: a 422 naming the body where the reason is nesting
-    past the reader's recursion limit (a body that is not JSON is FastAPI's own 422 already)."""
-    if error.status_code == 400 and isinstance(error.__cause__, RecursionError):
-        problem = {"type": "json_invalid", "loc": ["body"], "input": None,
-                   "msg": "JSON nested too deeply for the parser (arrays and objects within each other)"}
-        return JSONResponse(status_code=422, content={"detail": [problem]})
-    return await http_exception_handler(request, error)
-
-
-def install(app: FastAPI) -> None:
-    app.add_exception_handler(RequestValidationError, validation_error)
-    app.add_exception_handler(ServiceError, service_error)
-    app.add_exception_handler(HTTPException, unparsable_body)

@@ -10,7 +10,6 @@ from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from models.backends import Backend
-from models.reranker import RERANKERS
 
 
 class ServiceSettings(BaseSettings):
@@ -53,8 +52,8 @@ class ServiceSettings(BaseSettings):
     )
     rerankers: list[Path] = Field(
         default_factory=list,
-        description=f"Reranker folders as a JSON list, at most one per kind ({', '.join(RERANKERS)}), "
-        "the first being the default; empty: no reranking.",
+        description="Reranker folders as a JSON list, at most one per kind (models.reranker.RERANKERS: monobert, "
+        "coattention, generative), the first being the default; empty: no reranking.",
     )
     rerank_depth: int = Field(
         100, ge=1, le=1000, description="Passages rescored when a request gives no depth (at most max_rerank_depth).",

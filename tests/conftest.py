@@ -18,7 +18,7 @@ from index_builder.merge import merge_shards
 from models.encoder import BiEncoder
 from retrieval.searcher import Searcher
 from retrieval.sharding import shard_folder
-from service.engine import SearchEngine
+from service.engine.search_engine import SearchEngine
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "data" / "demo"

@@ -20,9 +20,9 @@ import pytest
 import uvicorn
 
 from bench.ports import unclaimed_ports
-from service.app import create_app
-from service.batcher import MicroBatcher
-from service.protocol import timeout_protocol
+from service.engine.batcher import MicroBatcher
+from service.http.app import create_app
+from service.http.protocol import timeout_protocol
 from tests.test_service import call, one, settings_for
 
 READ_TIMEOUT_S = 0.5
@@ -45,7 +45,7 @@ def serving(small_index, engine, entered: list | None = None, **overrides):
     port = unclaimed_ports(1)[0]
     server = uvicorn.Server(uvicorn.Config(entry, host="127.0.0.1", port=port, log_level="warning",
                                            http=timeout_protocol(settings.read_timeout_s, settings.write_timeout_s,
-                                                                 app.state.runtime.occupancy,
+                                                                 app.state.occupancy,
                                                                  max_head_bytes=settings.max_head_bytes,
                                                                  max_headers=settings.max_headers)))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -97,7 +97,7 @@ def test_past_the_concurrency_cap_a_search_is_refused_at_once_with_retry_after(s
     with serving(small_index, engine, max_concurrent_requests=1) as (app, base, port):
         with model_busy(app):
             first = send_search(port, demo_queries["q0001"])
-            wait_until(lambda: app.state.runtime.occupancy.in_flight == 1)
+            wait_until(lambda: app.state.occupancy.in_flight == 1)
             assert metric(base, "search_in_flight_requests") == 1
             # Answered while the model is still held: it was not queued behind it.
             refused = httpx.post(f"{base}/search", json={"query": demo_queries["q0002"]}, trust_env=False)
@@ -108,7 +108,7 @@ def test_past_the_concurrency_cap_a_search_is_refused_at_once_with_retry_after(s
         assert first.recv(64).startswith(b"HTTP/1.1 200")
         first.close()
         assert metric(base, "search_rejected_requests_total") == 1
-        wait_until(lambda: app.state.runtime.occupancy.in_flight == 0)
+        wait_until(lambda: app.state.occupancy.in_flight == 0)
         assert httpx.post(f"{base}/search", json={"query": demo_queries["q0002"]}, trust_env=False).status_code == 200
 
 
@@ -133,7 +133,7 @@ def access_log_statuses():
 def test_a_draining_service_answers_the_searches_in_it_and_refuses_new_ones_503_with_retry_after(
         small_index, engine, demo_queries):
     with serving(small_index, engine) as (app, base, port), access_log_statuses() as logged:
-        occupancy = app.state.runtime.occupancy
+        occupancy = app.state.occupancy
         with model_busy(app):
             first = send_search(port, demo_queries["q0001"])
             wait_until(lambda: occupancy.in_flight == 1)
@@ -158,7 +158,7 @@ def test_past_the_cap_the_http_protocol_refuses_before_any_of_the_app_runs(small
         keep_alive = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
         with model_busy(app):
             first = send_search(port, demo_queries["q0001"])
-            wait_until(lambda: app.state.runtime.occupancy.in_flight == 1)
+            wait_until(lambda: app.state.occupancy.in_flight == 1)
             keep_alive.request("POST", "/search", body, {"Content-Type": "application/json"})
             refused = keep_alive.getresponse()
             assert (refused.status, refused.getheader("retry-after")) == (429, "1")
@@ -175,7 +175,7 @@ def test_past_the_cap_the_http_protocol_refuses_before_any_of_the_app_runs(small
         first.settimeout(60)
         assert first.recv(64).startswith(b"HTTP/1.1 200")
         first.close()
-        wait_until(lambda: app.state.runtime.occupancy.in_flight == 0)
+        wait_until(lambda: app.state.occupancy.in_flight == 0)
         # The refused request's connection serves the next one (its body was skipped, not read as a request).
         sock = keep_alive.sock
         keep_alive.request("POST", "/search", body, {"Content-Type": "application/json"})
@@ -199,7 +199,7 @@ def test_requests_without_the_key_take_no_place_under_the_cap(small_index, engin
                          b"Content-Length: 1000\r\n\r\n{")
             stalled.append(sock)
         time.sleep(0.2)  # within READ_TIMEOUT_S: both still hang on
-        assert app.state.runtime.occupancy.in_flight == 0
+        assert app.state.occupancy.in_flight == 0
         answer = httpx.post(f"{base}/search", json={"query": demo_queries["q0001"]},
                             headers={"Authorization": "bearer  secret"}, trust_env=False)
         assert answer.status_code == 200
@@ -230,7 +230,7 @@ def test_pipelined_searches_are_admitted_once_the_one_before_has_left(small_inde
             assert statuses_read(sock.makefile("rb"), 3) == [200, 200, 200]
         with model_busy(app):
             first = send_search(port, demo_queries["q0002"])
-            wait_until(lambda: app.state.runtime.occupancy.in_flight == 1)
+            wait_until(lambda: app.state.occupancy.in_flight == 1)
             with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
                 # Each refused in turn on the connection that sent them; a HEAD is no search (405, no body).
                 sock.sendall(search * 300 + b"HEAD /search HTTP/1.1\r\nHost: t\r\n\r\n")
@@ -246,12 +246,12 @@ def test_a_queued_request_whose_client_has_gone_never_reaches_the_model(small_in
         runtime = app.state.runtime
         with model_busy(app):
             running = send_search(port, demo_queries["q0001"], path)  # taken by the batcher, waits for the model
-            wait_until(lambda: runtime.occupancy.in_flight == 1 and runtime.batcher.waiting == 0)
+            wait_until(lambda: app.state.occupancy.in_flight == 1 and runtime.batcher.waiting == 0)
             gone = send_search(port, demo_queries["q0002"], path)  # queued behind it
             wait_until(lambda: runtime.batcher.waiting == 1)
             assert metric(base, "search_queue_size") == 1
             gone.close()
-            wait_until(lambda: runtime.occupancy.in_flight == 1)  # its route has given up on it
+            wait_until(lambda: app.state.occupancy.in_flight == 1)  # its route has given up on it
         running.settimeout(60)
         assert running.recv(64).startswith(b"HTTP/1.1 200")
         running.close()
@@ -291,7 +291,7 @@ def test_an_unread_answer_is_dropped_after_the_write_timeout(small_index, engine
         sock.connect(("127.0.0.1", port))
         sock.sendall(b"POST /search/batch HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
                      b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
-        wait_until(lambda: app.state.runtime.occupancy.in_flight == 0, 60)  # handed to the server to send
+        wait_until(lambda: app.state.occupancy.in_flight == 0, 60)  # handed to the server to send
         time.sleep(3 * WRITE_TIMEOUT_S)  # the client reads nothing for longer than the write timeout
         head = sock.recv(4096)
         assert head.startswith(b"HTTP/1.1 200")
@@ -384,7 +384,7 @@ def test_latency_counts_the_wait_for_the_model_thread_on_paths_that_do_not_micro
 
 
 def test_the_uvicorn_hooks_the_protocol_extends_are_there_with_the_arguments_it_passes():
-    # service/protocol.py overrides private methods of uvicorn's protocol; pyproject.toml pins uvicorn to the
+    # service/http/protocol.py overrides private methods of uvicorn's protocol; pyproject.toml pins uvicorn to the
     # versions tested. A uvicorn that renames or reshapes one fails here by name, not as a silent bypass.
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 

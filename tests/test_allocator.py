@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from bench.ports import unclaimed_ports
-from service.allocator import JEMALLOC_CONF, REEXECUTED, find_jemalloc, worker_env
+from service.engine.allocator import JEMALLOC_CONF, REEXECUTED, find_jemalloc, worker_env
 from tests.conftest import ROOT
 
 needs_jemalloc = pytest.mark.skipif(find_jemalloc() is None, reason="no libjemalloc installed (apt-get install libjemalloc2)")

@@ -8,8 +8,8 @@ import asyncio
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-from service.batcher import MicroBatcher
-from service.engine import SearchPlan
+from service.engine.batcher import MicroBatcher
+from service.engine.search_engine import SearchPlan
 from service.errors import NotReady
 
 FOREVER_S = 600.0  # a window no test could sit out: any wait on it ends in the timeout below

@@ -7,8 +7,8 @@ import pytest
 
 from index_builder.cli import main as cli_main
 from retrieval.searcher import Searcher
-from service.app import create_app
-from service.engine import SearchEngine
+from service.engine.search_engine import SearchEngine
+from service.http.app import create_app
 from tests.test_candidates import copy_of
 from tests.test_service import call, one, settings_for
 

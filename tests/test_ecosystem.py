@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from openai import OpenAI
 
-from service.app import create_app
-from service.engine import SearchEngine
+from service.engine.search_engine import SearchEngine
+from service.http.app import create_app
 from tests.test_admission import serving
 from tests.test_rerank_service import small_cross_encoder  # noqa: F401 - the session fixture
 from tests.test_service import one, settings_for

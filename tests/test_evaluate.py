@@ -10,8 +10,9 @@ import pytest
 
 from index_builder.build import BuildOptions, build_index
 from index_builder.cli import main as cli_main
-from index_builder.evaluate import consistency_factor, metrics, run_queries
-from index_builder.smart import convert_cranfield, read_smart
+from index_builder.convert_cranfield import convert_cranfield, read_smart
+from index_builder.eval_command import EvalOptions, evaluate_index
+from index_builder.evaluate import consistency_factor, format_table, metrics, run_queries
 from models.cross_encoder import CrossEncoder
 from models.encoder import BiEncoder
 from retrieval.readers import InputFileError, read_qrels, read_queries, read_run, write_run
@@ -98,6 +99,22 @@ def test_eval_cli_writes_a_run_and_prints_the_measures(small_index, tmp_path, ca
     assert f"consistency of dense with bm25's top {bm25_depth}: C(dense, 10) = " in printed
     assert "C(dense, 1000)" not in printed
     assert "consistency of dense with reference's top 1: C(dense, 10) = " in printed
+
+
+def test_eval_from_python_returns_each_rows_measures_and_runs_as_the_command_prints_them(small_index, tmp_path,
+                                                                                      capsys):
+    (tmp_path / "q.tsv").write_text("q0001\tEvaluate an expression node or a string containing only a Python expression.\n")
+    (tmp_path / "qrels").write_text("q0001 0 p00154 1\n")
+    report = evaluate_index(EvalOptions(small_index, tmp_path / "q.tsv", tmp_path / "qrels", modes=["dense", "bm25"],
+                                        k=20, device="cpu"))
+    assert list(report.table) == list(report.runs) == ["dense", "bm25"]
+    assert report.table["dense"]["nDCG@10"] == metrics(read_qrels(tmp_path / "qrels"), report.runs["dense"])["nDCG@10"]
+    assert len(report.runs["dense"]["q0001"]) == 20
+    assert cli_main(["eval", "--index", str(small_index), "--queries", str(tmp_path / "q.tsv"), "--qrels",
+                     str(tmp_path / "qrels"), "--modes", "dense", "bm25", "--k", "20", "--device", "cpu"]) == 0
+    printed = capsys.readouterr().out
+    table = format_table(report.table).splitlines()
+    assert [line.split()[:2] for line in printed.splitlines()[1:3]] == [line.split()[:2] for line in table[1:3]]
 
 
 def test_eval_rerank_ranks_as_the_reranker_called_by_hand(small_index, searcher, demo_queries, tmp_path, capsys):

@@ -11,14 +11,14 @@ from pathlib import Path
 import pytest
 
 from index_builder.build import BuildOptions, build_index
-from index_builder.changes import ChangeOptions, apply_changes
 from index_builder.errors import BuildError
+from index_builder.update import ChangeOptions, apply_changes
 from retrieval.fields import MAX_FIELDS
 from retrieval.filters import FilterError
 from retrieval.index_format import read_manifest
 from retrieval.searcher import Searcher
-from service.app import create_app
-from service.engine import SearchEngine
+from service.engine.search_engine import SearchEngine
+from service.http.app import create_app
 from tests.test_service import call, settings_for
 
 SOURCES = ["a\u0000nul", "a", "a\u0000", "b\u0007bell"]

@@ -36,9 +36,9 @@ from retrieval.index_format import (
 from retrieval.passage_store import PassageStore
 from retrieval.searcher import MAX_K, HitWithFields, Searcher
 from retrieval.sharding import ShardIndex
-from service.app import create_app
-from service.engine import SearchEngine
-from service.sharded_engine import LocalShard, ShardedEngine, ShardedSearcher
+from service.engine.search_engine import SearchEngine
+from service.http.app import create_app
+from service.sharded.sharded_engine import LocalShard, ShardedEngine, ShardedSearcher
 from tests.conftest import DEMO
 from tests.test_service import one, settings_for
 

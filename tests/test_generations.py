@@ -18,7 +18,7 @@ from index_builder.build import BuildOptions, build_index
 from retrieval import index_writer
 from retrieval.index_format import generation_id, read_manifest
 from retrieval.searcher import Searcher
-from service.engine import SearchEngine
+from service.engine.search_engine import SearchEngine
 from tests.test_admission import serving
 
 TOPICS = ["rivers", "lanterns", "compilers", "meadows", "violins", "glaciers", "parsers", "harbours", "archives"]

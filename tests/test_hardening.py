@@ -28,10 +28,10 @@ from retrieval.index_format import IndexFormatError, Manifest, file_record, read
 from retrieval.index_writer import move_into_place
 from retrieval.passage_store import PassageStore
 from retrieval.searcher import Searcher
-from service.app import create_app
-from service.batcher import MicroBatcher
-from service.engine import SearchEngine
+from service.engine.batcher import MicroBatcher
+from service.engine.search_engine import SearchEngine
 from service.errors import NotServable
+from service.http.app import create_app
 from service.settings import ServiceSettings
 from tests.test_cross_encoder import tiny_bert
 from tests.test_service import call, one, settings_for

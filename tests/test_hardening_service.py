@@ -12,9 +12,9 @@ import time
 import httpx
 import numpy as np
 
-from service.app import create_app
-from service.engine import SearchEngine
-from service.tracing import Tracing, otlp_provider
+from service.engine.search_engine import SearchEngine
+from service.engine.tracing import Tracing, otlp_provider
+from service.http.app import create_app
 from tests.test_admission import serving, wait_until
 from tests.test_rerank_service import small_cross_encoder  # noqa: F401 - the session fixture
 from tests.test_service import one, settings_for
@@ -134,7 +134,7 @@ def test_an_unread_answer_keeps_its_request_counted_against_the_cap(small_index,
         sock.connect(("127.0.0.1", port))
         sock.sendall(b"POST /search/batch HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
                      b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
-        occupancy = app.state.runtime.occupancy
+        occupancy = app.state.occupancy
         wait_until(lambda: occupancy.in_flight == 1)
         sock.settimeout(60)
         assert sock.recv(1, socket.MSG_PEEK)  # its answer is being written, and is not read
@@ -182,7 +182,7 @@ def test_searches_are_answered_between_the_slices_of_a_long_rerank(small_index, 
         thread = threading.Thread(target=rerank)
         started = time.monotonic()
         thread.start()
-        wait_until(lambda: app.state.runtime.occupancy.in_flight == 1)
+        wait_until(lambda: app.state.occupancy.in_flight == 1)
         searches = []
         while thread.is_alive():  # searches one after another for as long as the rerank runs
             query = demo_queries[f"q{len(searches) % 50 + 1:04d}"]

@@ -12,8 +12,8 @@ from retrieval.bm25_index import Bm25Index, build_bm25, new_tokenizer
 from retrieval.fusion import interleave, reciprocal_rank_fusion, standardised_score_fusion
 from retrieval.index_format import read_manifest
 from retrieval.passage_store import PassageStore
-from service.app import create_app
-from service.engine import SearchEngine
+from service.engine.search_engine import SearchEngine
+from service.http.app import create_app
 from service.settings import ServiceSettings
 from tests.test_service import one
 

@@ -25,7 +25,7 @@ from models.reranker import RERANKERS, load_reranker
 from retrieval.candidates.registry import KINDS
 from retrieval.index_format import read_manifest
 from retrieval.searcher import Searcher
-from service import schemas
+from service.http import schemas
 from tests.conftest import DEMO, ROOT, head, read_tsv
 from tests.test_cross_encoder import tiny_bert
 
@@ -88,11 +88,66 @@ def test_a_reranker_kind_is_its_class_and_its_line_in_the_registry():
         assert f"{kind.score_kind} ({name}'s {kind.score_meaning})" in schemas.SCORE_KIND_DESCRIPTION
 
 
-def test_refusals_get_their_status_codes_in_one_module():
-    # Routes, limits and middleware raise the domain errors of service/errors.py; only it picks codes.
+def imported_modules(path: Path) -> set[str]:
+    """The first-party modules `path` imports (at any depth of the file), by their dotted names: for
+    `from package import name`, package.name where that is a module, else the package."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for alias in node.names:
+                submodule = f"{node.module}.{alias.name}"
+                found = ROOT.joinpath(*submodule.split(".")).with_suffix(".py").is_file()
+                names.add(submodule if found else node.module)
+    return {name for name in names if name.split(".")[0] in PACKAGES}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+# Inside service/: the engine knows nothing of HTTP or of Ray; HTTP nothing of Ray.
+SERVICE_LAYERS = {"service.engine": ("service.http", "service.sharded"), "service.http": ("service.sharded",)}
+
+
+def test_the_service_layers_point_down():
     offenders = {}
     for path in sorted((ROOT / "service").rglob("*.py")):
-        if path.name == "errors.py":
+        name = module_name(path)
+        for layer, below_it_never in SERVICE_LAYERS.items():
+            if name.startswith(layer + "."):
+                wrong = sorted(other for other in imported_modules(path) if other.startswith(below_it_never))
+                if wrong:
+                    offenders[name] = wrong
+    assert offenders == {}
+
+
+def test_no_module_imports_back_a_module_that_imports_it():
+    graph = {module_name(path): imported_modules(path) for package in PACKAGES for path in (ROOT / package).rglob("*.py")}
+    circles = set()
+
+    def walk(name: str, trail: tuple[str, ...]) -> None:
+        for other in sorted(graph.get(name, ())):
+            if other in trail:
+                circles.add(" -> ".join(trail[trail.index(other):] + (other,)))
+            elif other not in seen:
+                seen.add(other)
+                walk(other, trail + (other,))
+
+    for start in sorted(graph):
+        seen = {start}
+        walk(start, (start,))
+    assert sorted(circles) == []
+
+
+def test_refusals_get_their_status_codes_in_one_module():
+    # Routes, limits and middleware raise the domain errors of service/errors.py; only service/http/status.py
+    # picks their codes.
+    offenders = {}
+    for path in sorted((ROOT / "service").rglob("*.py")):
+        if path.relative_to(ROOT / "service") == Path("http/status.py"):
             continue
         tree = ast.parse(path.read_text(), filename=str(path))
         names = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)}
@@ -162,7 +217,8 @@ def test_an_index_built_before_the_layout_change_still_loads_and_answers_as_a_ne
 def test_only_the_ray_modules_import_ray_and_the_plain_service_never_loads_it():
     importers = sorted(str(path.relative_to(ROOT)) for package in PACKAGES for path in (ROOT / package).rglob("*.py")
                        if "ray" in imported_packages(path))
-    assert importers == ["index_builder/ray_build.py", "service/sharded.py", "service/stop_signal.py"]
-    script = "import sys, service.__main__, service.app, service.sharded_engine; print('ray' in sys.modules)"
+    assert importers == ["index_builder/ray_build.py", "service/sharded/command.py", "service/sharded/deployments.py",
+                         "service/sharded/placement.py", "service/sharded/stop_signal.py"]
+    script = "import sys, service.__main__, service.http.app, service.sharded.sharded_engine; print('ray' in sys.modules)"
     loaded = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, check=True)
     assert loaded.stdout.strip() == "False"

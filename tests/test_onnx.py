@@ -12,7 +12,7 @@ from models.encoder import BiEncoder
 from models.reranker import load_reranker
 from retrieval.index_format import read_manifest
 from retrieval.searcher import Searcher
-from service.engine import SearchEngine
+from service.engine.search_engine import SearchEngine
 from tests.conftest import demo_corpus_head
 from tests.test_cross_encoder import PASSAGES, QUERY, tiny_bert
 

@@ -11,8 +11,8 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 
-from service.app import create_app
-from service.engine import SearchEngine
+from service.engine.search_engine import SearchEngine
+from service.http.app import create_app
 from service.settings import ServiceSettings
 from tests.test_rerank_service import small_cross_encoder  # noqa: F401 - the session fixture
 

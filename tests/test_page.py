@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from retrieval.searcher import Searcher
-from service.engine import SearchEngine
+from service.engine.search_engine import SearchEngine
 from tests.test_admission import serving
 from tests.test_candidates_served import hnsw_engine, hnsw_index  # noqa: F401 - the small index with a HNSW graph
 from tests.test_filters import fields_corpus, fields_index  # noqa: F401 - the small index with metadata fields

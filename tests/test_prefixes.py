@@ -14,13 +14,13 @@ import pytest
 from index_builder.build import BuildError, BuildOptions, build_index
 from index_builder.cli import main as cli_main
 from index_builder.merge import merge_shards
-from index_builder.shard import Shard
 from models.encoder import BiEncoder, default_model_path
 from retrieval.index_format import INDEX_FILE, MANIFEST_FILE, read_manifest
 from retrieval.searcher import EncoderMismatch, Searcher
-from service.engine import SearchEngine
+from retrieval.sharding import Shard
+from service.engine.search_engine import SearchEngine
 from service.errors import OverLimit
-from service.schemas import IndexInfo
+from service.http.schemas import IndexInfo
 from tests.conftest import ROOT
 
 E5_PROMPTS = {"query": "query: ", "passage": "passage: "}

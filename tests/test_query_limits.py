@@ -11,7 +11,7 @@ import pytest
 
 from retrieval.index_format import read_manifest
 from retrieval.searcher import Searcher, encoder_for
-from service.app import create_app
+from service.http.app import create_app
 from service.settings import ServiceSettings
 from tests.test_layout import BEFORE_LAYOUT
 from tests.test_service import one, settings_for

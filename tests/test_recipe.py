@@ -16,7 +16,7 @@ import torch
 from fastapi.testclient import TestClient
 
 from retrieval.dense_index import gpu_count
-from service.app import create_app
+from service.http.app import create_app
 from tests.conftest import DEMO, SMALL_CORPUS_LINES, read_tsv
 from tests.test_service import settings_for
 from training.split import groups_of, split_ids, write_split

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from retrieval.filters import MAX_CLAUSES, MAX_LIST_VALUES, FilterError, parse_filter
-from service.app import create_app
+from service.http.app import create_app
 from tests.test_service import call, settings_for
 
 TYPES = {"source": "string", "year": "number", "tags": "string[]"}

@@ -7,8 +7,8 @@ from transformers import BertConfig, BertForSequenceClassification, BertTokenize
 
 from models.cross_encoder import CrossEncoder
 from models.encoder import default_model_path
-from service.app import create_app
-from service.engine import SearchEngine
+from service.engine.search_engine import SearchEngine
+from service.http.app import create_app
 from service.settings import ServiceSettings
 from tests.test_service import one
 

@@ -21,9 +21,9 @@ from fastapi.testclient import TestClient
 from bench.ports import unclaimed_ports
 from index_builder.build import BuildOptions, build_index
 from retrieval.searcher import Searcher
-from service.app import create_app
-from service.engine import SearchEngine
-from service.schemas import SearchHit
+from service.engine.search_engine import SearchEngine
+from service.http.app import create_app
+from service.http.schemas import SearchHit
 from service.settings import ServiceSettings
 from tests.conftest import ROOT
 

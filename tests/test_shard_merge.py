@@ -14,10 +14,10 @@ import pytest
 from retrieval import dense_index
 from retrieval.searcher import Searcher
 from retrieval.sharding import ShardHit, ShardIndex, merge_top_k
-from service.app import create_app
-from service.engine import SearchEngine
+from service.engine.search_engine import SearchEngine
 from service.errors import NotServable, ShardsUnavailable
-from service.sharded_engine import LocalShard, ShardedEngine
+from service.http.app import create_app
+from service.sharded.sharded_engine import LocalShard, ShardedEngine
 from tests.test_cross_encoder import tiny_bert
 from tests.test_service import call, one, settings_for
 

@@ -22,10 +22,10 @@ from retrieval.index_format import INDEX_FILE, PASSAGES_FILE, IndexFormatError, 
 from retrieval.passage_store import PassageStore
 from retrieval.searcher import Searcher
 from retrieval.sharding import ShardIndex, shard_folder
-from service.app import create_app
-from service.engine import SearchEngine
+from service.engine.search_engine import SearchEngine
 from service.errors import NotServable
-from service.sharded_engine import LocalShard, ShardedEngine, ShardedSearcher
+from service.http.app import create_app
+from service.sharded.sharded_engine import LocalShard, ShardedEngine, ShardedSearcher
 from tests.conftest import SMALL_CORPUS_LINES, SMALL_SHARDS
 from tests.test_candidates import DAMAGES, HNSW_FILE, damage_file
 from tests.test_service import one, settings_for

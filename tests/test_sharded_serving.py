@@ -30,10 +30,10 @@ serve = pytest.importorskip("ray.serve", reason="sharded serving needs ray[serve
 from bench.ports import unclaimed_ports  # noqa: E402
 from retrieval.searcher import Searcher  # noqa: E402
 from retrieval.sharding import ShardIndex  # noqa: E402
-from service.admission import Occupancy  # noqa: E402
-from service.allocator import JEMALLOC_CONF, find_jemalloc  # noqa: E402
-from service.engine import SearchEngine  # noqa: E402
-from service.monitoring import Monitor  # noqa: E402
+from service.engine.allocator import JEMALLOC_CONF, find_jemalloc  # noqa: E402
+from service.engine.monitoring import Monitor  # noqa: E402
+from service.engine.search_engine import SearchEngine  # noqa: E402
+from service.http.admission import Occupancy  # noqa: E402
 from service.settings import ServiceSettings  # noqa: E402
 from service.sharded import (  # noqa: E402
     APP_NAME,
@@ -46,7 +46,7 @@ from service.sharded import (  # noqa: E402
     serve_ports,
     shutdown_serve,
 )
-from service.stop_signal import NAMESPACE, StopSignal, watch  # noqa: E402
+from service.sharded.stop_signal import NAMESPACE, StopSignal, watch  # noqa: E402
 from tests.conftest import RAY_CLIENT_TIMEOUT_S, ROOT  # noqa: E402
 from tests.test_admission import metric  # noqa: E402
 from tests.test_hardening_service import answer_of  # noqa: E402
@@ -282,7 +282,7 @@ def test_a_killed_shard_replica_gives_503s_naming_it_or_right_answers_never_wron
 
 
 def test_the_config_file_builder_places_each_shard_where_its_directory_is():
-    from service.sharded import sharded_app
+    from service.sharded.deployments import sharded_app
 
     application = sharded_app({"shards": ["/indexes/shard0of2", "/indexes/shard1of2"], "shard_replicas": 2,
                                "shard_gpus": 1, "shard_resources": True, "settings": {"gpu_fp16": True}})

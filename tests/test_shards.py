@@ -15,10 +15,9 @@ import pytest
 from index_builder.build import BuildError, BuildOptions, build_index
 from index_builder.cli import main as cli_main
 from index_builder.merge import merge_shards
-from index_builder.shard import Shard
 from retrieval.index_format import INDEX_FILE, MANIFEST_FILE, PASSAGES_FILE, manifest_digest, read_manifest
 from retrieval.searcher import Searcher
-from retrieval.sharding import check_shard_set, expand_shard_dirs, shard_folder
+from retrieval.sharding import Shard, check_shard_set, expand_shard_dirs, shard_folder
 from retrieval.text_hashes import TEXT_HASHES_FILE
 from tests.conftest import demo_corpus_head
 

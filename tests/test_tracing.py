@@ -20,9 +20,9 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind
 from pydantic import ValidationError
 
-from service.app import create_app
-from service.engine import SearchEngine
-from service.tracing import traces_url
+from service.engine.search_engine import SearchEngine
+from service.engine.tracing import traces_url
+from service.http.app import create_app
 from tests.conftest import ROOT
 from tests.test_rerank_service import small_cross_encoder  # noqa: F401 - the session fixture
 from tests.test_service import call, one, settings_for
@@ -192,7 +192,7 @@ import sys
 import httpx, asyncio
 import fastapi  # FastAPI (0.142 on) itself imports OpenTelemetry's API: that much is not ours
 loaded = {name for name in sys.modules if name.startswith("opentelemetry")}
-from service.app import create_app
+from service.http.app import create_app
 from service.settings import ServiceSettings
 
 app = create_app(ServiceSettings(index_dir=sys.argv[1], device="cpu"))

@@ -27,7 +27,7 @@ from models.encoder import BiEncoder, default_model_path
 from models.reranker import load_reranker
 from retrieval.fusion import standardised
 from retrieval.readers import read_run
-from service.app import create_app
+from service.http.app import create_app
 from service.settings import ServiceSettings
 from tests.conftest import DEMO, head
 from tests.test_cross_encoder import tiny_bert

@@ -23,13 +23,13 @@ import pytest
 from index_builder import cli, out_lock
 from index_builder.ann import AnnOptions
 from index_builder.build import BuildError, BuildOptions, build_index
-from index_builder.changes import ChangeOptions, apply_changes
-from index_builder.update import build_update
+from index_builder.build_update import build_update
+from index_builder.update import ChangeOptions, apply_changes
 from retrieval import index_writer
 from retrieval.index_format import INDEX_FILE, MANIFEST_FILE, PASSAGES_FILE, read_manifest, sealed, write_json_atomic
 from retrieval.searcher import Searcher
 from retrieval.text_hashes import TEXT_HASHES_FILE, text_sha256
-from service.engine import SearchEngine
+from service.engine.search_engine import SearchEngine
 from tests.conftest import ROOT, killed_after_chunks
 from tests.test_admission import serving, wait_until
 

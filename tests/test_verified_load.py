@@ -19,8 +19,8 @@ import pytest
 from retrieval import dense_index
 from retrieval.index_format import INDEX_FILE, IndexFormatError, read_manifest
 from retrieval.searcher import Searcher
-from service.app import create_app
-from service.engine import SearchEngine
+from service.engine.search_engine import SearchEngine
+from service.http.app import create_app
 from tests.test_service import one, settings_for
 
 LOADS = 300

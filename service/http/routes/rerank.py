@@ -6,13 +6,13 @@ import asyncio
 
 from fastapi import APIRouter, Request, Response
 
-from service import limits
+from service.engine.runtime import Runtime
 from service.errors import OverLimit
-from service.routes.access import Access
-from service.routes.answers import GONE, json_answer, unless_gone
-from service.routes.bodies import JsonOffLoopRoute
-from service.runtime import Runtime
-from service.schemas import RerankRequest, RerankResponse
+from service.http import limits
+from service.http.routes.access import Access
+from service.http.routes.answers import GONE, json_answer, unless_gone
+from service.http.routes.bodies import JsonOffLoopRoute
+from service.http.schemas import RerankRequest, RerankResponse
 
 
 def router(runtime: Runtime, access: Access) -> APIRouter:

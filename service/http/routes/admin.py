@@ -8,11 +8,11 @@ from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from service.engine import ReloadError
+from service.engine.runtime import Runtime
+from service.engine.search_engine import ReloadError
 from service.errors import NotFound, OverLimit
-from service.routes.access import Access
-from service.runtime import Runtime
-from service.schemas import IndexInfo, ReloadRequest, Stats, Status
+from service.http.routes.access import Access
+from service.http.schemas import IndexInfo, ReloadRequest, Stats, Status
 
 
 def router(runtime: Runtime, access: Access) -> APIRouter:

@@ -5,7 +5,7 @@
 - A connection that has not sent a whole request head within the read timeout is closed, so half-sent
   requests cannot hold connections forever (the body's timeout is in `limits.BodyLimits`); one whose
   client stops reading its answer is aborted after the write timeout, so unread answers cannot pin memory.
-- A search past the admission cap (service.admission) is refused 429 here, as soon as its head is in."""
+- A search past the admission cap (service.http.admission) is refused 429 here, as soon as its head is in."""
 
 from __future__ import annotations
 
@@ -18,9 +18,9 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.protocols.utils import get_client_addr, get_path_with_query_string
 
-from service import errors
-from service.admission import ADMITTED, Occupancy
-from service.errors import HeadTooLarge
+from service.errors import HeadTooLarge, ServiceError
+from service.http import status
+from service.http.admission import ADMITTED, Occupancy
 
 # A request head ends at its first empty line.
 HEAD_END = b"\r\n\r\n"
@@ -28,14 +28,14 @@ HEAD_END = b"\r\n\r\n"
 HEAD_REFUSED = "search.head_refused"
 
 
-def http_answer(error: errors.ServiceError, default_headers: list[tuple[bytes, bytes]], keep_alive: bool) -> bytes:
+def http_answer(error: ServiceError, default_headers: list[tuple[bytes, bytes]], keep_alive: bool) -> bytes:
     """`error`'s whole HTTP/1.1 answer, as uvicorn would write it after its `default_headers` (Date, Server)."""
-    status, body, headers = errors.answer(error)
+    code, body, headers = status.answer(error)
     payload = json.dumps(body).encode()
     lines = [*default_headers, (b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()),
              *((name.lower().encode(), value.encode()) for name, value in headers.items()),
              *([] if keep_alive else [(b"connection", b"close")])]
-    return b"".join([f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\n".encode(),
+    return b"".join([f"HTTP/1.1 {code} {HTTPStatus(code).phrase}\r\n".encode(),
                      *(name + b": " + value + b"\r\n" for name, value in lines), b"\r\n", payload])
 
 
@@ -134,7 +134,7 @@ def timeout_protocol(read_timeout_s: float, write_timeout_s: float, occupancy: O
             if self.access_log:
                 self.access_logger.info('%s - "%s %s HTTP/%s" %d', get_client_addr(cycle.scope), cycle.scope["method"],
                                         get_path_with_query_string(cycle.scope), cycle.scope["http_version"],
-                                        errors.answer(error)[0])
+                                        status.answer(error)[0])
             cycle.response_started = cycle.response_complete = True
             if not keep_alive:
                 self.transport.close()
@@ -181,7 +181,7 @@ def timeout_protocol(read_timeout_s: float, write_timeout_s: float, occupancy: O
             self.transport.write(http_answer(error, self.server_state.default_headers, keep_alive=False))
             self.transport.close()
             if occupancy is not None:
-                occupancy.monitor.observe_request("unmatched", errors.answer(error)[0])
+                occupancy.monitor.observe_request("unmatched", status.answer(error)[0])
 
         def on_response_complete(self) -> None:
             self._completing = True  # uvicorn starts the next pipelined request from here

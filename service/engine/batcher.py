@@ -14,7 +14,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from models.encoder import Tokens
-from service.engine import Run, SearchPlan, SearchResult
+from service.engine.search_engine import Run, SearchPlan, SearchResult
 from service.errors import NotReady, ShardsUnavailable
 
 # One result per query, e.g. SearchEngine.run; the tokens are None unless every query came with its own.

@@ -1,4 +1,4 @@
-"""The search page at `/`: HTML (service/page.html), its CSS and script (service/static), no build step
+"""The search page at `/`: HTML (service/http/page.html), its CSS and script (service/http/static), no build step
 and nothing fetched from elsewhere. The page holds no data, so it is served without the API key; every call
 it makes (/search) needs the key like any client's, and /ready (open) tells it about the index."""
 

@@ -16,7 +16,7 @@ from models.encoder import InputType, Tokens
 from models.reranker import Reranker, load_reranker, reranker_kind
 from retrieval.fields import UnknownField
 from retrieval.filters import FilterError
-from retrieval.index_format import INDEX_FILE, PASSAGES_FILE, read_manifest
+from retrieval.index_format import INDEX_FILE, PASSAGES_FILE, Manifest, read_manifest
 from retrieval.request import Retrieval
 from retrieval.rerank import BLEND, rerank
 from retrieval.searcher import EncoderMismatch, Hit, Searcher, encoder_for
@@ -313,6 +313,10 @@ class SearchEngine:
         self.search("warm-up query", 1)
         for name in self.rerankers:
             self.search("warm-up query", 1, rerank_depth=2, reranker=name)
+
+    def followed(self) -> tuple[Path, Manifest] | None:
+        """The folder and manifest of the index served, which SEARCH_WATCH_INDEX follows."""
+        return self._searcher.index_dir, self._searcher.manifest
 
     def prepare(self, index_dir: Path, *, verify_checksums: bool = True) -> Searcher:
         """Load `index_dir` beside the serving one (reusing the current encoder where its model, backend

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
-from service.errors import OverLimit, TimedOut, send_error
+from service.errors import OverLimit, TimedOut
+from service.http.status import send_error
 from service.settings import ServiceSettings
 
 

@@ -2,7 +2,7 @@
 
 A cap on search requests in the service (queued or running): past it the answer is 429 at once, with
 Retry-After, as text-embeddings-inference answers past its max_concurrent_requests, instead of a
-queue that only grows slower; the HTTP protocol (service/protocol.py) answers it itself, as soon as
+queue that only grows slower; the HTTP protocol (service/http/protocol.py) answers it itself, as soon as
 the request head is in, and this middleware wherever no protocol did."""
 
 from __future__ import annotations
@@ -11,13 +11,14 @@ import asyncio
 import hmac
 import time
 
-from service import errors
-from service.errors import Overloaded, Stopping, send_error
-from service.monitoring import Monitor
+from service.engine.monitoring import Monitor
+from service.errors import Overloaded, Stopping
+from service.http import status
+from service.http.status import send_error
 
 # The routes that run a model (all POST): the ones the cap counts.
 MODEL_PATHS = frozenset({"/search", "/search/batch", "/v1/embeddings", "/rerank"})
-# In the ASGI scope of a search request the HTTP protocol has already counted in (see service.protocol).
+# In the ASGI scope of a search request the HTTP protocol has already counted in (see service.http.protocol).
 ADMITTED = "search.admitted"
 
 
@@ -42,7 +43,7 @@ class Occupancy:
 
     async def drain(self, timeout_s: float) -> int:
         """Takes no new search from now on (503, `refuse`) and waits, up to `timeout_s`, until those in the
-        service are answered: how many are still in it. (The sharded service's stop: service/stop_signal.py.)"""
+        service are answered: how many are still in it. (The sharded service's stop: service/sharded/stop_signal.py.)"""
         self.stopping = True
         deadline = time.monotonic() + timeout_s
         while self.in_flight and time.monotonic() < deadline:
@@ -50,7 +51,7 @@ class Occupancy:
         return self.in_flight
 
     def resume(self) -> None:
-        """Takes searches again after a drain (one whose stop did not come: service/stop_signal.py)."""
+        """Takes searches again after a drain (one whose stop did not come: service/sharded/stop_signal.py)."""
         self.stopping = False
 
     def counts(self, scope: dict) -> bool:
@@ -83,13 +84,13 @@ class Occupancy:
                 f"(SEARCH_MAX_CONCURRENT_REQUESTS); retry after {self.retry_after_s} s", self.retry_after_s)
         self.monitor.rejected.inc()
         if unrouted_path is not None:
-            self.monitor.observe_request(unrouted_path, errors.answer(error)[0])  # the status, as errors maps it
+            self.monitor.observe_request(unrouted_path, status.answer(error)[0])  # the status, as status.py maps it
         return error
 
 
 class Admission:
     """ASGI middleware: counts the search requests in the service, and refuses one past the cap with 429
-    before its body is read (where the HTTP protocol has not refused it already: see service.protocol)."""
+    before its body is read (where the HTTP protocol has not refused it already: see service.http.protocol)."""
 
     def __init__(self, app, occupancy: Occupancy) -> None:
         self.app, self.occupancy = app, occupancy

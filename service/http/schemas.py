@@ -8,10 +8,11 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic.json_schema import SkipJsonSchema
 
-from retrieval.candidates.structures import MAX_CANDIDATES
 from models.reranker import RERANKERS
+from retrieval.candidates.structures import MAX_CANDIDATES
 from retrieval.request import FUSIONS, MAX_K, Fusion, Mode
 from retrieval.rerank import BLEND
+
 
 def _integral(value):
     """A number without a fraction as an int (JSON Schema's integer: 195.0 is one); anything else as given,

@@ -15,16 +15,12 @@ import contextlib
 import hashlib
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Awaitable, Callable
 
 from pydantic import ValidationError
 
 from retrieval.index_format import MANIFEST_FILE, Manifest
-from service.engine import ReloadError, SearchEngine
-from service.sharded_engine import ShardedEngine
-
-if TYPE_CHECKING:
-    from service.runtime import Runtime
+from service.engine.search_engine import ReloadError
 
 log = logging.getLogger("service")
 
@@ -45,11 +41,15 @@ def read_generation(index_dir: Path) -> tuple[str, Manifest | None] | None:
 
 
 class IndexWatch:
-    """Polls the served index's folder while the service runs (`start`, `stop`)."""
+    """Polls the served index's folder every `interval_s` while the service runs (`start`, `stop`).
+    `served`: the folder and manifest of the one index served now (None while loading, after a failed
+    load, or over shards); `reload`: loads a folder in its place (Runtime.reload); `served_again`: told
+    that a folder holds the generation served again (Runtime.served_again)."""
 
-    def __init__(self, runtime: Runtime) -> None:
-        self.runtime = runtime
-        self.interval_s = runtime.settings.watch_interval_s
+    def __init__(self, interval_s: float, served: Callable[[], tuple[Path, Manifest] | None],
+                 reload: Callable[[Path], Awaitable[dict]], served_again: Callable[[Path], None]) -> None:
+        self.interval_s = interval_s
+        self.served, self.reload, self.served_again = served, reload, served_again
         self.tried: tuple[Path, str] | None = None  # the folder and manifest digest last loaded or tried
         self._task: asyncio.Task | None = None
 
@@ -68,28 +68,28 @@ class IndexWatch:
             try:
                 await self.poll()
             except ReloadError as error:
-                log.error("index watch: %s", self.runtime.reload_error or error)
+                log.error("index watch: reloading failed, the previous index keeps serving: %s", error)
             except Exception:  # noqa: BLE001 - the watch goes on; the old index serves
                 log.exception("index watch: looking for a new generation failed")
 
     async def poll(self) -> bool:
         """One look at the folder, and a reload where a new generation is in place: whether it reloaded.
         ReloadError where the new generation failed to load (the old one still serving)."""
-        engine = self.runtime.engine
-        if not isinstance(engine, SearchEngine) or isinstance(engine, ShardedEngine):  # loading, failed, or shards
+        served = self.served()
+        if served is None:
             return False
-        folder = engine.searcher.index_dir
+        folder, serving = served
         found = await asyncio.to_thread(read_generation, folder)
         if found is None:
             return False
         digest, manifest = found
-        if manifest == engine.searcher.manifest:
-            self.runtime.served_again(folder)
+        if manifest == serving:
+            self.served_again(folder)
             return False
         if (folder, digest) == self.tried:
             return False
         self.tried = (folder, digest)
         log.info("index watch: a new generation of %s is in place; reloading", folder)
-        described = await self.runtime.reload(folder)
+        described = await self.reload(folder)
         log.info("index watch: serving %s (%d passages, built %s)", folder, described["count"], described["built_at"])
         return True

@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import FastAPI
 
 from models.reranker import reranker_kind
-from service.runtime import Runtime
+from service.engine.runtime import Runtime
 from service.settings import ServiceSettings
 
 

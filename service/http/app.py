@@ -1,4 +1,4 @@
-"""The app factory: one Runtime, the routers of service/routes, the error mapping and the middleware."""
+"""The app factory: one Runtime, the routers of service/http/routes, the error mapping and the middleware."""
 
 from __future__ import annotations
 
@@ -8,16 +8,16 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from service import errors, limits
-from service.admission import Admission
-from service.engine import SearchEngine
-from service.monitoring import RequestCounter
-from service.routes import admin, embeddings, page, rerank, search
-from service.routes.access import Access
-from service.routes.spec import spec_with_limits
-from service.runtime import Runtime
+from service.engine.monitoring import RequestCounter
+from service.engine.runtime import Runtime
+from service.engine.search_engine import SearchEngine
+from service.engine.tracing import Tracing
+from service.http import limits, status
+from service.http.admission import Admission, Occupancy
+from service.http.routes import admin, embeddings, page, rerank, search
+from service.http.routes.access import Access
+from service.http.routes.spec import spec_with_limits
 from service.settings import ServiceSettings
-from service.tracing import Tracing
 
 log = logging.getLogger("service")
 
@@ -43,6 +43,10 @@ def create_app(settings: ServiceSettings | None = None, engine: SearchEngine | N
                   description="Dense retrieval (RepBERT bi-encoder, exact FAISS search) over one index directory.",
                   **({} if docs_open else {"docs_url": None, "redoc_url": None, "openapi_url": None}))
     app.state.runtime = runtime
+    # The searches in the service, against the cap: what the protocol and the middleware count and refuse.
+    key = settings.api_key.get_secret_value().encode() if settings.api_key is not None else None
+    app.state.occupancy = Occupancy(settings.max_concurrent_requests, settings.retry_after_s, runtime.monitor, key)
+    runtime.monitor.in_flight.set_function(lambda: app.state.occupancy.in_flight)
     access = Access.for_settings(settings)
     page.mount_page(app, settings)
     routers = [admin.router(runtime, access), search.router(runtime, access), embeddings.router(runtime, access),
@@ -54,9 +58,9 @@ def create_app(settings: ServiceSettings | None = None, engine: SearchEngine | N
         route.path for route in app.routes if hasattr(route, "path")}
 
     app.openapi = functools.partial(spec_with_limits, app, app.openapi, settings, runtime)
-    errors.install(app)
+    status.install(app)
     app.add_middleware(limits.BodyLimits, max_bytes=settings.body_limit, timeout_s=settings.read_timeout_s)
     # Outside the body limits: an overloaded service refuses before reading a byte of the body.
-    app.add_middleware(Admission, occupancy=runtime.occupancy)
+    app.add_middleware(Admission, occupancy=app.state.occupancy)
     app.add_middleware(RequestCounter, monitor=runtime.monitor, paths=paths)
     return app

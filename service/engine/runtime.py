@@ -1,5 +1,5 @@
 """The engine as served: loaded in the background, run on one model thread, fed by the micro-batcher
-and its queue, capped by admission control, reloaded in place. Routes call this and nothing below it."""
+and its queue, reloaded in place. Routes call this and nothing below it."""
 
 from __future__ import annotations
 
@@ -19,14 +19,14 @@ from typing import Callable, Sequence
 import numpy as np
 
 from models.encoder import Tokens
-from service.admission import Occupancy
-from service.batcher import MicroBatcher, completed
-from service.engine import ReloadError, Run, SearchEngine, SearchPlan, SearchResult
+from retrieval.index_format import Manifest
+from service.engine.batcher import MicroBatcher, completed
+from service.engine.index_watch import IndexWatch
+from service.engine.monitoring import Monitor
+from service.engine.search_engine import ReloadError, Run, SearchEngine, SearchPlan, SearchResult
+from service.engine.tracing import Stage, Tracing
 from service.errors import NotReady
-from service.index_watch import IndexWatch
-from service.monitoring import Monitor
 from service.settings import ServiceSettings
-from service.tracing import Stage, Tracing
 
 log = logging.getLogger("service")
 # A /rerank's share of the model thread before waiting batches get theirs: 16 full monoBERT pairs.
@@ -49,8 +49,7 @@ def _lower_priority(increment: int) -> None:
 
 class Runtime:
     """What every request shares: the engine (once loaded), the one thread that runs the model, the
-    queue in front of it, the requests in the service, the metrics, and the traces (`tracing`: none
-    by default)."""
+    queue in front of it, the metrics, and the traces (`tracing`: none by default)."""
 
     def __init__(self, settings: ServiceSettings, engine: SearchEngine | None, tracing: Tracing | None = None) -> None:
         self.settings = settings
@@ -81,12 +80,10 @@ class Runtime:
             on_batch=self.monitor.observe_batch, max_tokens=settings.max_batch_tokens,
             on_drop=self.monitor.dropped.inc, embed_batch=self._embed, wait_executor=self.waiter,
         )
-        key = settings.api_key.get_secret_value().encode() if settings.api_key is not None else None
-        self.occupancy = Occupancy(settings.max_concurrent_requests, settings.retry_after_s, self.monitor, key)
         self.monitor.queued.set_function(lambda: self.batcher.waiting)
-        self.monitor.in_flight.set_function(lambda: self.occupancy.in_flight)
         self.reload_lock = asyncio.Lock()
-        self.watch = IndexWatch(self) if settings.watch_index else None
+        self.watch = IndexWatch(settings.watch_interval_s, self.served_index, self.reload, self.served_again) \
+            if settings.watch_index else None
         if engine is not None:
             # On the model thread: torch's OpenMP workers spin after each call, and two threads that
             # both run torch fight over the cores, each slower than one alone.
@@ -226,6 +223,10 @@ class Runtime:
             self.reload_error = self.reload_failed = None
             await self._on_model_thread(self._settle, True)
         return engine.describe()
+
+    def served_index(self) -> tuple[Path, Manifest] | None:
+        """The folder and manifest of the one index served (None while loading, or over shards)."""
+        return self.engine.followed() if self.engine is not None else None
 
     def served_again(self, folder: Path) -> None:
         """`folder` holds the generation served (a failed one replaced by it): a failed reload of `folder`

@@ -1,5 +1,5 @@
 """A SearchEngine over an index split into `build --shard i/N` shards, each searched by a client
-(in this process, or a Ray Serve deployment: service/sharded.py): the queries are encoded here, their
+(in this process, or a Ray Serve deployment: service/sharded/deployments.py): the queries are encoded here, their
 vectors scattered to every shard, and the shards' own top-k lists merged exactly
 (retrieval.sharding.merge_top_k), so the answers equal one flat index over the same passages. Where every
 shard carries a candidate structure of one kind, each answers through its own (its candidates scored
@@ -26,11 +26,11 @@ from retrieval.index_format import INDEX_FILE, PASSAGES_FILE, Manifest, generati
 from retrieval.request import MAX_K, Fusion, Lead, Mode, Retrieval
 from retrieval.searcher import Hit, HitWithFields, check_encoder, dense_score_kind, encoder_for, validate_k
 from retrieval.sharding import ShardHit, ShardIndex, build_identity, check_shard_set, merge_top_k
-from service.engine import Fetch, ReloadError, SearchEngine, SearchPlan, load_rerankers
+from service.engine.search_engine import Fetch, ReloadError, SearchEngine, SearchPlan, load_rerankers
 from service.errors import ShardsUnavailable
 
 # Past the deadline, an answer that came while an earlier shard was awaited is still taken: over gRPC
-# (service/sharded.py's SERVE_ENV) Serve fetches it through its router's loop, which a zero timeout never
+# (service/sharded/placement.py's SERVE_ENV) Serve fetches it through its router's loop, which a zero timeout never
 # gives time to. At worst a search waits timeout_s plus this for each shard behind a silent one.
 FETCH_GRACE_S = 0.25
 log = logging.getLogger("service")
@@ -258,6 +258,9 @@ class ShardedEngine(SearchEngine):
 
     def evaluate_filter(self, plan: SearchPlan) -> None:
         """Nothing: each shard evaluates a filter over its own rows, in its own process."""
+
+    def followed(self) -> None:
+        """None: shards are not followed in place (see prepare)."""
 
     def prepare(self, index_dir: Path, *, verify_checksums: bool = True):
         raise ReloadError("a sharded service does not reload in place: build the new shards and deploy them "

@@ -53,7 +53,7 @@ class StopSignal:
 
 async def watch(name: str, replica: str, occupancy, resume_after_s: float = RESUME_AFTER_S) -> None:
     """In ingress replica `replica`, from its start: once the command's StopSignal `name` stops, drains
-    `occupancy` (service.admission.Occupancy: no new search, 503 with Retry-After; those in it answered,
+    `occupancy` (service.http.admission.Occupancy: no new search, 503 with Retry-After; those in it answered,
     up to the stop's timeout) and reports. Where the command dies before deleting the application (killed
     during the drain), the replica takes searches again `resume_after_s` later: drained for good, it would
     answer 503 for ever while Serve counts it healthy."""

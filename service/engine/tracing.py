@@ -14,7 +14,7 @@ import time
 from typing import Any, Sequence
 from urllib.parse import urlsplit
 
-from service.engine import SearchPlan, SearchResult
+from service.engine.search_engine import SearchPlan, SearchResult
 from service.settings import ServiceSettings
 
 TRACES_PATH = "/v1/traces"  # OTLP/HTTP's path for traces, under a collector's base URL (port 4318)

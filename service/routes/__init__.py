@@ -1,1 +1,0 @@
-"""The HTTP routes, one module per feature (FastAPI routers); service/app.py assembles them."""
