@@ -7,8 +7,8 @@
 Builds (once, into `--work`) the first `--lines` passages of the demo corpus as `--shards` shards
 (`build --shards N`) and merges them (`merge`): one flat index over the very vectors the shards
 hold. Starts `python -m service` over the merged index, and on a local Ray (every core) the sharded
-application (`service.sharded.build_application`) with each `--replicas` count per shard in turn, in
-Serve's high-throughput mode as `python -m service --ray` sets it (`service.sharded.serve_env`: each
+application (`service.sharded.deployments.build_application`) with each `--replicas` count per shard in turn, in
+Serve's high-throughput mode as `python -m service --ray` sets it (`service.sharded.placement.serve_env`: each
 variable overridden by the environment, e.g. RAY_SERVE_THROUGHPUT_OPTIMIZED=0 RAY_SERVE_ENABLE_HA_PROXY=0
 for Serve's defaults).
 For every client count it drives the plain service and the Ray path in alternating slices (plain,
@@ -121,7 +121,9 @@ def main(argv: list[str] | None = None) -> int:
     import ray
     from ray import serve
 
-    from service.sharded import APP_NAME, build_application, job_env, shutdown_serve
+    from service.sharded.command import shutdown_serve
+    from service.sharded.deployments import APP_NAME, build_application
+    from service.sharded.placement import job_env
 
     shards, merged = indexes(args.work, args.lines, args.shards)
     rows, parts, memories = [], [], []

@@ -2,9 +2,9 @@
 
     python bench/shard_calls.py [--lines 300] [--shards 3] [--calls 300] [--work runs/cluster]
 
-On a local Ray in Serve's high-throughput mode (service.sharded.job_env, as `python -m service --ray`
+On a local Ray in Serve's high-throughput mode (service.sharded.placement.job_env, as `python -m service --ray`
 runs), over the shards bench/cluster.py builds: the shard deployments of the sharded application
-(service.sharded.ShardDeployment), plain Ray actors holding the same shards (retrieval.sharding.ShardIndex),
+(service.sharded.deployments.ShardDeployment), plain Ray actors holding the same shards (retrieval.sharding.ShardIndex),
 and an echo deployment. A probe deployment then times, one round after another from a worker thread as
 the ingress's engine calls them, the median of: an echo through a Serve handle, to one and to
 `--shards` at once; a search of one query vector through the shard deployments' handles, one and all
@@ -70,7 +70,9 @@ def main(argv: list[str] | None = None) -> int:
     from ray import serve
 
     from retrieval.sharding import ShardIndex
-    from service.sharded import ShardDeployment, job_env, shutdown_serve
+    from service.sharded.command import shutdown_serve
+    from service.sharded.deployments import ShardDeployment
+    from service.sharded.placement import job_env
 
     @serve.deployment
     class Echo:

@@ -134,7 +134,7 @@ def ray_session():
     ray = pytest.importorskip("ray", reason="ray is not installed (pip install 'dense-search[ray]')")
     pytest.importorskip("ray.serve", reason="ray[serve] is not installed (pip install 'dense-search[ray]')")
     from service.settings import ServiceSettings
-    from service.sharded import job_env  # Serve's settings as `python -m service --ray` starts it (HAProxy, gRPC)
+    from service.sharded.placement import job_env  # Serve's settings as `python -m service --ray` starts it (HAProxy, gRPC)
 
     env = job_env(ServiceSettings(read_timeout_s=RAY_CLIENT_TIMEOUT_S, write_timeout_s=RAY_CLIENT_TIMEOUT_S), local=True)
     ray.init(num_cpus=2, include_dashboard=False, logging_level=logging.WARNING, runtime_env={"env_vars": env})

@@ -267,7 +267,7 @@ def test_shards_without_one_shared_structure_answer_exactly_and_warn_which_lacks
 def test_the_ray_path_passes_the_structure_and_candidates_to_the_shard_replica(hnsw_shards, encoder, queries):
     """RayShard and ShardDeployment, without a cluster: a handle that calls the deployment's own class."""
     pytest.importorskip("ray.serve", reason="ray[serve] is not installed (pip install 'dense-search[ray]')")
-    from service.sharded import RayShard, ShardDeployment
+    from service.sharded.deployments import RayShard, ShardDeployment
 
     replica = ShardDeployment.func_or_class(str(hnsw_shards[0]), "cpu")
     sent = []

@@ -1,5 +1,5 @@
 """Sharded serving on Ray Serve, over HTTP through HAProxy, in Serve's high-throughput mode as
-`python -m service --ray` runs it (tests/conftest.py's Ray takes service.sharded.job_env()): three
+`python -m service --ray` runs it (tests/conftest.py's Ray takes service.sharded.placement.job_env()): three
 `build --shard i/3` shards answer as one flat index over the same passages, bm25 is refused, every
 replica runs on the service's malloc, and a shard replica killed under traffic gives 503s naming it or
 right answers, never wrong ones. One local Ray for the module; `python -m service --ray` itself, on a
@@ -35,16 +35,15 @@ from service.engine.monitoring import Monitor  # noqa: E402
 from service.engine.search_engine import SearchEngine  # noqa: E402
 from service.http.admission import Occupancy  # noqa: E402
 from service.settings import ServiceSettings  # noqa: E402
-from service.sharded import (  # noqa: E402
-    APP_NAME,
+from service.sharded.command import shutdown_serve  # noqa: E402
+from service.sharded.deployments import APP_NAME, build_application  # noqa: E402
+from service.sharded.placement import (  # noqa: E402
     HAPROXY_MODE_PORTS,
     LOCAL_SERVE_ENV,
-    build_application,
     job_env,
     placement_problems,
     ports_in_use,
     serve_ports,
-    shutdown_serve,
 )
 from service.sharded.stop_signal import NAMESPACE, StopSignal, watch  # noqa: E402
 from tests.conftest import RAY_CLIENT_TIMEOUT_S, ROOT  # noqa: E402

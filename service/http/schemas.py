@@ -10,6 +10,7 @@ from pydantic.json_schema import SkipJsonSchema
 
 from models.reranker import RERANKERS
 from retrieval.candidates.structures import MAX_CANDIDATES
+from retrieval.filters import FIELD_OPERATORS, LOGICAL_OPERATORS
 from retrieval.request import FUSIONS, MAX_K, Fusion, Mode
 from retrieval.rerank import BLEND
 
@@ -38,8 +39,9 @@ SEARCHED_DESCRIPTION = ("how the dense list was found: exact (every vector scann
 
 FILTER_DESCRIPTION = (
     "only passages whose metadata fields match, in the MongoDB-style grammar of Pinecone and Chroma: "
-    '{"source": "pubmed"}, {"year": {"$gte": 2020}}, {"lang": {"$in": ["en", "de"]}}; operators $eq $ne $gt $gte '
-    "$lt $lte $in $nin $exists on a field, $and $or $not over filters; several keys mean all of them. The results "
+    '{"source": "pubmed"}, {"year": {"$gte": 2020}}, {"lang": {"$in": ["en", "de"]}}; operators '
+    f"{' '.join(FIELD_OPERATORS)} on a field, {' '.join(LOGICAL_OPERATORS)} over filters; several keys mean all of "
+    "them. The results "
     "are the top k among the matching passages, exactly; none match: no results. An unknown field, a value of "
     "another type than the field's or an unknown operator is a 422 naming it")
 
