@@ -2,16 +2,19 @@
 standardised scores.
 
 The first two take ranked lists of hashable keys (passage rows or ids), best first, the third (key, score)
-lists; each returns a fused list of (key, score), best first, truncated to `depth`.
+lists; each returns a fused list of (key, score), best first, truncated to `depth`. FUSION_RULES names each as a
+hybrid search asks for it (`fusion`), over the dense and the BM25 (key, score) lists.
 """
 
 from __future__ import annotations
 
-from typing import Hashable, Sequence
+from dataclasses import dataclass
+from typing import Callable, Hashable, Sequence
 
 import numpy as np
 
 RRF_K = 60
+Scored = Sequence[tuple[Hashable, float]]
 
 
 def interleave(first: Sequence[Hashable], second: Sequence[Hashable], depth: int) -> list[tuple[Hashable, float]]:
@@ -59,3 +62,28 @@ def standardised(values: np.ndarray) -> np.ndarray:
     or there are none."""
     spread = values.std() if len(values) else 0.0
     return (values - values.mean()) / spread if spread > 0 else np.zeros_like(values)
+
+
+@dataclass(frozen=True)
+class FusionRule:
+    """How a hybrid search fuses its dense and BM25 lists: `fuse(dense, lexical, depth, lead)`, and whether it
+    reads each list deeper than the answer (`deep`: to the request's fusion_depth, since a passage low in one
+    list may rise), where interleaving needs only the answer's depth of each."""
+
+    fuse: Callable[[Scored, Scored, int, str], list[tuple[Hashable, float]]]
+    deep: bool
+
+
+def _keys(ranking: Scored) -> list[Hashable]:
+    return [key for key, _ in ranking]
+
+
+FUSION_RULES: dict[str, FusionRule] = {
+    # `lead`: which list goes first (interleaving only)
+    "interleave": FusionRule(lambda dense, lexical, depth, lead: interleave(
+        *((_keys(dense), _keys(lexical)) if lead == "dense" else (_keys(lexical), _keys(dense))), depth), deep=False),
+    "rrf": FusionRule(lambda dense, lexical, depth, lead: reciprocal_rank_fusion([_keys(dense), _keys(lexical)], depth),
+                      deep=True),
+    "zscore": FusionRule(lambda dense, lexical, depth, lead: standardised_score_fusion([dense, lexical], depth),
+                         deep=True),
+}

@@ -8,10 +8,11 @@ from dataclasses import dataclass
 from typing import Literal, get_args
 
 from retrieval.filters import Filter
+from retrieval.fusion import FUSION_RULES
 
 MAX_K = 1000
 Mode = Literal["dense", "bm25", "hybrid"]
-Fusion = Literal["interleave", "rrf", "zscore"]
+Fusion = Literal[tuple(FUSION_RULES)]  # "interleave", "rrf", "zscore"
 Lead = Literal["dense", "bm25"]
 MODES: tuple[str, ...] = get_args(Mode)
 FUSIONS: tuple[str, ...] = get_args(Fusion)

@@ -18,7 +18,7 @@ from retrieval.bm25_index import BM25_DIR, Bm25Index
 from retrieval.dense import DenseIndex, check_candidates, pick_structure, read_index_manifest
 from retrieval.fields import chosen_fields
 from retrieval.filters import Filter, parse_filter
-from retrieval.fusion import interleave, reciprocal_rank_fusion, standardised_score_fusion
+from retrieval.fusion import FUSION_RULES
 from retrieval.index_format import PASSAGES_FILE, Manifest, generation_id
 from retrieval.passage_store import PassageStore
 from retrieval.pinned import PinnedFolder
@@ -244,26 +244,18 @@ class Searcher:
         """(row, score) lists, best first, by `retrieval` (see retrieval.request.Retrieval and `answered_by`);
         `vectors` are the encoded queries (unused for bm25). With a filter, only the passages it matches, the
         top k among them (in hybrid modes both lists filtered before fusion)."""
-        k, mode, fusion = retrieval.k, retrieval.mode, retrieval.fusion
-        chosen = self._structure(retrieval)
+        k, chosen = retrieval.k, self._structure(retrieval)
         restriction = None if retrieval.filter is None else self.restrictions.of(retrieval.filter)
-        if mode == "dense":
-            return self.dense.search(vectors, k, restriction, chosen, retrieval.candidates)
-        if mode == "bm25":
-            return self._bm25(queries, k, restriction)
-        depth = k if fusion == "interleave" else max(k, min(retrieval.fusion_depth, MAX_K))
-        fused = []
-        for dense, lexical in zip(self.dense.search(vectors, depth, restriction, chosen, retrieval.candidates),
-                                  self._bm25(queries, depth, restriction)):
-            lists = [[row for row, _ in dense], [row for row, _ in lexical]]
-            if fusion == "rrf":
-                fused.append(reciprocal_rank_fusion(lists, k))
-            elif fusion == "zscore":
-                fused.append(standardised_score_fusion([dense, lexical], k))
-            else:
-                first, second = lists if retrieval.lead == "dense" else lists[::-1]
-                fused.append(interleave(first, second, k))
-        return fused
+        retrievers = {
+            "dense": lambda depth: self.dense.search(vectors, depth, restriction, chosen, retrieval.candidates),
+            "bm25": lambda depth: self._bm25(queries, depth, restriction),
+        }
+        if retrieval.mode in retrievers:
+            return retrievers[retrieval.mode](k)
+        rule = FUSION_RULES[retrieval.fusion]  # hybrid: the two composed
+        depth = max(k, min(retrieval.fusion_depth, MAX_K)) if rule.deep else k
+        return [rule.fuse(dense, lexical, k, retrieval.lead)
+                for dense, lexical in zip(retrievers["dense"](depth), retrievers["bm25"](depth))]
 
     def _bm25(self, queries: Sequence[str], k: int,
               restriction: filtered_search.Restriction | None) -> list[list[tuple[int, float]]]:
