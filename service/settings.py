@@ -140,9 +140,9 @@ class ServiceSettings(BaseSettings):
     )
     drain_timeout_s: float = Field(
         25.0, gt=0, description="Sharded serving (--ray) only: how long, in seconds, a stop (Ctrl-C, SIGTERM) lets "
-        "the ingress replicas answer the searches they hold before the application is deleted; a search still in "
-        "one then is cut off. Keep it under the grace period of whatever sends SIGTERM (Kubernetes: 30 s unless "
-        "terminationGracePeriodSeconds says more).",
+        "the ingress replicas answer the searches they hold before the application is deleted (a search still in "
+        "one then is cut off), to be kept under the grace period of whatever sends SIGTERM (Kubernetes' "
+        "terminationGracePeriodSeconds).",
     )
 
     access_log: bool = Field(
