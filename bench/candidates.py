@@ -54,7 +54,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("synthetic", nargs="*", help="N SIGMA")
     parser.add_argument("--index", type=Path, help="an index directory: its stored vectors, held-out queries")
-    parser.add_argument("--ef-construction", type=int, nargs="+", default=[KINDS["hnsw"].params["efConstruction"].default])
+    parser.add_argument("--ef-construction", type=int, nargs="+",
+                        default=[KINDS["hnsw"].params["efConstruction"].default])
     parser.add_argument("--kinds", nargs="+", default=list(KINDS), choices=list(KINDS))
     args = parser.parse_args()
     if (args.index is None) == (len(args.synthetic) != 2):

@@ -60,8 +60,9 @@ def _add_ann_flags(parser: argparse.ArgumentParser) -> None:
     """The structure's parameters, shared by `ann` and `build --ann`."""
     for name, (param, kinds) in params_by_name().items():
         default = f" (default {param.default})" if param.default else ""
+        raises = "; raises recall" if param.raises_recall else ""
         parser.add_argument(param.flag, type=_positive, metavar="N", dest=_dest(name),
-                            help=f"{', '.join(kinds)}: {param.help}{default}{'; raises recall' if param.raises_recall else ''}")
+                            help=f"{', '.join(kinds)}: {param.help}{default}{raises}")
     depths = "; ".join(f"{kind.name}: {kind.depth_text()}" for kind in KINDS.values())
     parser.add_argument("--candidates", type=_positive, metavar="N",
                         help=f"candidates rescored exactly per query by default ({depths}); raises recall")

@@ -125,7 +125,8 @@ def test_the_service_layers_point_down():
 
 
 def test_no_module_imports_back_a_module_that_imports_it():
-    graph = {module_name(path): imported_modules(path) for package in PACKAGES for path in (ROOT / package).rglob("*.py")}
+    graph = {module_name(path): imported_modules(path)
+             for package in PACKAGES for path in (ROOT / package).rglob("*.py")}
     circles = set()
 
     def walk(name: str, trail: tuple[str, ...]) -> None:

@@ -28,13 +28,12 @@ class Pq(Kind):
     index_type = faiss.IndexIVFPQ
 
     def chosen(self, params, total, dimension):
-        wanted = params["bytes"] or max(1, dimension // 8)
-        size = self.training_rows(params["nlist"] or ivf.lists(total), total)
-        return {**params, "nlist": params["nlist"] or ivf.lists(total),
-                "bytes": max(divisor for divisor in range(1, wanted + 1) if dimension % divisor == 0)
-                if not params["bytes"] else params["bytes"],
-                # 8 bits a code (256 centroids a sub-quantizer) where the sample has that many vectors.
-                "nbits": int(min(8, max(1, np.log2(max(size, 2)))))}
+        nlist = params["nlist"] or ivf.lists(total)
+        code = params["bytes"] or max(divisor for divisor in range(1, max(1, dimension // 8) + 1)
+                                      if dimension % divisor == 0)
+        # 8 bits a sub-quantizer's code (256 centroids) where the training sample has that many vectors.
+        bits = int(min(8, max(1, np.log2(max(self.training_rows(nlist, total), 2)))))
+        return {**params, "nlist": nlist, "bytes": code, "nbits": bits}
 
     def check(self, params, dimension):
         if dimension % params["bytes"]:

@@ -39,10 +39,6 @@ def structure_params(name: str, **given: int | None) -> dict[str, int]:
     return {**defaults, **given}
 
 
-def default_depth(name: str, params: dict[str, int]) -> int:
-    return kind(name).default_depth(params)
-
-
 def build(flat: faiss.IndexFlat, name: str, params: dict[str, int] | None = None, *, depth: int | None = None,
           progress: bool = True, checkpoint: Path | None = None, identity: str = "") -> Structure:
     """A `name` structure over `flat`'s vectors, read in blocks of BLOCK (a tqdm bar counts them). `depth`:
