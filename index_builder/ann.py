@@ -48,13 +48,9 @@ class AnnOptions:
         """The structure's parameters; BuildError for flags that do not apply to the kind, or (given the
         index's `manifest`) to its vectors."""
         known = params_by_name()
-        misplaced = [name for name in self.params if name in known and self.kind not in known[name][1]]
-        if misplaced:
-            kinds = known[misplaced[0]][1]
-            raise BuildError(f"{', '.join(known[name][0].flag for name in misplaced)}: for kind"
-                             f"{'s' if len(kinds) > 1 else ''} {' and '.join(kinds)} only, not {self.kind}")
         try:
-            params = structure_params(self.kind, **self.params)
+            params = structure_params(self.kind, self.params,
+                                      label=lambda name: known[name][0].flag if name in known else name)
             if manifest is not None:
                 KINDS[self.kind].check(KINDS[self.kind].chosen(params, manifest.count, manifest.dimension),
                                        manifest.dimension)

@@ -73,46 +73,46 @@ class EvalReport:
         return "\n".join(self.lines)
 
 
-def evaluate_index(args: EvalOptions) -> EvalReport:
+def evaluate_index(options: EvalOptions) -> EvalReport:
     """Every row's measures in one table; ValueError for bad input."""
-    names = [_row_name(folder) for folder in args.rerank or []]
-    if args.ensemble and len(names) < 2:
+    names = [_row_name(folder) for folder in options.rerank or []]
+    if options.ensemble and len(names) < 2:
         raise ValueError("--ensemble averages two rerankers or more: give --rerank two folders or more")
-    if args.ensemble and Ensemble.name in names:
+    if options.ensemble and Ensemble.name in names:
         raise ValueError(f"--ensemble: a reranker folder would be the ensemble's table row {Ensemble.name!r}; rename it")
     duplicated = sorted({name for name in names if names.count(name) > 1})
     if duplicated:
         raise ValueError(f"--rerank: two folders would both be the table row {duplicated[0]!r}; rename one")
-    if args.compare and args.modes and "dense" not in args.modes:
+    if options.compare and options.modes and "dense" not in options.modes:
         raise ValueError("--compare measures the dense run's consistency with a run: add dense to --modes")
-    if args.rerank and args.depth > MAX_K:
-        raise ValueError(f"--depth must be at most {MAX_K}, got {args.depth}")
-    weights = list(dict.fromkeys(args.retrieval_weight or [0.0]))
+    if options.rerank and options.depth > MAX_K:
+        raise ValueError(f"--depth must be at most {MAX_K}, got {options.depth}")
+    weights = list(dict.fromkeys(options.retrieval_weight or [0.0]))
     if any(not 0 <= weight <= 100 for weight in weights):
         raise ValueError(f"--retrieval-weight: each weight must be from 0 to 100, got {weights}")
-    if args.retrieval_weight and not args.rerank:
+    if options.retrieval_weight and not options.rerank:
         raise ValueError("--retrieval-weight blends a reranker's score with the first stage's: add --rerank")
-    if args.rerank_backend and not args.rerank:
+    if options.rerank_backend and not options.rerank:
         raise ValueError("--rerank-backend is the backend a reranker runs on: add --rerank")
-    queries = read_queries(args.queries)
-    qrels = read_qrels(args.qrels)
-    reference = read_run(args.compare) if args.compare else None
-    encoder = encoder_for(read_manifest(args.index), args.device, args.query_max_tokens, args.backend)
-    searcher = Searcher(args.index, encoder, device=args.device)
+    queries = read_queries(options.queries)
+    qrels = read_qrels(options.qrels)
+    reference = read_run(options.compare) if options.compare else None
+    encoder = encoder_for(read_manifest(options.index), options.device, options.query_max_tokens, options.backend)
+    searcher = Searcher(options.index, encoder, device=options.device)
     report = EvalReport()
     runs, table, say = report.runs, report.table, report.lines.append
-    only = _eval_filter(searcher, args.filter, say)  # {"filter": the parsed filter}, or {}
-    rerankers = {name: load_reranker(folder, device=args.device, backend=args.rerank_backend or encoder.backend)
-                 for name, folder in zip(names, args.rerank or [])}
-    if args.ensemble:  # last: it reads the scores its members' rows kept
+    only = _eval_filter(searcher, options.filter, say)  # {"filter": the parsed filter}, or {}
+    rerankers = {name: load_reranker(folder, device=options.device, backend=options.rerank_backend or encoder.backend)
+                 for name, folder in zip(names, options.rerank or [])}
+    if options.ensemble:  # last: it reads the scores its members' rows kept
         rerankers = {name: Remembered(reranker) for name, reranker in rerankers.items()}
         rerankers[Ensemble.name] = Ensemble(list(rerankers.values()))
-    modes = args.modes or (list(EVAL_MODES) if searcher.bm25 is not None else ["dense"])
-    structures = [] if args.exact else list(searcher.structures)
+    modes = options.modes or (list(EVAL_MODES) if searcher.bm25 is not None else ["dense"])
+    structures = [] if options.exact else list(searcher.structures)
     unused = [record.kind for record in searcher.manifest.candidates if record.kind not in searcher.structures]
-    if unused and not args.exact:
+    if unused and not options.exact:
         print(f"note: every row is exact: the index's candidate structures ({', '.join(unused)}) serve the CPU "
-              f"only, and --device {args.device} searches on a GPU", file=sys.stderr)
+              f"only, and --device {options.device} searches on a GPU", file=sys.stderr)
     rows = eval_rows(modes, structures)
     approximate = any(row.structure for row in rows)
 
@@ -122,25 +122,25 @@ def evaluate_index(args: EvalOptions) -> EvalReport:
         if approximate:  # exact rows have no recall against themselves
             table[name][RECALL_AGAINST_EXACT] = None if exact_name is None else recall_against_exact(
                 run, runs[exact_name])
-        if args.runs_dir:
-            args.runs_dir.mkdir(parents=True, exist_ok=True)
-            write_run(args.runs_dir / f"{name}.run", run, tag=name)
+        if options.runs_dir:
+            options.runs_dir.mkdir(parents=True, exist_ok=True)
+            write_run(options.runs_dir / f"{name}.run", run, tag=name)
 
     if queries:  # the model's first forward pass is slower: keep it out of the first row's ms/query
         searcher.batch_search([next(iter(queries.values()))], 10)
     for row in rows:
         exact_row = None if row.structure is None else row.mode
         started = time.perf_counter()
-        record(row.name, run_queries(searcher, queries, args.k, **row.retrieval, **only), time.perf_counter() - started,
-               exact_row)
+        run = run_queries(searcher, queries, options.k, **row.retrieval, **only)
+        record(row.name, run, time.perf_counter() - started, exact_row)
         if rerankers:
             started = time.perf_counter()
-            retrieved = retrieve(searcher, queries, max(args.k, args.depth), **row.retrieval, **only)
+            retrieved = retrieve(searcher, queries, max(options.k, options.depth), **row.retrieval, **only)
             retrieval_seconds = time.perf_counter() - started
         members_seconds = 0.0  # the ensemble costs what its members' scoring cost, which it reads again
         for name, reranker in rerankers.items():
             started = time.perf_counter()
-            reranked = rerank_runs(reranker, queries, retrieved, args.depth, args.k, weights,
+            reranked = rerank_runs(reranker, queries, retrieved, options.depth, options.k, weights,
                                    label=f"{row.name}+{name}")
             rerank_seconds = time.perf_counter() - started
             if name == Ensemble.name:
@@ -152,14 +152,14 @@ def evaluate_index(args: EvalOptions) -> EvalReport:
                        exact_row and f"{exact_row}+{name}{_blended(weight)}")
     say(format_table(table))
     if approximate:
-        _describe_structures(searcher, structures, args.k, say)
+        _describe_structures(searcher, structures, options.k, say)
     comparisons = {"bm25": runs["bm25"]} if "dense" in runs and "bm25" in runs else {}
     if reference is not None:
-        comparisons[args.compare.name] = reference
+        comparisons[options.compare.name] = reference
     for name, other in comparisons.items():
         depth = min(max(map(len, other.values()), default=0), max(CONSISTENCY_DEPTHS))  # the reference's own
         values = ", ".join(f"C(dense, {n}) = {consistency_factor(runs['dense'], other, n):.4f}"
-                           for n in CONSISTENCY_DEPTHS if n <= args.k)
+                           for n in CONSISTENCY_DEPTHS if n <= options.k)
         if values:
             say(f"consistency of dense with {name}'s top {depth}: {values}")
     through = f", exact and through {', '.join(structures)}" if approximate else ""
@@ -167,11 +167,11 @@ def evaluate_index(args: EvalOptions) -> EvalReport:
     if rerankers and blends:
         say("ROW+RERANKER~wW: the reranked passages ordered by z(reranker) + W * z(first stage), each score "
               "standardised over them (SEARCH_RERANK_RETRIEVAL_WEIGHT W).")
-    if args.ensemble:
+    if options.ensemble:
         say("ROW+ensemble: the reranked passages ordered by the mean of the rerankers' standardised scores, "
               "its ms/query the sum of theirs.")
-    reranked = f", {len(args.rerank)} rerankers at depth {args.depth}" if rerankers else ""
-    say(f"evaluated {len(queries)} queries x {len(modes)} modes at k={args.k}{through}{reranked}")
+    reranked = f", {len(options.rerank)} rerankers at depth {options.depth}" if rerankers else ""
+    say(f"evaluated {len(queries)} queries x {len(modes)} modes at k={options.k}{through}{reranked}")
     return report
 
 

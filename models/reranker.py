@@ -1,8 +1,8 @@
 """The reranker interface the service calls, the kinds that implement it, and the one loader that turns a
 folder into a reranker.
 
-RERANKERS holds every kind by name, one line each: the service's schemas (`RerankerKind`, `ScoreKind` and
-its description), the settings' checks and the docs read it, so a new kind is its class (with `kind`,
+RERANKERS holds every kind by name, one line each: `reranker_kind`'s check and the service's schemas
+(`RerankerKind`, `ScoreKind` and its description) read it, so a new kind is its class (with `kind`,
 `score_kind`, `score_meaning`, `backends`, `load` and `save`) and its line here.
 
 A reranker folder says which kind it holds in `reranker.json` (`{"kind": ..., ...}`); the

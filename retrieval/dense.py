@@ -11,7 +11,6 @@ import numpy as np
 
 from retrieval import dense_index, filtered_search
 from retrieval.candidates import structures
-from retrieval.candidates.structures import MAX_CANDIDATES
 from retrieval.candidates.kind import Structure
 from retrieval.candidates.registry import KINDS
 from retrieval.index_format import INDEX_FILE, PASSAGES_FILE, IndexFormatError, Manifest, candidates_file, read_manifest
@@ -66,8 +65,8 @@ def pick_structure(structures: dict[str, Structure], exact: bool = False,
 
 def check_candidates(depth: int | None) -> None:
     """ValueError unless `depth`, the candidates rescored per query, is None or within 1 .. MAX_CANDIDATES."""
-    if depth is not None and not 1 <= depth <= MAX_CANDIDATES:
-        raise ValueError(f"candidates must be between 1 and {MAX_CANDIDATES}, got {depth}")
+    if depth is not None and not 1 <= depth <= structures.MAX_CANDIDATES:
+        raise ValueError(f"candidates must be between 1 and {structures.MAX_CANDIDATES}, got {depth}")
 
 
 class DenseIndex:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
+from typing import Callable
 
 import faiss
 import numpy as np
@@ -20,20 +21,22 @@ from retrieval.index_format import CandidateRecord, FileRecord, IndexFormatError
 MAX_CANDIDATES = 10_000  # the most candidates one query may ask rescored (`candidates`)
 
 
-def structure_params(name: str, **given: int | None) -> dict[str, int]:
+def structure_params(name: str, given: dict[str, int | None],
+                     label: Callable[[str], str] = str) -> dict[str, int]:
     """The parameters of a `name` structure: its defaults overridden by `given` (None: the default; 0 where
     a default is 0: chosen from the passages at build); ValueError for an unknown kind, a value under 1, or a
-    parameter of another kind."""
+    parameter of another kind, each parameter named in the message by `label` (its name; `ann`: its flag)."""
     defaults = {param: spec.default for param, spec in kind(name).params.items()}
     given = {param: value for param, value in given.items() if value is not None}
-    unknown = set(given) - set(defaults)
+    unknown = [param for param in given if param not in defaults]
     if unknown:
         others = sorted({other for param in unknown for other in owners(param)})
         if others:
-            raise ValueError(f"{', '.join(sorted(unknown))}: for kind{'s' if len(others) > 1 else ''} "
+            raise ValueError(f"{', '.join(map(label, unknown))}: for kind{'s' if len(others) > 1 else ''} "
                              f"{' and '.join(others)} only, not {name}")
         raise ValueError(f"unknown {name} parameters {sorted(unknown)}; known: {', '.join(defaults) or 'none'}")
-    low = [f"{param} {value}" for param, value in given.items() if value < 1 and (value, defaults[param]) != (0, 0)]
+    low = [f"{label(param)} {value}" for param, value in given.items()
+           if value < 1 and (value, defaults[param]) != (0, 0)]
     if low:
         raise ValueError(f"{name} parameters must be at least 1, got {', '.join(low)}")
     return {**defaults, **given}
@@ -46,7 +49,7 @@ def build(flat: faiss.IndexFlat, name: str, params: dict[str, int] | None = None
     its state to `checkpoint` now and then and, given one saved for the same `identity` (the vectors'
     sha256) and parameters, resumes from it."""
     spec = kind(name)
-    params = spec.chosen(structure_params(name, **(params or {})), flat.ntotal, flat.d)
+    params = spec.chosen(structure_params(name, params or {}), flat.ntotal, flat.d)
     spec.check(params, flat.d)
     index = spec.new_index(flat, params, progress, checkpoint, identity)
     total, saved = flat.ntotal, time.monotonic()
