@@ -38,8 +38,8 @@ sys.path.insert(0, str(ROOT))
 from bench.filters import build  # noqa: E402
 from bench.load import QUERIES, Process  # noqa: E402
 from bench.ports import unclaimed_ports  # noqa: E402
+from index_builder.build import encoder_record  # noqa: E402
 from models.encoder import BiEncoder  # noqa: E402
-from retrieval.index_format import EncoderRecord  # noqa: E402
 
 HEALTH_EVERY_S = 0.05
 VARIANTS = 40  # distinct filters a flooder cycles through: more than the service caches (CACHED_FILTERS, 16)
@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     encoder = BiEncoder(device="cpu")
-    record = EncoderRecord(path=encoder.source, **encoder.spec.to_dict())
+    record = encoder_record(encoder)
     root = Path(tempfile.mkdtemp(prefix="filter-flood-"))
     try:
         built = build(root / "index", args.size, encoder.spec.dimension, record, 0.05)

@@ -32,11 +32,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.scale import clustered_vectors, unit_vectors  # noqa: E402
+from index_builder.build import encoder_record  # noqa: E402
 from models.encoder import BiEncoder  # noqa: E402
 from retrieval import filtered_search, index_writer  # noqa: E402
 from retrieval.fields import encode_fields  # noqa: E402
 from retrieval.filters import evaluate  # noqa: E402
 from retrieval.index_format import CorpusRecord, EncoderRecord  # noqa: E402
+from retrieval.load_options import LoadOptions  # noqa: E402
 from retrieval.searcher import Searcher  # noqa: E402
 
 CHUNK = 100_000
@@ -69,7 +71,7 @@ def build(out: Path, size: int, dimension: int, record: EncoderRecord, sigma: fl
             yield clustered_vectors(rng, centres, min(CHUNK, size - first), sigma)
 
     count = index_writer.write_vectors(work, parts(), dimension)
-    corpus = CorpusRecord(path=f"synthetic:{size}x{dimension}", format="jsonl", passages=count, skipped=0)
+    corpus = CorpusRecord(path=f"synthetic:{size}x{dimension}", format="jsonl", passages=count, skipped=0, sha256=None)
     index_writer.write_manifest(work, encoder=record, corpus=corpus, count=count, bm25=False)
     index_writer.move_into_place(work, out)
     return time.perf_counter() - started
@@ -95,13 +97,13 @@ def main(argv: list[str] | None = None) -> None:
     encoder = BiEncoder(device="cpu")  # only the record the Searcher checks, and the check itself
     if args.dimension != encoder.spec.dimension:
         parser.error(f"--dimension must be the packaged encoder's, {encoder.spec.dimension}, which the Searcher checks")
-    record = EncoderRecord(path=encoder.source, **{**encoder.spec.to_dict(), "dimension": args.dimension})
+    record = encoder_record(encoder).model_copy(update={"dimension": args.dimension})
     root = Path(tempfile.mkdtemp(prefix="filters-", dir=args.work))
     try:
         index = root / "index"
         built = build(index, args.size, args.dimension, record, args.sigma)
         started = time.perf_counter()
-        searcher = Searcher(index, encoder, device="cpu")
+        searcher = Searcher(index, encoder, load=LoadOptions(device="cpu"))
         loaded = time.perf_counter() - started
         print(f"{args.size:,} x {args.dimension} flat index with 4 fields: built in {built:.1f} s, loaded (with the "
               f"fields' columns) in {loaded:.1f} s; {args.queries} single queries at k={args.k} per selectivity")

@@ -39,6 +39,7 @@ sys.path.insert(0, str(ROOT))
 
 from index_builder.evaluate import as_run, metrics  # noqa: E402
 from retrieval import dense_index  # noqa: E402
+from retrieval.load_options import LoadOptions  # noqa: E402
 from retrieval.readers import read_qrels, read_queries  # noqa: E402
 from retrieval.searcher import Searcher  # noqa: E402
 
@@ -87,7 +88,7 @@ def compare(reference: dict, other: dict, k: int) -> dict[str, float]:
 def bench_collection(name: str, index_dir: Path, queries_file: Path, qrels_file: Path, k: int, device: str) -> None:
     queries = read_queries(queries_file)
     qrels = read_qrels(qrels_file)
-    searcher = Searcher(index_dir, device="cpu")
+    searcher = Searcher(index_dir, load=LoadOptions(device="cpu"))
     k = min(k, searcher.count)
     ids = list(queries)
     started = time.perf_counter()

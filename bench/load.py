@@ -39,6 +39,7 @@ sys.path.insert(0, str(ROOT))
 from bench.ports import unclaimed_ports  # noqa: E402
 from index_builder.build import BuildOptions, build_index  # noqa: E402
 from models.encoder import BiEncoder  # noqa: E402
+from retrieval.load_options import LoadOptions  # noqa: E402
 from service.engine.search_engine import SearchEngine  # noqa: E402
 
 QUERIES = [line.split("\t", 1)[1].strip() for line in (ROOT / "data/demo/queries.tsv").read_text().splitlines()]
@@ -430,7 +431,8 @@ def main() -> None:
 
     served_batch = results["micro-batching on"].mean_batch
     sizes = sorted({1, max(2, round(served_batch)), 32})
-    engine = SearchEngine.open(args.index, device=args.device)  # opened after the load: it idles meanwhile
+    # opened after the load: it idles meanwhile
+    engine = SearchEngine.open(args.index, load=LoadOptions(device=args.device))
     ceiling = batching_ceiling(engine, args.k, sizes)
     print(f"mean batch under load: {served_batch:.1f} requests; in-process ceiling, queries/s by batch size: "
           + ", ".join(f"{size}: {qps:.0f} ({qps / ceiling[1]:.2f}x)" for size, qps in ceiling.items()))

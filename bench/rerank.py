@@ -28,6 +28,7 @@ sys.path.insert(0, str(ROOT))
 from index_builder.build import BuildOptions, build_index  # noqa: E402
 from models.cross_encoder import CrossEncoder, relevance_probability  # noqa: E402
 from models.encoder import BiEncoder, default_model_path  # noqa: E402
+from retrieval.load_options import LoadOptions  # noqa: E402
 from service.engine.search_engine import SearchEngine  # noqa: E402
 
 DEMO = ROOT / "data" / "demo"
@@ -77,7 +78,7 @@ def bench_rerank(model: CrossEncoder, index: Path, depths: list[int], queries: i
     questions = [line.split("\t", 1)[1] for line in (DEMO / "queries.tsv").read_text().splitlines()[:queries]]
     if not (index / "manifest.json").is_file():
         print(build_index(BuildOptions(DEMO / "corpus.tsv", index), BiEncoder(device="cpu")).summary())
-    engine = SearchEngine(SearchEngine.open(index, device="cpu").searcher, {"monobert": model})
+    engine = SearchEngine(SearchEngine.open(index, load=LoadOptions(device="cpu")).searcher, {"monobert": model})
     print(f"\n{'depth':>6}{'retrieve ms':>14}{'rerank ms/query':>18}{'pairs/s':>10}")
     for depth in depths:
         retrieve, rerank = [], []

@@ -70,7 +70,7 @@ from tqdm import tqdm
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from index_builder.build import BuildOptions, build_index  # noqa: E402
+from index_builder.build import BuildOptions, build_index, encoder_record  # noqa: E402
 from models.encoder import BiEncoder, default_model_path  # noqa: E402
 from retrieval import dense_index, index_writer  # noqa: E402
 from retrieval.candidates.registry import KINDS  # noqa: E402
@@ -183,7 +183,7 @@ def build_synthetic(out: Path, size: int, dimension: int, record: EncoderRecord,
     count = index_writer.write_vectors(work, parts(), dimension)
     seconds["vectors"] = time.perf_counter() - started
     started = time.perf_counter()
-    corpus = CorpusRecord(path=f"synthetic:{size}x{dimension}", format="tsv", passages=count, skipped=0)
+    corpus = CorpusRecord(path=f"synthetic:{size}x{dimension}", format="tsv", passages=count, skipped=0, sha256=None)
     index_writer.write_manifest(work, encoder=record, corpus=corpus, count=count, bm25=False)
     index_writer.move_into_place(work, out)
     seconds["manifest"] = time.perf_counter() - started
@@ -379,7 +379,7 @@ def run_cpu(args: argparse.Namespace, sizes: list[int], dimension: int) -> str:
 
     encoder = BiEncoder(device="cpu")  # the packaged MiniLM: the record the service will check
     spec = encoder.spec
-    record = EncoderRecord(path=encoder.source, **{**spec.to_dict(), "dimension": dimension})
+    record = encoder_record(encoder).model_copy(update={"dimension": dimension})
     centres = demo_centres(encoder, dimension)
     del encoder
     serve = dimension == spec.dimension

@@ -37,6 +37,7 @@ from bench.cluster import indexes  # noqa: E402
 from bench.load import QUERIES  # noqa: E402
 from bench.ports import unclaimed_ports  # noqa: E402
 from models.encoder import BiEncoder  # noqa: E402
+from retrieval.load_options import LoadOptions  # noqa: E402
 from service.settings import ServiceSettings  # noqa: E402
 
 
@@ -82,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     @ray.remote(num_cpus=0)
     class PlainShard:
         def __init__(self, directory: str) -> None:
-            self.index = ShardIndex(directory, device="cpu")
+            self.index = ShardIndex(directory, load=LoadOptions(device="cpu"))
 
         def ping(self, value):
             return value
@@ -129,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         one_thread = {"num_cpus": 0, "runtime_env": {"env_vars": {"OMP_NUM_THREADS": "1"}}}
         for position, directory in enumerate(shards):
             serve.run(ShardDeployment.options(name=f"shard-{position}", ray_actor_options=one_thread)
-                      .bind(str(directory), "cpu"), name=f"shard-{position}", route_prefix=None)
+                      .bind(str(directory), LoadOptions(device="cpu")), name=f"shard-{position}", route_prefix=None)
         serve.run(Echo.options(ray_actor_options={"num_cpus": 0}).bind(), name="echo", route_prefix=None)
         actors = [PlainShard.options(runtime_env=one_thread["runtime_env"]).remote(str(d)) for d in shards]
         threads = {"num_cpus": 0, "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(torch.get_num_threads())}}}

@@ -46,12 +46,7 @@ from models.encoder import EncoderSpec
 from retrieval import index_writer
 from retrieval.corpus import DEFAULT_MAX_PASSAGE_BYTES, BadLine, CorpusFormat, Passage, detect_format, read_corpus
 from retrieval.fields import MAX_FIELDS, FieldTypes, encode_fields
-from retrieval.index_format import (
-    PASSAGES_FILE,
-    CorpusRecord,
-    EncoderRecord,
-    write_json_atomic,
-)
+from retrieval.index_format import FORMAT_VERSION, PASSAGES_FILE, CorpusRecord, EncoderRecord, write_json_atomic
 from retrieval.sharding import Shard, shard_folder
 
 STATE_FILE = "state.json"
@@ -179,9 +174,9 @@ def _loosened(saved: dict, identity: dict) -> bool:
     line's message advises: such a build resumes, since without --skip-bad every chunk already committed
     was whole (a bad line stops the build), so no line was skipped and each is still accepted."""
     loosened = ("skip_bad", "max_passage_bytes")
-    limits = [ident.get("max_passage_bytes", DEFAULT_MAX_PASSAGE_BYTES) for ident in (saved, identity)]
     rest = [{k: v for k, v in ident.items() if k not in loosened} for ident in (saved, identity)]
-    return not saved["skip_bad"] and limits[1] >= limits[0] and rest[0] == rest[1]
+    return (rest[0] == rest[1] and not saved["skip_bad"]
+            and identity["max_passage_bytes"] >= saved["max_passage_bytes"])
 
 
 def _check_duplicates(connection: sqlite3.Connection, passages: list[Passage]) -> list[BadLine]:
@@ -230,6 +225,12 @@ def build_index(options: BuildOptions, encoder: PassageEncoder) -> BuildReport:
         return _build(options, encoder)
 
 
+def encoder_record(encoder: PassageEncoder) -> EncoderRecord:
+    """What a build with `encoder` writes into its manifest."""
+    return EncoderRecord(path=encoder.source, backend=encoder.backend, export_sha256=encoder.export_sha256,
+                         **encoder.spec.to_dict())
+
+
 def _build(options: BuildOptions, encoder: PassageEncoder) -> BuildReport:
     corpus, out = options.corpus, options.out
     if out.exists() and not options.overwrite:
@@ -241,18 +242,13 @@ def _build(options: BuildOptions, encoder: PassageEncoder) -> BuildReport:
         "format": fmt,
         "chunk_size": options.chunk_size,
         "skip_bad": options.skip_bad,
-        # Prefixes only when set, so builds interrupted before prefixes existed still resume.
-        "encoder": {name: value for name, value in encoder.spec.to_dict().items()
-                    if value != "" or name not in ("query_prefix", "passage_prefix")},
+        "encoder": encoder.spec.to_dict(),
+        "backend": encoder.backend,
+        "shard": None if options.shard is None else str(options.shard),
+        "shards": options.shards,
+        "max_passage_bytes": options.max_passage_bytes,
+        "index_format": FORMAT_VERSION,  # a work folder of another format is not resumed
     }
-    if encoder.backend != "torch":  # only then, so builds interrupted before backends existed still resume
-        identity["backend"] = encoder.backend
-    if options.shard is not None:  # only then, so builds interrupted before --shard existed still resume
-        identity["shard"] = str(options.shard)
-    if options.shards is not None:
-        identity["shards"] = options.shards
-    if options.max_passage_bytes != DEFAULT_MAX_PASSAGE_BYTES:  # only then, as for --shard
-        identity["max_passage_bytes"] = options.max_passage_bytes
     work = _work_dir(out)
     state = _open_state(work, identity, options.restart)
     resumed_chunks = len(state.chunks)
@@ -304,8 +300,6 @@ def _build(options: BuildOptions, encoder: PassageEncoder) -> BuildReport:
     check_unchanged(corpus, opened, digest.hexdigest(), work)
     if state.rows == 0 and options.shard is None:  # a shard of a tiny corpus may rightly be empty
         raise BuildError(f"{corpus}: no passages to index")
-    encoder_record = EncoderRecord(path=encoder.source, backend=encoder.backend, export_sha256=encoder.export_sha256,
-                                   **encoder.spec.to_dict())
     corpus_record = CorpusRecord(path=str(corpus.resolve()), format=fmt, passages=state.rows,
                                  skipped=sum(chunk["skipped"] for chunk in state.chunks),
                                  sha256=digest.hexdigest())  # the reader has hashed the whole file by now
@@ -313,13 +307,13 @@ def _build(options: BuildOptions, encoder: PassageEncoder) -> BuildReport:
         # Written beside the scratch, not inside it: `out` never holds the whole store or the chunks,
         # even for a moment, and a crash before the last line leaves only the scratch to resume from.
         shards_dir = out.parent / f".{out.name}.shards"
-        _finish_shards(work, shards_dir, state, encoder_record, corpus_record, options.bm25, options.shards)
+        _finish_shards(work, shards_dir, state, encoder_record(encoder), corpus_record, options.bm25, options.shards)
         ann = [add_in_place(shard_folder(shards_dir, i), structure, published=shard_folder(out, i))
                for i in range(options.shards) for structure in options.ann]
         index_writer.move_into_place(shards_dir, out)
         shutil.rmtree(work)
     else:
-        _finish(work, state, encoder_record, corpus_record, options.bm25, options.shard)
+        _finish(work, state, encoder_record(encoder), corpus_record, options.bm25, options.shard)
         ann = [add_in_place(work, structure, published=out) for structure in options.ann]
         if options.before_publish is not None:
             options.before_publish(work)

@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 from index_builder import out_lock
 from index_builder.ann import AnnOptions, AnnReport
-from index_builder.build import BuildOptions, PassageEncoder, build_index
+from index_builder.build import BuildOptions, PassageEncoder, build_index, encoder_record
 from index_builder.errors import BuildError
 from models.encoder import BiEncoder
 from retrieval.candidates.recall import HELD_OUT, RECALL_SAMPLE
@@ -58,12 +58,6 @@ def check_updatable(index_dir: Path, verify_checksums: bool = True) -> Manifest:
         raise BuildError(f"{index_dir} is shard {manifest.shard} of a sharded build; an update takes one whole "
                          "index (rebuild the shards, or update the merged index)")
     return manifest
-
-
-def encoder_record(encoder: PassageEncoder) -> EncoderRecord:
-    """What a build with `encoder` writes into its manifest."""
-    return EncoderRecord(path=encoder.source, backend=encoder.backend, export_sha256=encoder.export_sha256,
-                         **encoder.spec.to_dict())
 
 
 def check_same_vectors(index_dir: Path, old: EncoderRecord, new: EncoderRecord) -> None:

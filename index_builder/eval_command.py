@@ -27,6 +27,7 @@ from index_builder.evaluate import (
 )
 from models.reranker import load_reranker
 from retrieval.index_format import read_manifest
+from retrieval.load_options import LoadOptions
 from retrieval.readers import Run, read_qrels, read_queries, read_run, write_run
 from retrieval.searcher import MAX_K, Searcher, encoder_for
 
@@ -98,7 +99,7 @@ def evaluate_index(options: EvalOptions) -> EvalReport:
     qrels = read_qrels(options.qrels)
     reference = read_run(options.compare) if options.compare else None
     encoder = encoder_for(read_manifest(options.index), options.device, options.query_max_tokens, options.backend)
-    searcher = Searcher(options.index, encoder, device=options.device)
+    searcher = Searcher(options.index, encoder, load=LoadOptions(device=options.device))
     report = EvalReport()
     runs, table, say = report.runs, report.table, report.lines.append
     only = _eval_filter(searcher, options.filter, say)  # {"filter": the parsed filter}, or {}

@@ -18,22 +18,27 @@ from tqdm import tqdm
 
 from models.reranker import Reranker
 from retrieval.candidates import recall
-from retrieval.fusion import standardised
+from retrieval.fusion import FUSION_RULES, standardised
 from retrieval.readers import Qrels, Run
 from retrieval.rerank import rescored
 from retrieval.searcher import Hit, Searcher
 
 MEASURES = {"MRR@10": RR @ 10, "nDCG@10": nDCG @ 10, "Recall@100": R @ 100, "Recall@1000": R @ 1000, "MAP": AP}
 CONSISTENCY_DEPTHS = (10, 100, 1000)
-# The retrieval set-ups `eval --modes` can compare; hybrid interleaving in both orders (paper 000 eq. 6).
-EVAL_MODES = {
-    "dense": {"mode": "dense"},
-    "bm25": {"mode": "bm25"},
-    "hybrid-interleave": {"mode": "hybrid", "fusion": "interleave", "lead": "dense"},
-    "hybrid-interleave-bm25-first": {"mode": "hybrid", "fusion": "interleave", "lead": "bm25"},
-    "hybrid-rrf": {"mode": "hybrid", "fusion": "rrf"},
-    "hybrid-zscore": {"mode": "hybrid", "fusion": "zscore"},
-}
+
+
+def _eval_modes() -> dict[str, dict]:
+    """Each retriever alone, then a row per fusion rule (retrieval.fusion.FUSION_RULES), and one more with BM25
+    first for a rule that `lead` changes: {row name: the Searcher's mode, fusion and lead}."""
+    modes: dict[str, dict] = {"dense": {"mode": "dense"}, "bm25": {"mode": "bm25"}}
+    for name, rule in FUSION_RULES.items():
+        modes[f"hybrid-{name}"] = {"mode": "hybrid", "fusion": name, **({"lead": "dense"} if rule.led else {})}
+        if rule.led:
+            modes[f"hybrid-{name}-bm25-first"] = {"mode": "hybrid", "fusion": name, "lead": "bm25"}
+    return modes
+
+
+EVAL_MODES = _eval_modes()  # what `eval --modes` can compare; interleaving in both orders (paper 000 eq. 6)
 APPROXIMATE = "@"  # MODE@KIND: the mode's row answered through the candidate structure KIND
 RECALL_AGAINST_EXACT = "R@10 vs exact"  # the table's column: recall_against_exact at depth 10
 

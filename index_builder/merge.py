@@ -26,8 +26,8 @@ from tqdm import tqdm
 
 from index_builder import out_lock
 from index_builder.errors import BuildError
-from retrieval import index_writer
-from retrieval.fields import has_fields_column, merged_types
+from retrieval import format_upgrade, index_writer
+from retrieval.fields import merged_types
 from retrieval.index_format import INDEX_FILE, PASSAGES_FILE, Manifest, read_manifest
 from retrieval.sharding import check_shard_set
 
@@ -71,7 +71,7 @@ def _merge(directories: Sequence[Path], out: Path, overwrite: bool) -> MergeRepo
         if count == 0:
             raise BuildError("the shards hold no passages")
         with tqdm(total=count, desc="merging", unit=" passages") as progress:
-            destinations = _merge_passages([directory for directory, _ in shards], work, progress)
+            destinations = _merge_passages(shards, work, progress)
         _merge_vectors(shards, destinations, work)
         first = shards[0][1]
         index_writer.write_manifest(
@@ -107,15 +107,16 @@ def _check_shards(directories: Sequence[Path]) -> list[tuple[Path, Manifest]]:
 
 def _rows(connection: sqlite3.Connection, number: int) -> Iterator[tuple[int, int, int, str, str, str | None]]:
     """(line, shard number, row, id, text, fields) of one shard, in row order, which a build makes line order."""
-    fields = "fields" if has_fields_column(connection) else "NULL"  # a shard built before metadata fields
-    for row, pid, text, line, stored in connection.execute(
-            f"SELECT row, id, text, line, {fields} FROM passages ORDER BY row"):
+    for row, pid, text, line, stored in connection.execute("SELECT row, id, text, line, fields FROM passages ORDER BY row"):
         yield line, number, row, pid, text, stored
 
 
-def _merge_passages(directories: list[Path], work: Path, progress: tqdm) -> list[np.ndarray]:
+def _merge_passages(shards: list[tuple[Path, Manifest]], work: Path, progress: tqdm) -> list[np.ndarray]:
     """Every shard's passages into `work`'s store in corpus line order; per shard, the merged row of each of its rows."""
+    directories = [directory for directory, _ in shards]
     connections = [sqlite3.connect(f"{(d / PASSAGES_FILE).resolve().as_uri()}?mode=ro", uri=True) for d in directories]
+    for connection, (_, manifest) in zip(connections, shards):
+        format_upgrade.passages(connection, manifest.format_version)
     store = index_writer.open_store(work)
     try:
         sizes = [c.execute("SELECT COUNT(*) FROM passages").fetchone()[0] for c in connections]

@@ -29,14 +29,13 @@ from tqdm import tqdm
 
 from index_builder import out_lock
 from index_builder.ann import AnnReport, add_in_place
-from index_builder.build import BuildOptions, PassageEncoder, build_index
+from index_builder.build import BuildOptions, PassageEncoder, build_index, encoder_record
 from index_builder.build_update import (
     OldIndex,
     ReusingEncoder,
     UpdateReport,
     check_same_vectors,
     check_updatable,
-    encoder_record,
     rebuilt_structures,
 )
 from index_builder.corpus_file import check_corpus_file, file_sha256

@@ -7,7 +7,7 @@ RERANKERS holds every kind by name, one line each: `reranker_kind`'s check and t
 
 A reranker folder says which kind it holds in `reranker.json` (`{"kind": ..., ...}`); the
 training CLIs write it. A folder without that file that is a Hugging Face checkpoint is
-taken for monoBERT, so every cross-encoder folder made before this file existed still loads.
+taken for monoBERT, as a public cross-encoder (e.g. an ms-marco one from the Hub) is.
 """
 
 from __future__ import annotations

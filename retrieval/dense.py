@@ -14,6 +14,7 @@ from retrieval.candidates import structures
 from retrieval.candidates.kind import Structure
 from retrieval.candidates.registry import KINDS
 from retrieval.index_format import INDEX_FILE, PASSAGES_FILE, IndexFormatError, Manifest, candidates_file, read_manifest
+from retrieval.load_options import LoadOptions
 from retrieval.passage_store import PassageStore
 from retrieval.pinned import PinnedFolder
 
@@ -30,12 +31,13 @@ def structures_served(device: str) -> bool:
         return True
 
 
-def read_index_manifest(index_dir: Path, device: str, verify_checksums: bool) -> Manifest:
+def read_index_manifest(index_dir: Path, load: LoadOptions) -> Manifest:
     """The index's manifest (index_format.read_manifest), with every file's checksum checked here (where
-    `verify_checksums`) but those `DenseIndex.load` checks from the bytes it loads: index.faiss, and the
-    structures loaded on `device`."""
-    structure_files = tuple(candidates_file(kind) for kind in KINDS) if structures_served(device) else ()
-    return read_manifest(index_dir, verify_checksums=verify_checksums, hashed_on_load=(INDEX_FILE, *structure_files))
+    `load.verify_checksums`) but those `DenseIndex.load` checks from the bytes it loads: index.faiss, and the
+    structures loaded on `load.device`."""
+    structure_files = tuple(candidates_file(kind) for kind in KINDS) if structures_served(load.device) else ()
+    return read_manifest(index_dir, verify_checksums=load.verify_checksums,
+                         hashed_on_load=(INDEX_FILE, *structure_files))
 
 
 def check_rows(index_dir: Path, manifest: Manifest, index, passages: PassageStore) -> None:
@@ -83,21 +85,19 @@ class DenseIndex:
         self.pinned = pinned  # held while the index is: the vectors' prefetch reads through it after the load
 
     @classmethod
-    def load(cls, pinned: PinnedFolder, manifest: Manifest, passages: PassageStore, device: str, *,
-             verify_checksums: bool, mmap: bool | None = None, fp16: bool = False) -> "DenseIndex":
+    def load(cls, pinned: PinnedFolder, manifest: Manifest, passages: PassageStore, load: LoadOptions) -> "DenseIndex":
         """The dense side of the generation `pinned` holds, whose manifest `read_index_manifest` read and whose
         passages `passages` are: the rows agree (check_rows), and each structure listed is the one of these
-        vectors, its file checked from the bytes read where `verify_checksums` (structures.load). `mmap`
-        (None: where a structure is loaded) and `fp16`: see dense_index.load_index. IndexFormatError says
-        what is wrong."""
-        records = manifest.candidates if structures_served(device) else []
-        files = manifest.files
-        index = dense_index.load_index(pinned.path(INDEX_FILE), device, fp16=fp16,
-                                       mmap=mmap if mmap is not None else bool(records),
-                                       expected=files[INDEX_FILE] if verify_checksums else None)
+        vectors, its file checked from the bytes read where `load.verify_checksums` (structures.load); `load`'s
+        `mmap` and `fp16`: see dense_index.load_index. IndexFormatError says what is wrong."""
+        records = manifest.candidates if structures_served(load.device) else []
+        files, verify = manifest.files, load.verify_checksums
+        index = dense_index.load_index(pinned.path(INDEX_FILE), load.device, fp16=load.fp16,
+                                       mmap=load.mmap if load.mmap is not None else bool(records),
+                                       expected=files[INDEX_FILE] if verify else None)
         check_rows(pinned.root, manifest, index, passages)
         loaded = {record.kind: structures.load(pinned.path(record.file), record, index,
-                                               files[record.file] if verify_checksums else None)
+                                               files[record.file] if verify else None)
                   for record in records}
         restrictions = filtered_search.Restrictions(passages.field_columns(manifest.fields, manifest.count))
         scan = filtered_search.scan_index(index, pinned.path(INDEX_FILE), manifest.fields)

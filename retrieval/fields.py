@@ -179,8 +179,6 @@ JSON_TYPES = {"text": "string", "integer": "number", "real": "number", "true": "
 
 def _stored(connection: sqlite3.Connection) -> list[tuple[str, str, int]]:
     """(field, type, first corpus line) of each field and type the stored passages hold."""
-    if not has_fields_column(connection):
-        return []
     found = connection.execute("SELECT j.key, j.type, MIN(p.line) FROM passages p, json_each(p.fields) j "
                                "WHERE p.fields IS NOT NULL GROUP BY j.key, j.type").fetchall()
     merged: dict[tuple[str, str], int] = {}
@@ -202,11 +200,6 @@ def stored_types(connection: sqlite3.Connection) -> dict[str, str]:
                              f"{second[1]} (a field has one type across the collection)")
         types[name] = (kind, line)
     return {name: kind for name, (kind, _) in sorted(types.items())}
-
-
-def has_fields_column(connection: sqlite3.Connection) -> bool:
-    """Whether a passage store has the `fields` column (stores written before metadata existed do not)."""
-    return any(column[1] == "fields" for column in connection.execute("PRAGMA table_info(passages)"))
 
 
 def encode_fields(fields: Mapping | None) -> str | None:
@@ -250,7 +243,7 @@ class FieldColumns:
         """The columns of `types`' fields, read from a passage store in one pass over its rows, each row's
         fields parsed by Python's JSON reader: values are kept as the exact code points stored (NUL included,
         which SQLite's JSON functions cut a string at), in time linear in the values stored."""
-        if not types or not has_fields_column(connection):
+        if not types:
             return cls(count, types or {}, {name: absent_column(kind, count) for name, kind in (types or {}).items()})
         found: dict[str, tuple[list[int], list]] = {name: ([], []) for name in types}
         for row, stored in connection.execute("SELECT row, fields FROM passages WHERE fields IS NOT NULL"):

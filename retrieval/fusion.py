@@ -68,10 +68,12 @@ def standardised(values: np.ndarray) -> np.ndarray:
 class FusionRule:
     """How a hybrid search fuses its dense and BM25 lists: `fuse(dense, lexical, depth, lead)`, and whether it
     reads each list deeper than the answer (`deep`: to the request's fusion_depth, since a passage low in one
-    list may rise), where interleaving needs only the answer's depth of each."""
+    list may rise), where interleaving needs only the answer's depth of each; `led`: whether `lead` (which list
+    goes first) changes its answer."""
 
     fuse: Callable[[Scored, Scored, int, str], list[tuple[Hashable, float]]]
     deep: bool
+    led: bool = False
 
 
 def _keys(ranking: Scored) -> list[Hashable]:
@@ -79,9 +81,9 @@ def _keys(ranking: Scored) -> list[Hashable]:
 
 
 FUSION_RULES: dict[str, FusionRule] = {
-    # `lead`: which list goes first (interleaving only)
     "interleave": FusionRule(lambda dense, lexical, depth, lead: interleave(
-        *((_keys(dense), _keys(lexical)) if lead == "dense" else (_keys(lexical), _keys(dense))), depth), deep=False),
+        *((_keys(dense), _keys(lexical)) if lead == "dense" else (_keys(lexical), _keys(dense))), depth), deep=False,
+        led=True),
     "rrf": FusionRule(lambda dense, lexical, depth, lead: reciprocal_rank_fusion([_keys(dense), _keys(lexical)], depth),
                       deep=True),
     "zscore": FusionRule(lambda dense, lexical, depth, lead: standardised_score_fusion([dense, lexical], depth),

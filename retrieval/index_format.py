@@ -8,7 +8,8 @@
                           vectors (retrieval.candidates), listed in the manifest's `candidates`
 
 Readers go through this module; `retrieval.index_writer` writes it, the manifest
-last and atomically, so a directory with a manifest is a finished index.
+last and atomically, so a directory with a manifest is a finished index. This is format 2; a folder of
+format 1 is read through one upgrade step (retrieval.format_upgrade).
 """
 
 from __future__ import annotations
@@ -22,12 +23,14 @@ from typing import Collection, Literal
 from pydantic import BaseModel, ValidationError
 
 from models.checkpoint import file_sha256
+from retrieval import format_upgrade
 from retrieval.candidates.registry import KINDS
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MANIFEST_FILE = "manifest.json"
 INDEX_FILE = "index.faiss"
 PASSAGES_FILE = "passages.sqlite"
+TEXT_HASHES_FILE = "text-sha256.npy"
 
 
 class IndexFormatError(Exception):
@@ -46,12 +49,12 @@ class EncoderRecord(BaseModel):
     passage_max_tokens: int
     weights_sha256: str
     # What computed the passages' vectors (models.onnx_backend); the service encodes queries the same
-    # way unless told otherwise. Manifests from before backends existed: torch.
-    backend: Literal["torch", "onnx", "onnx-int8"] = "torch"
-    export_sha256: str | None = None  # with an ONNX backend: the exported file's
-    # Text put before each query / passage (models.encoder.EncoderSpec); manifests from before: none.
-    query_prefix: str = ""
-    passage_prefix: str = ""
+    # way unless told otherwise.
+    backend: Literal["torch", "onnx", "onnx-int8"]
+    export_sha256: str | None  # with an ONNX backend: the exported file's
+    # Text put before each query / passage (models.encoder.EncoderSpec).
+    query_prefix: str
+    passage_prefix: str
 
 
 class FileRecord(BaseModel):
@@ -64,9 +67,9 @@ class CorpusRecord(BaseModel):
     format: Literal["tsv", "jsonl"]
     passages: int
     skipped: int
-    # sha256 of the whole corpus file, so shards of different corpora never merge; None in indexes built
-    # before it was recorded.
-    sha256: str | None = None
+    # sha256 of the whole corpus file, so shards of different corpora never merge; None where the passages come
+    # from more than one file (an update) or a format-1 index did not record it.
+    sha256: str | None
 
 
 class Bm25Record(BaseModel):
@@ -99,8 +102,7 @@ def candidates_file(kind: str) -> str:
 
 
 class Manifest(BaseModel):
-    """The record of one index. Manifests written before `dimension` and `similarity` lived only in
-    `encoder` also carry them at the top level; those copies are ignored on reading."""
+    """The record of one index, as written to disk by `sealed`."""
 
     format_version: int = FORMAT_VERSION
     encoder: EncoderRecord
@@ -110,13 +112,13 @@ class Manifest(BaseModel):
     files: dict[str, FileRecord]  # every file of the index, by path relative to the directory
     bm25: Bm25Record | None = None  # present when built with --bm25
     shard: str | None = None  # "i/N" for one job of a sharded build (retrieval.sharding); None for a whole index
-    # Approximate candidate structures beside the exact vectors (`ann`, `build --ann`); none before they existed.
+    # Approximate candidate structures beside the exact vectors (`ann`, `build --ann`).
     candidates: list[CandidateRecord] = []
     # The passages' metadata fields and the type of each (retrieval.fields), e.g. {"year": "number"}; none for
-    # a TSV corpus, a JSONL one without them, and indexes built before they existed.
+    # a TSV corpus and a JSONL one without them.
     fields: dict[str, Literal["string", "number", "boolean", "string[]"]] = {}
-    # sha256 of the manifest's own other fields (`manifest_digest`), so an edited manifest is refused;
-    # None in manifests written before it existed, which load unchecked as before.
+    # sha256 of the manifest's own other fields (`manifest_digest`), so an edited manifest is refused; None in a
+    # manifest not yet sealed.
     manifest_sha256: str | None = None
 
     @property
@@ -137,14 +139,12 @@ def manifest_digest(fields: dict) -> str:
 def generation_id(manifest: Manifest) -> str:
     """What names one generation of an index (in /ready and beside every answer): the first 16 hex digits of
     its manifest's digest, so two generations that differ in any recorded way have two names."""
-    return (manifest.manifest_sha256 or manifest_digest(manifest.model_dump(mode="json")))[:16]
+    return manifest.manifest_sha256[:16]
 
 
 def sealed(manifest: Manifest) -> dict:
-    """The manifest as written to disk: its fields and their digest. An index without candidate structures
-    (or without metadata fields) is written without that field, as before it existed."""
-    fields = manifest.model_dump(exclude={"manifest_sha256"} | (set() if manifest.candidates else {"candidates"})
-                                 | (set() if manifest.fields else {"fields"}))
+    """The manifest as written to disk: its fields and their digest."""
+    fields = manifest.model_dump(exclude={"manifest_sha256"})
     return {**fields, "manifest_sha256": manifest_digest(fields)}
 
 
@@ -179,17 +179,21 @@ def read_manifest(directory: str | Path, *, verify_checksums: bool = False,
         raw = json.loads(path.read_text())
     except json.JSONDecodeError as error:
         raise IndexFormatError(f"{path}: not valid JSON ({error})") from error
-    if raw.get("format_version") != FORMAT_VERSION:
-        raise IndexFormatError(
-            f"{path}: format_version {raw.get('format_version')!r}, this code reads {FORMAT_VERSION}"
-        )
-    if raw.get("manifest_sha256") is not None and raw["manifest_sha256"] != manifest_digest(raw):
+    version = raw.get("format_version") if isinstance(raw, dict) else None
+    if version not in (format_upgrade.OLDEST, FORMAT_VERSION):
+        raise IndexFormatError(f"{path}: format_version {version!r}, this code reads "
+                               f"{format_upgrade.OLDEST} to {FORMAT_VERSION}")
+    digest = raw.get("manifest_sha256")  # always there in format 2; in format 1, from some version on
+    if (digest is not None or version == FORMAT_VERSION) and digest != manifest_digest(raw):
         raise IndexFormatError(f"{path}: changed after it was written (its content does not match its manifest_sha256)")
+    if version == format_upgrade.OLDEST:
+        raw = format_upgrade.manifest(raw)
+        raw["manifest_sha256"] = manifest_digest(raw)
     try:
         manifest = Manifest.model_validate(raw)
     except ValidationError as error:
         raise IndexFormatError(f"{path}: {error}") from error
-    for name in (INDEX_FILE, PASSAGES_FILE):
+    for name in (INDEX_FILE, PASSAGES_FILE) + ((TEXT_HASHES_FILE,) if version == FORMAT_VERSION else ()):
         if name not in manifest.files:
             raise IndexFormatError(f"{directory}: {name} missing from the manifest")
     kinds = [record.kind for record in manifest.candidates]

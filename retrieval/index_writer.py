@@ -25,7 +25,7 @@ import numpy as np
 from retrieval import dense_index
 from retrieval.candidates import recall, structures
 from retrieval.bm25_index import BM25_DIR, bm25_record, build_bm25
-from retrieval.fields import has_fields_column, stored_types
+from retrieval.fields import stored_types
 from retrieval.index_format import (
     INDEX_FILE,
     MANIFEST_FILE,
@@ -52,13 +52,9 @@ PassageRow = tuple[int, str, str, int] | tuple[int, str, str, int, str | None]
 
 
 def open_store(work: Path) -> sqlite3.Connection:
-    """The passage store being written in `work` (created if new; one an interrupted build began before
-    the `fields` column existed gets it)."""
+    """The passage store being written in `work` (created if new)."""
     connection = sqlite3.connect(work / PASSAGES_FILE)
     connection.executescript(SCHEMA)
-    if not has_fields_column(connection):
-        with connection:
-            connection.execute("ALTER TABLE passages ADD COLUMN fields TEXT")
     return connection
 
 

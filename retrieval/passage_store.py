@@ -8,7 +8,9 @@ import threading
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from retrieval.fields import FieldColumns, has_fields_column
+from retrieval import format_upgrade
+from retrieval.fields import FieldColumns
+from retrieval.index_format import FORMAT_VERSION
 from retrieval.pinned import sqlite_uri
 
 SCHEMA = """
@@ -24,16 +26,18 @@ CREATE TABLE IF NOT EXISTS passages (
 
 class PassageStore:
     """Read-only access through one SQLite connection, opened here (so the store read is the file at `path`
-    now, whatever is renamed over it later: retrieval.pinned) and shared by every thread, one query at a time."""
+    now, whatever is renamed over it later: retrieval.pinned) and shared by every thread, one query at a time.
+    `format_version`: the index's (a format-1 store is read through retrieval.format_upgrade)."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, format_version: int = FORMAT_VERSION) -> None:
         self.path = Path(path)
         if not self.path.is_file():
             raise FileNotFoundError(f"{self.path}: passage store missing")
         self._lock = threading.Lock()
         self._connection = sqlite3.connect(sqlite_uri(self.path), uri=True, check_same_thread=False)
         with self._lock:  # the file is opened by the first statement, so here and now
-            self.has_fields = has_fields_column(self._connection)
+            self._connection.execute("PRAGMA main.schema_version").fetchone()
+            format_upgrade.passages(self._connection, format_version)
 
     def _query(self, sql: str, parameters: Sequence = ()) -> list[tuple]:
         with self._lock:
@@ -57,10 +61,9 @@ class PassageStore:
         return [found[int(r)] for r in rows]
 
     def fields(self, rows: Sequence[int]) -> list[dict]:
-        """Each row's metadata fields (retrieval.fields), in the order asked; {} for none, and for every row
-        of a store written before the `fields` column existed."""
-        if not rows or not self.has_fields:
-            return [{} for _ in rows]
+        """Each row's metadata fields (retrieval.fields), in the order asked; {} for none."""
+        if not rows:
+            return []
         found = {row: json.loads(stored) for row, stored in self._rows("row, fields", rows, "AND fields IS NOT NULL")}
         return [found.get(int(r), {}) for r in rows]
 

@@ -14,14 +14,13 @@ from models.checkpoint import resolve_device
 from models.encoder import BiEncoder, Tokens
 from retrieval import filtered_search
 from retrieval.candidates.kind import Structure
-from retrieval.bm25_index import BM25_DIR, Bm25Index
-from retrieval.dense import DenseIndex, check_candidates, pick_structure, read_index_manifest
+from retrieval.dense import check_candidates, pick_structure
 from retrieval.fields import chosen_fields
 from retrieval.filters import Filter, parse_filter
 from retrieval.fusion import FUSION_RULES
-from retrieval.index_format import PASSAGES_FILE, Manifest, generation_id
-from retrieval.passage_store import PassageStore
-from retrieval.pinned import PinnedFolder
+from retrieval.generation import load_generation
+from retrieval.index_format import Manifest
+from retrieval.load_options import LoadOptions
 from retrieval.request import FUSIONS, LEADS, MAX_K, MODES, Fusion, Lead, Mode, Retrieval
 
 log = logging.getLogger("retrieval")
@@ -113,36 +112,21 @@ class Searcher:
     vectors stay on the CPU (the first listed; `structure` names another): `candidates` rows per query
     proposed by it, then scored exactly from the stored vectors (retrieval.candidates.structures.search), so every
     score is the exact one; `exact` asks for the full scan instead. `answered_by` says which was used.
-    `mmap` memory-maps the vectors of an index kept on the CPU (None, the default: where a candidate
-    structure is used, so the process holds the structure, not the vectors); `fp16` stores them as fp16
-    on a GPU (see dense_index.load_index); each is ignored where it does not apply. Both are kept as
-    attributes, as given, so an index loaded to replace this one can be loaded alike.
-    `verify_checksums`: the vectors served are the bytes of index.faiss the manifest records, checked
-    from what FAISS loads (dense_index.read_verified); the other files are hashed before they are opened
-    (index_format.read_manifest), so a rewrite in between is not caught there."""
+    `load`: how the index is loaded (retrieval.load_options), kept as an attribute so that an index loaded to
+    replace this one is loaded alike."""
 
-    def __init__(
-        self,
-        index_dir: str | Path,
-        encoder: BiEncoder | None = None,
-        *,
-        device: str = "auto",
-        verify_checksums: bool = False,
-        mmap: bool | None = None,
-        fp16: bool = False,
-    ) -> None:
-        self.index_dir = Path(index_dir)
-        self.mmap, self.fp16 = mmap, fp16
-        pinned = PinnedFolder(self.index_dir)  # every file below is opened through it, now: one generation
-        with pinned.reading():
-            self.manifest = read_index_manifest(pinned.root, device, verify_checksums)
-            self.generation = generation_id(self.manifest)
-            self.encoder = encoder if encoder is not None else encoder_for(self.manifest, device)
-            check_encoder(self.manifest, self.encoder)  # before the vectors load
-            self.passages = PassageStore(pinned.path(PASSAGES_FILE))
-            self.dense = DenseIndex.load(pinned, self.manifest, self.passages, device,
-                                         verify_checksums=verify_checksums, mmap=mmap, fp16=fp16)
-            self.bm25 = Bm25Index(pinned.path(BM25_DIR)) if self.manifest.bm25 is not None else None
+    def __init__(self, index_dir: str | Path, encoder: BiEncoder | None = None,
+                 load: LoadOptions = LoadOptions()) -> None:
+        self.index_dir, self.load = Path(index_dir), load
+
+        def take_encoder(manifest: Manifest) -> None:
+            self.encoder = encoder if encoder is not None else encoder_for(manifest, load.device)
+            check_encoder(manifest, self.encoder)
+
+        loaded = load_generation(self.index_dir, load, before_vectors=take_encoder, bm25=True)
+        self.manifest, self.passages, self.dense = loaded.manifest, loaded.passages, loaded.dense
+        self.bm25 = loaded.bm25
+        self.generation = loaded.generation_id
         self.field_types = dict(self.manifest.fields)
 
     @property

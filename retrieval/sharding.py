@@ -20,11 +20,11 @@ from typing import NamedTuple, Sequence
 
 import numpy as np
 
-from retrieval.dense import DenseIndex, check_candidates, pick_structure, read_index_manifest
+from retrieval.dense import check_candidates, pick_structure
 from retrieval.filters import Filter
-from retrieval.index_format import MANIFEST_FILE, PASSAGES_FILE, Manifest, manifest_digest
-from retrieval.passage_store import PassageStore
-from retrieval.pinned import PinnedFolder
+from retrieval.generation import load_generation
+from retrieval.index_format import MANIFEST_FILE, Manifest
+from retrieval.load_options import LoadOptions
 
 
 @dataclass(frozen=True)
@@ -98,9 +98,9 @@ def merge_top_k(lists: Sequence[Sequence[ShardHit]], k: int) -> list[ShardHit]:
 
 
 def build_identity(manifest: Manifest) -> str:
-    """What tells one build of a shard from another: its manifest's own sha256 (computed for a manifest
-    written before it had one)."""
-    return manifest.manifest_sha256 or manifest_digest(manifest.model_dump(mode="json"))
+    """What tells one build of a shard from another: its manifest's own sha256 (read_manifest computes it for a
+    format-1 manifest without one)."""
+    return manifest.manifest_sha256
 
 
 class OtherBuild(ValueError):
@@ -149,19 +149,13 @@ def check_shard_set(manifests: Sequence[tuple[str, Manifest]]) -> list[Shard]:
 
 class ShardIndex:
     """One shard directory's vectors, passages and candidate structures, loaded and checked as a `Searcher`
-    loads an index (retrieval.dense.DenseIndex.load: `device`, `fp16`, and `mmap`, None memory-mapping the
-    vectors where a structure is loaded; a damaged or foreign structure is an IndexFormatError naming the
-    reason); `search` takes encoded queries."""
+    loads an index (retrieval.generation, with `load`: retrieval.load_options; a damaged or foreign structure is
+    an IndexFormatError naming the reason); `search` takes encoded queries."""
 
-    def __init__(self, index_dir: str | Path, *, device: str = "auto", verify_checksums: bool = True,
-                 mmap: bool | None = None, fp16: bool = False) -> None:
+    def __init__(self, index_dir: str | Path, load: LoadOptions = LoadOptions()) -> None:
         self.index_dir = Path(index_dir)
-        pinned = PinnedFolder(self.index_dir)  # one generation: see retrieval.pinned
-        with pinned.reading():
-            self.manifest = read_index_manifest(pinned.root, device, verify_checksums)
-            self.passages = PassageStore(pinned.path(PASSAGES_FILE))
-            self.dense = DenseIndex.load(pinned, self.manifest, self.passages, device,
-                                         verify_checksums=verify_checksums, mmap=mmap, fp16=fp16)
+        loaded = load_generation(self.index_dir, load)
+        self.manifest, self.passages, self.dense = loaded.manifest, loaded.passages, loaded.dense
         self.index, self.structures = self.dense.index, self.dense.structures
 
     def search(self, vectors: np.ndarray, k: int, build: str | None = None, *, structure: str | None = None,

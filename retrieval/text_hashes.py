@@ -6,8 +6,7 @@ vector of an unchanged passage without reading the old corpus or the old texts. 
 what the corpus reader made of the record (TSV text stripped; JSONL title and text stripped and
 joined by a space), and the encoder sees that text after the passage prefix, cut at the passage
 token limit: both of those are in the manifest's encoder record, so two indexes with equal encoder
-records give equal texts equal vectors. An index written before this file existed has its hashes
-computed from its stored texts (`index_text_hashes`).
+records give equal texts equal vectors.
 """
 
 from __future__ import annotations
@@ -20,9 +19,8 @@ from typing import Iterable
 
 import numpy as np
 
-from retrieval.index_format import PASSAGES_FILE, IndexFormatError, Manifest
+from retrieval.index_format import PASSAGES_FILE, TEXT_HASHES_FILE, IndexFormatError, Manifest
 
-TEXT_HASHES_FILE = "text-sha256.npy"
 DIGEST_BYTES = 32
 
 
@@ -53,9 +51,9 @@ def write_text_hashes(work: Path) -> str:
 
 
 def index_text_hashes(folder: Path, manifest: Manifest) -> np.ndarray:
-    """The hashes of a finished index's passages, in row order: its file where the manifest lists one
-    (IndexFormatError if its shape is not one row a passage), else computed from the stored texts."""
-    if TEXT_HASHES_FILE not in manifest.files:
+    """The hashes of a finished index's passages, in row order: its file (IndexFormatError if its shape is not one
+    row a passage), or for a format-1 index without one (retrieval.format_upgrade), computed from the stored texts."""
+    if TEXT_HASHES_FILE not in manifest.files:  # read_manifest requires the file of format 2
         return stored_text_hashes(folder)
     hashes = np.load(folder / TEXT_HASHES_FILE)
     if hashes.shape != (manifest.count, DIGEST_BYTES) or hashes.dtype != np.uint8:

@@ -10,6 +10,7 @@ from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from models.backends import Backend
+from retrieval.load_options import LoadOptions
 
 
 class ServiceSettings(BaseSettings):
@@ -179,6 +180,12 @@ class ServiceSettings(BaseSettings):
         if url is not None and (url.scheme not in ("http", "https") or not url.hostname):
             raise ValueError(f"{endpoint!r} is not an http(s) URL, e.g. http://collector:4318/v1/traces")
         return endpoint
+
+    @property
+    def load(self) -> LoadOptions:
+        """How the index is loaded; SEARCH_INDEX_MMAP false leaves mapping to the index (mapped where a candidate
+        structure is loaded), as LoadOptions' default does."""
+        return LoadOptions(self.device, self.verify_checksums, self.index_mmap or None, self.gpu_fp16)
 
     @property
     def body_limit(self) -> int:

@@ -16,6 +16,7 @@ import pytest
 from index_builder.build import BuildOptions, build_index
 from index_builder.merge import merge_shards
 from models.encoder import BiEncoder
+from retrieval.load_options import LoadOptions
 from retrieval.searcher import Searcher
 from retrieval.sharding import shard_folder
 from service.engine.search_engine import SearchEngine
@@ -26,6 +27,7 @@ CRANFIELD = ROOT.parent / "shared" / "data" / "cranfield"
 # The demo corpus keeps the relevant passages of q0001..q0100 within its first 300 lines.
 SMALL_CORPUS_LINES = 300
 SMALL_SHARDS = 3
+CPU = LoadOptions(device="cpu")  # how the tests load an index
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -104,7 +106,7 @@ def merged_shards(tmp_path_factory, small_shards) -> Path:
 
 @pytest.fixture(scope="session")
 def searcher(small_index, encoder) -> Searcher:
-    return Searcher(small_index, encoder, device="cpu")
+    return Searcher(small_index, encoder, load=CPU)
 
 
 @pytest.fixture(scope="session")

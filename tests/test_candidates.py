@@ -22,9 +22,10 @@ from retrieval.candidates.hnsw import Hnsw
 from retrieval.candidates.registry import KINDS
 from retrieval.candidates.structures import MAX_CANDIDATES
 from retrieval.index_format import INDEX_FILE, MANIFEST_FILE, IndexFormatError, read_manifest
+from retrieval.load_options import LoadOptions
 from retrieval.searcher import Searcher
 from retrieval.text_hashes import TEXT_HASHES_FILE
-from tests.conftest import DEMO, ROOT, SMALL_CORPUS_LINES
+from tests.conftest import CPU, DEMO, ROOT, SMALL_CORPUS_LINES
 
 HNSW_FILE = "candidates-hnsw.faiss"
 
@@ -44,7 +45,7 @@ def hnsw_index(tmp_path_factory, small_index) -> Path:
 
 @pytest.fixture(scope="module")
 def approximate(hnsw_index, encoder) -> Searcher:
-    return Searcher(hnsw_index, encoder, device="cpu", verify_checksums=True)
+    return Searcher(hnsw_index, encoder, load=CPU)
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +129,7 @@ def test_the_vectors_are_memory_mapped_where_a_structure_is_used_unless_the_call
                                                                                         approximate, searcher):
     assert dense_index.is_mapped(approximate.index)
     assert not dense_index.is_mapped(searcher.index)  # no structure: held, as before
-    held = Searcher(hnsw_index, encoder, device="cpu", mmap=False)
+    held = Searcher(hnsw_index, encoder, load=LoadOptions(device="cpu", mmap=False))
     assert not dense_index.is_mapped(held.index) and held.answered_by(held.request(10)) == "approximate:hnsw"
 
 
@@ -197,7 +198,7 @@ def test_a_damaged_or_missing_structure_file_is_refused_with_a_reason(hnsw_index
     index = copy_of(hnsw_index, tmp_path)
     damage_file(index / HNSW_FILE, damage)
     with pytest.raises(IndexFormatError, match=reason):
-        Searcher(index, encoder, device="cpu", verify_checksums=True)
+        Searcher(index, encoder, load=CPU)
 
 
 def test_a_structure_of_another_index_is_refused(hnsw_index, tmp_path, encoder):
@@ -213,6 +214,7 @@ def test_a_structure_of_another_index_is_refused(hnsw_index, tmp_path, encoder):
 
 HOLD_THE_LOCK = """
 import sys, time
+from retrieval.load_options import LoadOptions
 from pathlib import Path
 from index_builder import out_lock
 
@@ -327,7 +329,7 @@ def test_ivf_records_its_lists_and_probes_in_the_card(ivf_index, small_index, tm
 
 
 def test_ivf_answers_carry_exact_scores_and_more_probes_find_more(ivf_index, encoder, queries, stored_vectors):
-    searcher = Searcher(ivf_index, encoder, device="cpu", verify_checksums=True)
+    searcher = Searcher(ivf_index, encoder, load=CPU)
     assert searcher.answered_by(searcher.request(10)) == "approximate:ivf"
     vectors = searcher.encode(queries)
     narrow = searcher.rank(queries, vectors, searcher.request(10))  # 20 candidates from 2 lists of 8
@@ -376,7 +378,7 @@ def test_pq_holds_a_48_byte_code_a_passage_at_384_dimensions_and_records_what_it
 
 def test_pq_answers_carry_exact_scores_and_narrow_ones_miss_what_wider_find(pq_index, encoder, queries,
                                                                              stored_vectors):
-    searcher = Searcher(pq_index, encoder, device="cpu", verify_checksums=True)
+    searcher = Searcher(pq_index, encoder, load=CPU)
     vectors = searcher.encoder.encode_queries(queries)
     exact = searcher.rank(queries, vectors, searcher.request(10, exact=True))
     narrow = searcher.rank(queries, vectors, searcher.request(10, candidates=10))

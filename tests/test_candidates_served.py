@@ -9,6 +9,7 @@ from index_builder.cli import main as cli_main
 from retrieval.searcher import Searcher
 from service.engine.search_engine import SearchEngine
 from service.http.app import create_app
+from tests.conftest import CPU
 from tests.test_candidates import copy_of
 from tests.test_service import call, one, settings_for
 
@@ -22,7 +23,7 @@ def hnsw_index(tmp_path_factory, small_index):
 
 @pytest.fixture(scope="module")
 def hnsw_engine(hnsw_index, encoder) -> SearchEngine:
-    return SearchEngine(Searcher(hnsw_index, encoder, device="cpu", verify_checksums=True))
+    return SearchEngine(Searcher(hnsw_index, encoder, load=CPU))
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ from index_builder.cli import main as cli_main
 from index_builder.evaluate import RECALL_AGAINST_EXACT, EvalRow, eval_rows, recall_against_exact
 from retrieval.readers import read_run
 from retrieval.searcher import Searcher
+from tests.conftest import CPU
 from tests.test_candidates import copy_of
 from tests.test_cross_encoder import tiny_bert
 
@@ -125,7 +126,7 @@ def test_the_exact_rows_equal_the_eval_of_the_same_index_without_structures(stru
 def test_a_structure_row_is_what_the_searcher_answers_through_that_structure(structured, structured_index, encoder,
                                                                               demo_queries):
     _, runs = structured
-    searcher = Searcher(structured_index, encoder, device="cpu")
+    searcher = Searcher(structured_index, encoder, load=CPU)
     texts = [demo_queries[q] for q in QUERIES]
     for kind in ("hnsw", "binary"):
         run = read_run(runs / f"dense@{kind}.run")

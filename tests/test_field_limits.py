@@ -19,6 +19,7 @@ from retrieval.index_format import read_manifest
 from retrieval.searcher import Searcher
 from service.engine.search_engine import SearchEngine
 from service.http.app import create_app
+from tests.conftest import CPU
 from tests.test_service import call, settings_for
 
 SOURCES = ["a\u0000nul", "a", "a\u0000", "b\u0007bell"]
@@ -45,7 +46,7 @@ def odd_values_index(tmp_path_factory, encoder) -> Path:
 @pytest.mark.parametrize("value", SOURCES)
 def test_a_string_value_filters_by_its_exact_code_points_nul_and_control_characters_included(
         odd_values_index, encoder, value):
-    searcher = Searcher(odd_values_index, encoder, device="cpu")
+    searcher = Searcher(odd_values_index, encoder, load=CPU)
     expected = {f"p{n}" for n in range(24) if SOURCES[n % 4] == value}
     for mode in ("dense", "bm25", "hybrid"):
         hits = searcher.search("entry about tea rain maps owls", 24, mode=mode, filter={"source": value}, fields=True)
@@ -87,7 +88,7 @@ def test_an_index_of_thousands_of_fields_loads_each_column_whole_and_answers_an_
         tmp_path, encoder):
     corpus = many_fields_corpus(tmp_path / "corpus.jsonl", 10, 400)  # 4,000 fields
     build_index(BuildOptions(corpus, tmp_path / "index", max_fields=5000), encoder)
-    searcher = Searcher(tmp_path / "index", encoder, device="cpu")
+    searcher = Searcher(tmp_path / "index", encoder, load=CPU)
     assert [hit.id for hit in searcher.search("entry", 10, filter={"f03999": 399})] == ["p9"]
     with pytest.raises(FilterError) as unknown:
         searcher.parse_filter({"f0399": 1})

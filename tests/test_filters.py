@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import sqlite3
 from pathlib import Path
 
 import faiss
@@ -24,22 +23,14 @@ from retrieval.corpus import BadLine, read_corpus
 from retrieval.fields import encode_fields
 from retrieval.filters import FilterError, evaluate, parse_filter
 from retrieval.fusion import interleave, reciprocal_rank_fusion
-from retrieval.index_format import (
-    INDEX_FILE,
-    MANIFEST_FILE,
-    PASSAGES_FILE,
-    file_record,
-    read_manifest,
-    sealed,
-    write_json_atomic,
-)
+from retrieval.index_format import INDEX_FILE, MANIFEST_FILE, PASSAGES_FILE, read_manifest
 from retrieval.passage_store import PassageStore
 from retrieval.searcher import MAX_K, HitWithFields, Searcher
 from retrieval.sharding import ShardIndex
 from service.engine.search_engine import SearchEngine
 from service.http.app import create_app
 from service.sharded.sharded_engine import LocalShard, ShardedEngine, ShardedSearcher
-from tests.conftest import DEMO
+from tests.conftest import CPU, DEMO
 from tests.test_service import one, settings_for
 
 PASSAGES = 240
@@ -107,7 +98,7 @@ def fields_index(tmp_path_factory, fields_corpus, encoder) -> Path:
 
 @pytest.fixture(scope="module")
 def fields_searcher(fields_index, encoder) -> Searcher:
-    return Searcher(fields_index, encoder, device="cpu")
+    return Searcher(fields_index, encoder, load=CPU)
 
 
 @pytest.fixture(scope="module")
@@ -195,9 +186,9 @@ def test_the_manifest_lists_each_field_with_its_type(fields_index):
     assert json.loads((fields_index / MANIFEST_FILE).read_text())["fields"] == TYPES
 
 
-def test_a_tsv_index_has_no_fields_and_its_manifest_no_field_for_them(small_index):
+def test_a_tsv_index_has_no_fields_and_its_manifest_says_so(small_index):
     assert read_manifest(small_index).fields == {}
-    assert "fields" not in json.loads((small_index / MANIFEST_FILE).read_text())
+    assert json.loads((small_index / MANIFEST_FILE).read_text())["fields"] == {}
 
 
 def test_fields_are_returned_only_when_asked(fields_searcher, fields_app, stored):
@@ -365,28 +356,6 @@ def test_bad_lines_name_the_field_and_are_skipped_with_skip_bad(tmp_path, encode
     assert read_manifest(tmp_path / "skipped").fields == {"source": "string", "tags": "string[]", "year": "number"}
 
 
-def test_an_index_built_before_fields_existed_still_loads_and_serves(tmp_path, small_index, encoder, searcher):
-    """Its passage store has no `fields` column and its manifest no `fields`: it serves as before, filters
-    name no field of it, and `fields: true` gives each hit none."""
-    old = tmp_path / "old"
-    shutil.copytree(small_index, old)
-    connection = sqlite3.connect(old / PASSAGES_FILE)
-    with connection:
-        connection.execute("ALTER TABLE passages DROP COLUMN fields")
-    connection.execute("VACUUM")
-    connection.close()
-    manifest = read_manifest(old)
-    files = {**manifest.files, PASSAGES_FILE: file_record(old / PASSAGES_FILE)}
-    write_json_atomic(old / MANIFEST_FILE, sealed(manifest.model_copy(update={"files": files})))
-    served = Searcher(old, encoder, device="cpu", verify_checksums=True)
-    assert served.search(QUERIES[0], 5) == searcher.search(QUERIES[0], 5)
-    assert all(hit.fields == {} for hit in served.search(QUERIES[0], 5, fields=True))
-    app = create_app(settings_for(old), SearchEngine(served))
-    assert one(app, "POST", "/search", {"query": QUERIES[0], "k": 3}).status_code == 200
-    response = one(app, "POST", "/search", {"query": QUERIES[0], "filter": {"source": "x"}})
-    assert response.status_code == 422 and "it was built without metadata fields" in response.json()["detail"][0]["msg"]
-
-
 def write_shards(index: Path, folder: Path, count: int) -> list[Path]:
     """`index` split as `build --shards` splits it (row i to shard i % count), written through the index
     writer from its stored vectors and passages (nothing encoded again): shards of the very same vectors."""
@@ -419,7 +388,7 @@ def fields_shards(tmp_path_factory, fields_index) -> list[Path]:
 def test_sharded_filtered_search_equals_the_unsharded_filtered_search(fields_shards, fields_engine, encoder):
     assert read_manifest(fields_shards[0]).fields["editor"] == "string"
     assert "editor" not in read_manifest(fields_shards[1]).fields  # only shard 0's passages have one
-    clients = [LocalShard(ShardIndex(folder, device="cpu"), f"shard-{i}") for i, folder in enumerate(fields_shards)]
+    clients = [LocalShard(ShardIndex(folder, load=CPU), f"shard-{i}") for i, folder in enumerate(fields_shards)]
     sharded = ShardedEngine(ShardedSearcher(clients, encoder, timeout_s=10.0))
     assert sharded.describe()["fields"] == TYPES
     for spec, _ in FILTERS + [({"editor": {"$in": ["e0", "e2"]}}, 0), ({"editor": {"$ne": "e0"}}, 0)]:
@@ -440,7 +409,7 @@ def fields_hnsw(tmp_path_factory, fields_index, encoder) -> Searcher:
     copy = tmp_path_factory.mktemp("fields-hnsw") / "index"
     shutil.copytree(fields_index, copy)
     assert cli_main(["ann", "--index", str(copy), "--kind", "hnsw"]) == 0
-    return Searcher(copy, encoder, device="cpu")
+    return Searcher(copy, encoder, load=CPU)
 
 
 def test_a_selective_filter_over_a_hnsw_index_is_answered_by_the_exact_scan(fields_hnsw, fields_searcher):

@@ -19,6 +19,7 @@ from retrieval import index_writer
 from retrieval.index_format import generation_id, read_manifest
 from retrieval.searcher import Searcher
 from service.engine.search_engine import SearchEngine
+from tests.conftest import CPU
 from tests.test_admission import serving
 
 TOPICS = ["rivers", "lanterns", "compilers", "meadows", "violins", "glaciers", "parsers", "harbours", "archives"]
@@ -54,7 +55,7 @@ def generations(tmp_path_factory, encoder) -> tuple[Path, dict[str, dict[str, st
 def test_a_loaded_index_answers_from_its_own_generation_on_every_thread_after_another_is_exchanged_in(
         generations, encoder):
     root, expected = generations
-    searcher = Searcher(root / "a", encoder, device="cpu")
+    searcher = Searcher(root / "a", encoder, load=CPU)
     answers = expected[searcher.generation]
     query = text(5)
     assert index_writer._exchange(root / "a", root / "b")
@@ -73,7 +74,7 @@ def test_a_replica_exchanged_between_two_generations_answers_each_search_from_th
     root, expected = generations
     served, other = root / "a", root / "b"
     texts = [t for t in expected[generation_id(read_manifest(other))]]  # in both generations
-    engine = SearchEngine(Searcher(served, encoder, device="cpu"))
+    engine = SearchEngine(Searcher(served, encoder, load=CPU))
     answers: list[tuple] = []
     stop = threading.Event()
 
@@ -115,7 +116,7 @@ def test_a_replica_exchanged_between_two_generations_answers_each_search_from_th
 
 def test_ready_names_the_generation_served_and_each_answer_carries_it(generations, encoder):
     root, expected = generations
-    engine = SearchEngine(Searcher(root / "a", encoder, device="cpu"))
+    engine = SearchEngine(Searcher(root / "a", encoder, load=CPU))
     with serving(root / "a", engine) as (_, base, _port):
         ready = httpx.get(f"{base}/ready", trust_env=False).json()
         answer = httpx.post(f"{base}/search", json={"query": text(3), "k": 2}, trust_env=False)

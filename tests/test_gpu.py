@@ -10,7 +10,9 @@ import torch
 from models.encoder import BiEncoder
 from retrieval import dense_index
 from retrieval.index_format import INDEX_FILE
+from retrieval.load_options import LoadOptions
 from retrieval.searcher import Searcher
+from tests.conftest import CPU
 
 pytestmark = [
     pytest.mark.gpu,
@@ -42,8 +44,8 @@ def test_fp16_encoding_on_gpu_agrees_with_fp32_on_cpu():
 
 
 def test_searcher_on_gpu_equals_searcher_on_cpu(small_index):
-    on_gpu = Searcher(small_index, device="cuda")
-    on_cpu = Searcher(small_index, device="cpu")
+    on_gpu = Searcher(small_index, load=LoadOptions(device="cuda"))
+    on_cpu = Searcher(small_index, load=CPU)
     query = "Evaluate an expression node or a string containing only a Python expression."
     assert [h.id for h in on_gpu.search(query, 10)][:5] == [h.id for h in on_cpu.search(query, 10)][:5]
 
@@ -58,7 +60,7 @@ def test_fp16_storage_returns_the_fp32_top_10_with_scores_within_1e_3(small_inde
     scores, rows = dense_index.search(exact, vectors, 10)
     every_score = vectors @ exact.reconstruct_n(0, exact.ntotal).T
     # mmap is ignored on a GPU: the copy there reads every vector anyway
-    fp16 = Searcher(small_index, encoder, device="cuda", mmap=True, fp16=True)
+    fp16 = Searcher(small_index, encoder, load=LoadOptions(device="cuda", mmap=True, fp16=True))
     half_scores, half_rows = dense_index.search(fp16.index, vectors, 10)
     np.testing.assert_allclose(half_scores, scores, atol=1e-3)
     np.testing.assert_allclose(np.take_along_axis(every_score, half_rows, axis=1), scores, atol=1e-3)

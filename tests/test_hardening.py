@@ -33,6 +33,7 @@ from service.engine.search_engine import SearchEngine
 from service.errors import NotServable
 from service.http.app import create_app
 from service.settings import ServiceSettings
+from tests.conftest import CPU
 from tests.test_cross_encoder import tiny_bert
 from tests.test_service import call, one, settings_for
 
@@ -160,7 +161,7 @@ def test_a_manifest_count_that_disagrees_with_the_rows_is_refused_naming_all_thr
     (index / "manifest.json").write_text(json.dumps(sealed(manifest.model_copy(update={"count": 10}))))
     with pytest.raises(IndexFormatError, match="manifest counts 10 passages, index.faiss holds 300 vectors and "
                                                "passages.sqlite 300 rows"):
-        Searcher(index, encoder, device="cpu")
+        Searcher(index, encoder, load=CPU)
 
 
 def test_missing_passage_rows_are_refused_at_load_and_reported_by_ready(small_index, tmp_path, encoder):
@@ -169,7 +170,7 @@ def test_missing_passage_rows_are_refused_at_load_and_reported_by_ready(small_in
         connection.execute("DELETE FROM passages WHERE row >= 290")
     reseal(index)
     with pytest.raises(IndexFormatError, match="passages.sqlite 290 rows"):
-        Searcher(index, encoder, device="cpu")
+        Searcher(index, encoder, load=CPU)
     app = create_app(settings_for(index))
     with TestClient(app) as client:
         deadline = time.monotonic() + 60
@@ -188,7 +189,7 @@ def test_an_index_file_of_another_dimension_is_refused_naming_both(small_index, 
     faiss.write_index(other, str(index / "index.faiss"))
     reseal(index)
     with pytest.raises(IndexFormatError, match="index.faiss holds 768-d vectors, the manifest says 384-d"):
-        Searcher(index, encoder, device="cpu")
+        Searcher(index, encoder, load=CPU)
 
 
 def test_replacing_an_index_never_leaves_a_moment_with_nothing_at_its_path(tmp_path):
@@ -221,7 +222,7 @@ def test_reloading_an_index_of_another_model_keeps_the_query_token_override(smal
     model = tiny_bert(tmp_path / "tiny-encoder", num_labels=None)
     (tmp_path / "corpus.tsv").write_text("t1\twing stall at high angle\nt2\tjoin two paths\n")
     build_index(BuildOptions(tmp_path / "corpus.tsv", tmp_path / "other"), BiEncoder(model, device="cpu"))
-    engine = SearchEngine.open(small_index, device="cpu", query_max_tokens=7)
+    engine = SearchEngine.open(small_index, load=CPU, query_max_tokens=7)
     assert engine.searcher.encoder.spec.query_max_tokens == 7
     engine.install(engine.prepare(tmp_path / "other"))
     assert engine.searcher.encoder.path == model and str(engine.searcher.encoder.device) == "cpu"
@@ -240,14 +241,14 @@ def short_query_index(tmp_path_factory, encoder) -> Path:
 
 
 def test_reloading_an_index_of_the_same_model_takes_its_token_limits(small_index, short_query_index):
-    engine = SearchEngine.open(small_index, device="cpu")
+    engine = SearchEngine.open(small_index, load=CPU)
     assert engine.searcher.encoder.spec.query_max_tokens == 256
     engine.install(engine.prepare(short_query_index))
     assert engine.searcher.encoder.spec.query_max_tokens == 20
 
 
 def test_a_search_planned_before_a_reload_that_dropped_bm25_is_not_servable(small_index, short_query_index):
-    engine = SearchEngine.open(small_index, device="cpu")
+    engine = SearchEngine.open(small_index, load=CPU)
     plan = engine.plan(5, mode="bm25")  # a request queued while the reload below goes on
     engine.install(engine.prepare(short_query_index))
     with pytest.raises(NotServable, match="^mode: .*BM25"):

@@ -26,7 +26,7 @@ from retrieval.candidates.registry import KINDS
 from retrieval.index_format import read_manifest
 from retrieval.searcher import Searcher
 from service.http import schemas
-from tests.conftest import DEMO, ROOT, head, read_tsv
+from tests.conftest import CPU, DEMO, ROOT, head, read_tsv
 from tests.test_cross_encoder import tiny_bert
 
 PACKAGES = ("models", "retrieval", "index_builder", "service", "training")
@@ -208,7 +208,7 @@ def test_an_index_built_before_the_layout_change_still_loads_and_answers_as_a_ne
     corpus = tmp_path / "corpus.tsv"
     corpus.write_text(head(DEMO / "corpus.tsv", 6), encoding="utf-8")
     build_index(BuildOptions(corpus, tmp_path / "new", bm25=True), encoder)
-    searchers = [Searcher(folder, encoder, device="cpu") for folder in (old, tmp_path / "new")]
+    searchers = [Searcher(folder, encoder, load=CPU) for folder in (old, tmp_path / "new")]
     for mode in ("dense", "bm25", "hybrid"):
         before, after = (searcher.search("join two paths", k=6, mode=mode) for searcher in searchers)
         assert [hit.id for hit in before] == [hit.id for hit in after], mode

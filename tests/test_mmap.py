@@ -13,7 +13,9 @@ import pytest
 
 from retrieval import dense_index
 from retrieval.index_format import INDEX_FILE
+from retrieval.load_options import LoadOptions
 from retrieval.searcher import Searcher
+from tests.conftest import CPU
 
 
 def private_resident_bytes() -> int:
@@ -35,8 +37,8 @@ def query_vectors(encoder, demo_queries) -> np.ndarray:
 
 
 def test_memory_mapped_index_answers_exactly_as_an_in_memory_one(small_index, encoder, demo_queries, query_vectors):
-    in_memory = Searcher(small_index, encoder, device="cpu")
-    mapped = Searcher(small_index, encoder, device="cpu", mmap=True)
+    in_memory = Searcher(small_index, encoder, load=CPU)
+    mapped = Searcher(small_index, encoder, load=LoadOptions(device="cpu", mmap=True))
     queries = list(demo_queries.values())
     for k in (10, mapped.count):  # k = all: every passage ranked, so every stored vector is compared
         expected = in_memory.hits(in_memory.rank(queries, query_vectors, in_memory.request(k)))

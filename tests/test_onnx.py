@@ -13,7 +13,7 @@ from models.reranker import load_reranker
 from retrieval.index_format import read_manifest
 from retrieval.searcher import Searcher
 from service.engine.search_engine import SearchEngine
-from tests.conftest import demo_corpus_head
+from tests.conftest import CPU, demo_corpus_head
 from tests.test_cross_encoder import PASSAGES, QUERY, tiny_bert
 
 
@@ -57,7 +57,7 @@ def test_an_int8_index_records_it_and_is_served_with_int8_queries(tmp_path, onnx
     build_index(BuildOptions(corpus, tmp_path / "int8", chunk_size=64), int8)
     record = read_manifest(tmp_path / "int8").encoder
     assert (record.backend, record.export_sha256) == ("onnx-int8", int8.export_sha256)
-    engine = SearchEngine.open(tmp_path / "int8", device="cpu")
+    engine = SearchEngine.open(tmp_path / "int8", load=CPU)
     assert engine.searcher.encoder.backend == "onnx-int8"
     # Close to fp32, not equal: int8 weights move every vector a little.
     fp32 = BiEncoder(device="cpu", backend="onnx", onnx_cache=onnx_cache)
@@ -70,7 +70,7 @@ def test_an_int8_index_records_it_and_is_served_with_int8_queries(tmp_path, onnx
     ranks = [next((h.rank for h in engine.search(query, 10).hits if h.id == passage), None) for query, passage in judged]
     assert judged and sum(rank is not None for rank in ranks) >= 0.8 * len(judged)
     # Asked for, torch still serves the same index.
-    assert SearchEngine.open(tmp_path / "int8", device="cpu", backend="torch").searcher.encoder.backend == "torch"
+    assert SearchEngine.open(tmp_path / "int8", load=CPU, backend="torch").searcher.encoder.backend == "torch"
 
 
 def test_onnx_cross_encoder_scores_equal_torchs(tmp_path, onnx_cache):
@@ -83,7 +83,7 @@ def test_onnx_cross_encoder_scores_equal_torchs(tmp_path, onnx_cache):
 def test_a_monobert_may_run_int8_beside_full_precision_queries(tmp_path, monkeypatch, small_index, onnx_cache):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     folder = tiny_bert(tmp_path / "tiny-monobert")
-    engine = SearchEngine.open(small_index, device="cpu", rerankers=[folder], rerank_backend="onnx-int8")
+    engine = SearchEngine.open(small_index, load=CPU, rerankers=[folder], rerank_backend="onnx-int8")
     assert engine.searcher.encoder.backend == "torch"
     assert engine.rerankers["monobert"].backend == "onnx-int8"
     int8 = engine.rerankers["monobert"].score(QUERY, PASSAGES)
@@ -92,7 +92,7 @@ def test_a_monobert_may_run_int8_beside_full_precision_queries(tmp_path, monkeyp
     np.testing.assert_allclose(int8, fp32, atol=1e-3)
     assert not np.allclose(int8, fp32, atol=1e-6)
     # Unset, the reranker runs on the queries' backend, as before.
-    assert SearchEngine.open(small_index, device="cpu", rerankers=[folder]).rerankers["monobert"].backend == "torch"
+    assert SearchEngine.open(small_index, load=CPU, rerankers=[folder]).rerankers["monobert"].backend == "torch"
 
 
 def test_a_backend_that_cannot_run_is_refused_naming_it():

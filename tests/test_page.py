@@ -13,6 +13,7 @@ import pytest
 
 from retrieval.searcher import Searcher
 from service.engine.search_engine import SearchEngine
+from tests.conftest import CPU
 from tests.test_admission import serving
 from tests.test_candidates_served import hnsw_engine, hnsw_index  # noqa: F401 - the small index with a HNSW graph
 from tests.test_filters import fields_corpus, fields_index  # noqa: F401 - the small index with metadata fields
@@ -125,7 +126,7 @@ def test_rerank_on_asks_the_chosen_reranker_and_the_bar_shows_its_stage(browser,
 def test_a_filter_narrows_the_results_and_a_bad_one_shows_the_422_naming_the_field(
         browser, fields_index, encoder, demo_queries):  # noqa: F811
     query = demo_queries["q0006"]
-    engine = SearchEngine(Searcher(fields_index, encoder, device="cpu"))
+    engine = SearchEngine(Searcher(fields_index, encoder, load=CPU))
     with serving(fields_index, engine) as (app, base, port):
         browser.get(f"{base}/")
         box = wait(browser, lambda d: d.find_element(By.ID, "filter") if d.find_element(By.ID, "filter").is_displayed()

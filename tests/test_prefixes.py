@@ -21,7 +21,7 @@ from retrieval.sharding import Shard
 from service.engine.search_engine import SearchEngine
 from service.errors import OverLimit
 from service.http.schemas import IndexInfo
-from tests.conftest import ROOT
+from tests.conftest import CPU, ROOT
 
 E5_PROMPTS = {"query": "query: ", "passage": "passage: "}
 PASSAGES = [
@@ -124,7 +124,7 @@ def test_the_prefix_counts_toward_the_token_limit(prompted, encoder):
 
 
 def test_an_over_limit_query_is_refused_with_its_count_and_prefix(prompted_index, prompted):
-    engine = SearchEngine(Searcher(prompted_index, prompted, device="cpu"))
+    engine = SearchEngine(Searcher(prompted_index, prompted, load=CPU))
     with pytest.raises(OverLimit) as error:
         engine.tokenize("wing " * 300, truncate=False)
     count = prompted.tokenize("wing " * 300).count
@@ -140,7 +140,7 @@ def test_an_index_records_the_prefixes_and_holds_prefixed_passage_vectors(prompt
 
 
 def test_a_searcher_loads_the_encoder_with_the_indexs_prefixes(prompted_index, encoder):
-    searcher = Searcher(prompted_index, device="cpu")
+    searcher = Searcher(prompted_index, load=CPU)
     assert (searcher.encoder.spec.query_prefix, searcher.encoder.spec.passage_prefix) == ("query: ", "passage: ")
     assert searcher.search(QUERY, k=1)[0].id == "p0"
     np.testing.assert_allclose(searcher.encoder.encode_queries([QUERY]), encoder.encode_queries(["query: " + QUERY]),
@@ -148,7 +148,7 @@ def test_a_searcher_loads_the_encoder_with_the_indexs_prefixes(prompted_index, e
 
 
 def test_describe_shows_the_indexs_prefixes(prompted_index, prompted):
-    info = IndexInfo(**SearchEngine(Searcher(prompted_index, prompted, device="cpu")).describe())
+    info = IndexInfo(**SearchEngine(Searcher(prompted_index, prompted, load=CPU)).describe())
     assert (info.query_prefix, info.passage_prefix) == ("query: ", "passage: ")
 
 
@@ -163,7 +163,7 @@ def test_build_flags_override_the_prompts_and_are_recorded(tmp_path, corpus, e5_
 def test_a_searcher_refuses_an_encoder_with_other_prefixes_naming_both(prompted_index, encoder):
     # the same weights: only the prefixes differ
     with pytest.raises(EncoderMismatch) as error:
-        Searcher(prompted_index, encoder, device="cpu")
+        Searcher(prompted_index, encoder, load=CPU)
     message = str(error.value)
     assert "query_prefix: index 'query: ', encoder ''" in message
     assert "passage_prefix: index 'passage: ', encoder ''" in message
@@ -175,7 +175,7 @@ def test_a_manifest_written_before_prefixes_loads_with_none(encoder):
     assert "query_prefix" not in json.loads((before / MANIFEST_FILE).read_text())["encoder"]
     record = read_manifest(before).encoder
     assert (record.query_prefix, record.passage_prefix) == ("", "")
-    assert Searcher(before, encoder, device="cpu").count == read_manifest(before).count
+    assert Searcher(before, encoder, load=CPU).count == read_manifest(before).count
 
 
 def test_merge_refuses_shards_whose_prefixes_differ(tmp_path, corpus, prompted, overridden):

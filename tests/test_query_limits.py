@@ -13,6 +13,7 @@ from retrieval.index_format import read_manifest
 from retrieval.searcher import Searcher, encoder_for
 from service.http.app import create_app
 from service.settings import ServiceSettings
+from tests.conftest import CPU
 from tests.test_layout import BEFORE_LAYOUT
 from tests.test_service import one, settings_for
 
@@ -33,7 +34,7 @@ def test_an_index_built_with_repberts_20_token_queries_keeps_that_limit(tmp_path
     shutil.copytree(BEFORE_LAYOUT, tmp_path / "old")
     manifest = read_manifest(tmp_path / "old")
     assert manifest.encoder.query_max_tokens == 20
-    assert Searcher(tmp_path / "old", device="cpu").encoder.spec.query_max_tokens == 20
+    assert Searcher(tmp_path / "old", load=CPU).encoder.spec.query_max_tokens == 20
     assert encoder_for(manifest, "cpu", query_max_tokens=64).spec.query_max_tokens == 64  # the override
 
 

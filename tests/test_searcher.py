@@ -8,8 +8,10 @@ from transformers import BertConfig, BertModel, BertTokenizerFast
 
 from models.encoder import BiEncoder, default_model_path
 from retrieval.index_format import IndexFormatError
+from retrieval.load_options import LoadOptions
 from retrieval.passage_store import PassageStore
 from retrieval.searcher import MAX_K, EncoderMismatch, Searcher
+from tests.conftest import CPU
 
 
 def test_search_finds_the_known_relevant_passage(searcher, demo_queries, demo_qrels):
@@ -85,7 +87,7 @@ def test_an_encoder_other_than_the_index_encoder_is_refused_naming_both(small_in
     other = BiEncoder(folder, device="cpu")
     assert other.spec.similarity == "ip" and other.spec.passage_segment_id == 1  # a plain BERT: RepBERT defaults
     with pytest.raises(EncoderMismatch) as error:
-        Searcher(small_index, other, device="cpu")
+        Searcher(small_index, other, load=CPU)
     message = str(error.value)
     assert "all-MiniLM-L6-v2" in message and "random-bert" in message
     assert "similarity: index 'cosine', encoder 'ip'" in message
@@ -106,4 +108,4 @@ def test_a_damaged_index_file_is_detected(small_index, tmp_path, encoder):
         handle.seek(1000)
         handle.write(b"\x00\x01\x02\x03")
     with pytest.raises(IndexFormatError, match="sha256 differs"):
-        Searcher(copy, encoder, verify_checksums=True)
+        Searcher(copy, encoder, load=LoadOptions())

@@ -18,6 +18,7 @@ from service.engine.search_engine import SearchEngine
 from service.errors import NotServable, ShardsUnavailable
 from service.http.app import create_app
 from service.sharded.sharded_engine import LocalShard, ShardedEngine
+from tests.conftest import CPU
 from tests.test_cross_encoder import tiny_bert
 from tests.test_service import call, one, settings_for
 
@@ -81,13 +82,13 @@ def test_merging_short_and_empty_lists_keeps_what_there_is():
 @pytest.fixture(scope="module")
 def sharded(small_shards) -> ShardedEngine:
     # Given out of order: the engine reads which shard each is from its manifest.
-    clients = [LocalShard(ShardIndex(folder, device="cpu"), f"shard-{i}") for i, folder in enumerate(small_shards)]
+    clients = [LocalShard(ShardIndex(folder, load=CPU), f"shard-{i}") for i, folder in enumerate(small_shards)]
     return ShardedEngine.over(clients[::-1], device="cpu")
 
 
 @pytest.fixture(scope="module")
 def whole(merged_shards, encoder) -> SearchEngine:
-    return SearchEngine(Searcher(merged_shards, encoder, device="cpu"))
+    return SearchEngine(Searcher(merged_shards, encoder, load=CPU))
 
 
 @pytest.mark.parametrize("k", [10, 1000])
@@ -120,7 +121,7 @@ class Down:
 
 
 def test_a_shard_that_does_not_answer_fails_the_search_naming_it_unless_partial_is_allowed(small_shards, whole):
-    clients = [LocalShard(ShardIndex(folder, device="cpu"), f"shard-{i}") for i, folder in enumerate(small_shards)]
+    clients = [LocalShard(ShardIndex(folder, load=CPU), f"shard-{i}") for i, folder in enumerate(small_shards)]
     clients[1] = Down(clients[1])
     sharded = ShardedEngine.over(clients, device="cpu")
     query = "join two paths"
@@ -135,10 +136,10 @@ def test_a_shard_that_does_not_answer_fails_the_search_naming_it_unless_partial_
 
 
 def test_a_replica_that_holds_another_build_than_the_one_checked_at_start_fails_the_search(small_shards):
-    clients = [LocalShard(ShardIndex(folder, device="cpu"), f"shard-{i}") for i, folder in enumerate(small_shards)]
+    clients = [LocalShard(ShardIndex(folder, load=CPU), f"shard-{i}") for i, folder in enumerate(small_shards)]
     sharded = ShardedEngine.over(clients, device="cpu")
     assert sharded.search("join two paths", 10).shards["missing"] == []
-    replaced = ShardIndex(small_shards[1], device="cpu")  # as a replica restarted after the folder was rebuilt
+    replaced = ShardIndex(small_shards[1], load=CPU)  # as a replica restarted after the folder was rebuilt
     replaced.manifest = replaced.manifest.model_copy(
         update={"built_at": "2030-01-01T00:00:00+00:00", "manifest_sha256": None})
     clients[1].index = replaced
@@ -176,14 +177,14 @@ class FetchedLater(Down):
 
 
 def test_a_silent_shard_fails_the_search_after_the_timeout_saying_so(small_shards):
-    clients = [LocalShard(ShardIndex(folder, device="cpu"), f"shard-{i}") for i, folder in enumerate(small_shards)]
+    clients = [LocalShard(ShardIndex(folder, load=CPU), f"shard-{i}") for i, folder in enumerate(small_shards)]
     clients[1] = Silent(clients[1])
     with pytest.raises(ShardsUnavailable, match=r"shard 1/3 \(shard-1\) did not answer within 0.2 s \(TimeoutError"):
         ShardedEngine.over(clients, device="cpu", timeout_s=0.2).search("join two paths", 10)
 
 
 def test_a_silent_shard_does_not_make_a_later_shard_that_answered_count_as_missing(small_shards):
-    clients = [LocalShard(ShardIndex(folder, device="cpu"), f"shard-{i}") for i, folder in enumerate(small_shards)]
+    clients = [LocalShard(ShardIndex(folder, load=CPU), f"shard-{i}") for i, folder in enumerate(small_shards)]
     clients[1], clients[2] = Silent(clients[1]), FetchedLater(clients[2])
     sharded = ShardedEngine.over(clients, device="cpu", timeout_s=0.2)
     partial = sharded.search("join two paths", 10, allow_partial=True)
@@ -214,7 +215,7 @@ def test_a_slow_shard_delays_only_the_requests_that_wait_for_it_not_the_queue_be
     """The served engine waits for the shards off the model thread: a request that comes while an
     earlier one waits for a slow shard is encoded and sent at once, and both wait out the one delay
     together (before, the model thread waited, and the second queued behind the first's wait)."""
-    clients = [LocalShard(ShardIndex(folder, device="cpu"), f"shard-{i}") for i, folder in enumerate(small_shards)]
+    clients = [LocalShard(ShardIndex(folder, load=CPU), f"shard-{i}") for i, folder in enumerate(small_shards)]
     clients[1] = Slow(clients[1])
     app = create_app(settings_for(small_index, microbatch=microbatch), ShardedEngine.over(clients, device="cpu"))
     queries = ["join two paths", "read a file line by line"]
@@ -240,10 +241,10 @@ def test_a_served_sharded_search_reranks_on_the_model_thread_after_the_shards_an
     """Reranking comes back to the model thread once the (slow) shards answered: the same ranking and
     scores as the merged index reranked by the same model, and its time reported as rerank."""
     monobert = tiny_bert(tmp_path / "monobert")
-    clients = [LocalShard(ShardIndex(folder, device="cpu"), f"shard-{i}") for i, folder in enumerate(small_shards)]
+    clients = [LocalShard(ShardIndex(folder, load=CPU), f"shard-{i}") for i, folder in enumerate(small_shards)]
     clients[1] = Slow(clients[1])
     sharded = ShardedEngine.over(clients, device="cpu", rerankers=[monobert])
-    whole = SearchEngine(Searcher(merged_shards, encoder, device="cpu"), sharded.rerankers)
+    whole = SearchEngine(Searcher(merged_shards, encoder, load=CPU), sharded.rerankers)
     app = create_app(settings_for(small_index, rerankers=[monobert]), sharded)
     response = one(app, "POST", "/search", {"query": "join two paths", "k": 5, "rerank": True, "depth": 10})
     assert response.status_code == 200, response.text
@@ -265,7 +266,7 @@ class Dying(Down):
 
 def test_a_served_batch_whose_shard_is_down_fails_with_503_naming_it_and_the_next_batch_is_served(
         small_shards, small_index):
-    clients = [LocalShard(ShardIndex(folder, device="cpu"), f"shard-{i}") for i, folder in enumerate(small_shards)]
+    clients = [LocalShard(ShardIndex(folder, load=CPU), f"shard-{i}") for i, folder in enumerate(small_shards)]
     clients[1] = Dying(clients[1])
     app = create_app(settings_for(small_index), ShardedEngine.over(clients, device="cpu"))
     clients[1].dead = True

@@ -19,6 +19,7 @@ from retrieval import dense_index
 from retrieval.candidates import structures
 from retrieval.candidates.structures import MAX_CANDIDATES
 from retrieval.index_format import INDEX_FILE, PASSAGES_FILE, IndexFormatError, read_manifest
+from retrieval.load_options import LoadOptions
 from retrieval.passage_store import PassageStore
 from retrieval.searcher import Searcher
 from retrieval.sharding import ShardIndex, shard_folder
@@ -26,7 +27,7 @@ from service.engine.search_engine import SearchEngine
 from service.errors import NotServable
 from service.http.app import create_app
 from service.sharded.sharded_engine import LocalShard, ShardedEngine, ShardedSearcher
-from tests.conftest import SMALL_CORPUS_LINES, SMALL_SHARDS
+from tests.conftest import CPU, SMALL_CORPUS_LINES, SMALL_SHARDS
 from tests.test_candidates import DAMAGES, HNSW_FILE, damage_file
 from tests.test_service import one, settings_for
 
@@ -36,7 +37,7 @@ K = 50
 
 def sharded_engine(folders, encoder) -> ShardedEngine:
     """A ShardedEngine over LocalShards of `folders`, with the session's encoder (none loaded again)."""
-    clients = [LocalShard(ShardIndex(folder, device="cpu"), f"shard-{i}") for i, folder in enumerate(folders)]
+    clients = [LocalShard(ShardIndex(folder, load=CPU), f"shard-{i}") for i, folder in enumerate(folders)]
     return ShardedEngine(ShardedSearcher(clients, encoder, timeout_s=10.0))
 
 
@@ -66,13 +67,13 @@ def sharded(hnsw_shards, encoder) -> ShardedEngine:
 
 @pytest.fixture(scope="module")
 def whole(hnsw_whole, encoder) -> SearchEngine:
-    return SearchEngine(Searcher(hnsw_whole, encoder, device="cpu"))
+    return SearchEngine(Searcher(hnsw_whole, encoder, load=CPU))
 
 
 @pytest.fixture(scope="module")
 def whole_exact(merged_shards, encoder) -> SearchEngine:
     """The merged shards without a structure: today's flat search."""
-    return SearchEngine(Searcher(merged_shards, encoder, device="cpu"))
+    return SearchEngine(Searcher(merged_shards, encoder, load=CPU))
 
 
 @pytest.fixture(scope="module")
@@ -151,7 +152,7 @@ def test_the_merged_answer_is_the_exact_scoring_of_the_shards_candidates_togethe
     assert shards["missing"] == []
     proposed = []
     for folder in hnsw_shards:
-        shard = ShardIndex(folder, device="cpu")
+        shard = ShardIndex(folder, load=CPU)
         rows = structures.candidates(shard.structures["hnsw"], query_vectors, depth)
         ids = [[pid for pid, _ in shard.passages.get([r for r in ranked if r >= 0])] for ranked in rows.tolist()]
         proposed.append([[row_of[pid] for pid in found] for found in ids])
@@ -211,7 +212,7 @@ def test_candidates_per_request_are_bounded_over_shards(sharded, hnsw_shards, en
     for wrong in (0, MAX_CANDIDATES + 1):
         with pytest.raises(NotServable, match=f"candidates must be between 1 and {MAX_CANDIDATES}, got {wrong}"):
             sharded.plan(10, candidates=wrong)
-    shard = ShardIndex(hnsw_shards[0], device="cpu")
+    shard = ShardIndex(hnsw_shards[0], load=CPU)
     vector = encoder.encode_texts(queries[:1])
     with pytest.raises(ValueError, match="candidates must be between"):
         shard.search(vector, 10, structure="hnsw", candidates=MAX_CANDIDATES + 1)
@@ -222,10 +223,10 @@ def test_candidates_per_request_are_bounded_over_shards(sharded, hnsw_shards, en
 
 
 def test_a_shard_uses_its_structure_with_its_vectors_memory_mapped_unless_told(hnsw_shards, small_shards):
-    with_structure = ShardIndex(hnsw_shards[0], device="cpu")
+    with_structure = ShardIndex(hnsw_shards[0], load=CPU)
     assert list(with_structure.structures) == ["hnsw"] and dense_index.is_mapped(with_structure.index)
-    assert not dense_index.is_mapped(ShardIndex(hnsw_shards[0], device="cpu", mmap=False).index)
-    plain = ShardIndex(small_shards[0], device="cpu")
+    assert not dense_index.is_mapped(ShardIndex(hnsw_shards[0], load=LoadOptions(device="cpu", mmap=False)).index)
+    plain = ShardIndex(small_shards[0], load=CPU)
     assert plain.structures == {} and not dense_index.is_mapped(plain.index)
 
 
@@ -235,7 +236,7 @@ def test_a_shard_with_a_damaged_structure_is_refused_with_a_reason(hnsw_shards, 
     shutil.copytree(hnsw_shards[1], shard)
     damage_file(shard / HNSW_FILE, damage)
     with pytest.raises(IndexFormatError, match=reason):
-        ShardIndex(shard, device="cpu")
+        ShardIndex(shard, load=CPU)
 
 
 def test_a_shard_holding_another_shards_structure_is_refused(hnsw_shards, tmp_path):
@@ -249,7 +250,7 @@ def test_a_shard_holding_another_shards_structure_is_refused(hnsw_shards, tmp_pa
     else:
         match = "bytes, manifest says"
     with pytest.raises(IndexFormatError, match=match):
-        ShardIndex(shard, device="cpu")
+        ShardIndex(shard, load=CPU)
 
 
 def test_shards_without_one_shared_structure_answer_exactly_and_warn_which_lacks_it(
@@ -288,5 +289,5 @@ def test_the_ray_path_passes_the_structure_and_candidates_to_the_shard_replica(h
     vector = encoder.encode_texts(queries[:1])
     through = client.search(vector, 10, None, structure="hnsw", candidates=12).result()
     assert sent[-1] == ("search", {"structure": "hnsw", "candidates": 12})
-    assert through == ShardIndex(hnsw_shards[0], device="cpu").search(vector, 10, structure="hnsw", candidates=12)
+    assert through == ShardIndex(hnsw_shards[0], load=CPU).search(vector, 10, structure="hnsw", candidates=12)
     assert dense_index.is_mapped(replica.index.index)  # mmap left to the shard: mapped, as a structure is loaded

@@ -46,7 +46,7 @@ from service.sharded.placement import (  # noqa: E402
     serve_ports,
 )
 from service.sharded.stop_signal import NAMESPACE, StopSignal, watch  # noqa: E402
-from tests.conftest import RAY_CLIENT_TIMEOUT_S, ROOT  # noqa: E402
+from tests.conftest import CPU, RAY_CLIENT_TIMEOUT_S, ROOT  # noqa: E402
 from tests.test_admission import metric  # noqa: E402
 from tests.test_hardening_service import answer_of  # noqa: E402
 
@@ -57,7 +57,7 @@ CAP = 4  # SEARCH_MAX_CONCURRENT_REQUESTS: above the kill test's three clients a
 @pytest.fixture(scope="module")
 def whole(merged_shards, encoder) -> SearchEngine:
     """One flat index over the very passages (and vectors) the shards hold."""
-    return SearchEngine(Searcher(merged_shards, encoder, device="cpu"))
+    return SearchEngine(Searcher(merged_shards, encoder, load=CPU))
 
 
 @pytest.fixture(scope="module")
@@ -271,7 +271,7 @@ def test_a_killed_shard_replica_gives_503s_naming_it_or_right_answers_never_wron
             assert response.json()["detail"].startswith(
                 ("shard 1/3 (shard-1) did not answer", "shard 1/3 (shard-1) failed"))
 
-    shard = ShardIndex(small_shards[1], device="cpu")
+    shard = ShardIndex(small_shards[1], load=CPU)
     shard_one = {pid for pid, _ in shard.passages.get(range(shard.manifest.count))}
     rest = [hit for hit in whole.search(queries[0], 300).hits if hit.id not in shard_one][:10]
     for partial in partials:

@@ -19,7 +19,7 @@ from retrieval.index_format import INDEX_FILE, MANIFEST_FILE, PASSAGES_FILE, man
 from retrieval.searcher import Searcher
 from retrieval.sharding import Shard, check_shard_set, expand_shard_dirs, shard_folder
 from retrieval.text_hashes import TEXT_HASHES_FILE
-from tests.conftest import demo_corpus_head
+from tests.conftest import CPU, demo_corpus_head
 
 LINES = 60
 N = 3
@@ -90,7 +90,7 @@ def test_merged_shards_equal_the_unsharded_build_row_for_row(unsharded, shards, 
     assert sorted(p.name for p in out.iterdir()) == sorted(
         [MANIFEST_FILE, INDEX_FILE, PASSAGES_FILE, TEXT_HASHES_FILE, "bm25"])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["merged"]  # no work folder left behind
-    merged, whole = Searcher(out, encoder, device="cpu"), Searcher(unsharded, encoder, device="cpu")
+    merged, whole = Searcher(out, encoder, load=CPU), Searcher(unsharded, encoder, load=CPU)
     assert merged.search(whole_rows[41][2], k=1)[0].id == whole_rows[41][1]
     # BM25 is rebuilt over the merged passages: corpus-wide statistics, so equal to the unsharded one's
     query = "Return the absolute version of a path"

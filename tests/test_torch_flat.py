@@ -10,8 +10,10 @@ import torch
 
 from retrieval import dense_index, index_writer
 from retrieval.index_format import INDEX_FILE
+from retrieval.load_options import LoadOptions
 from retrieval.searcher import Searcher
 from retrieval.torch_flat import TorchFlatIndex
+from tests.conftest import CPU
 
 
 def clustered(rng: np.random.Generator, rows: int, dimension: int) -> np.ndarray:
@@ -92,8 +94,8 @@ def test_search_parameters_are_refused_since_filters_scan_on_the_cpu(vectors):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="torch sees no CUDA device")
 def test_an_index_served_on_cuda_answers_as_on_the_cpu_whatever_faiss_build_is_here(small_index, encoder):
-    on_gpu = Searcher(small_index, encoder, device="cuda")
-    on_cpu = Searcher(small_index, encoder, device="cpu")
+    on_gpu = Searcher(small_index, encoder, load=LoadOptions(device="cuda"))
+    on_cpu = Searcher(small_index, encoder, load=CPU)
     queries = ["join two paths", "read a file line by line", "sort a list in place"]
     for gpu_hits, cpu_hits in zip(on_gpu.batch_search(queries, 100), on_cpu.batch_search(queries, 100)):
         assert [hit.id for hit in gpu_hits] == [hit.id for hit in cpu_hits]

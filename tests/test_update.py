@@ -30,8 +30,9 @@ from retrieval.index_format import INDEX_FILE, MANIFEST_FILE, PASSAGES_FILE, rea
 from retrieval.searcher import Searcher
 from retrieval.text_hashes import TEXT_HASHES_FILE, text_sha256
 from service.engine.search_engine import SearchEngine
-from tests.conftest import ROOT, killed_after_chunks
+from tests.conftest import CPU, ROOT, killed_after_chunks
 from tests.test_admission import serving, wait_until
+from tests.test_format_upgrade import as_format_1
 
 NOUNS = ["river", "lantern", "compiler", "meadow", "engine", "archive", "harbour", "violin", "glacier", "parser"]
 VERBS = ["follows", "hides", "repairs", "measures", "paints", "sorts", "guards"]
@@ -170,15 +171,13 @@ def test_a_deletion_alone_loads_no_encoder_and_a_bad_diff_is_refused(tmp_path, b
     assert read_manifest(index, verify_checksums=True).count == BASE - 2
 
 
-def test_an_index_without_content_hashes_is_updated_from_its_stored_texts(tmp_path, encoder, base_index, base_corpus):
-    index = copy_of(base_index, tmp_path)
-    manifest = read_manifest(index)  # as an index written before the hashes existed
-    files = {name: record for name, record in manifest.files.items() if name != TEXT_HASHES_FILE}
-    write_json_atomic(index / MANIFEST_FILE, sealed(manifest.model_copy(update={"files": files})))
-    (index / TEXT_HASHES_FILE).unlink()
+def test_a_format_1_index_without_content_hashes_is_updated_from_its_stored_texts_into_format_2(
+        tmp_path, encoder, base_index, base_corpus):
+    index = as_format_1(copy_of(base_index, tmp_path))
     report = build_update(BuildOptions(base_corpus, index, chunk_size=8), encoder)
     assert (report.kept, report.encoded, report.dropped) == (BASE, 0, 0)
-    assert TEXT_HASHES_FILE in read_manifest(index, verify_checksums=True).files
+    manifest = read_manifest(index, verify_checksums=True)
+    assert manifest.format_version == 2 and TEXT_HASHES_FILE in manifest.files
 
 
 class OtherPassageLimit:
@@ -222,7 +221,7 @@ def test_a_killed_update_leaves_the_old_index_whole_and_serving_and_a_rerun_resu
                                 "--chunk-size", "2", "--device", "cpu"], state, BASE // 2 + 2)  # encoding now
     assert (index / MANIFEST_FILE).read_bytes() == before
     read_manifest(index, verify_checksums=True)
-    hits = Searcher(index, encoder, device="cpu").search(passage(17)["title"] + " " + passage(17)["text"], k=1)
+    hits = Searcher(index, encoder, load=CPU).search(passage(17)["title"] + " " + passage(17)["text"], k=1)
     assert hits[0].id == "p17"
 
     report = build_update(BuildOptions(corpus, index, chunk_size=2), encoder)
@@ -253,7 +252,7 @@ def test_a_watching_service_swaps_to_each_new_generation_under_16_clients_withou
     new = passage(400)
     build_update(BuildOptions(write_corpus(tmp_path / "next.jsonl", [passage(i) for i in range(BASE)] + [new]),
                               staged, chunk_size=8), encoder)
-    engine = SearchEngine(Searcher(index, encoder, device="cpu"))
+    engine = SearchEngine(Searcher(index, encoder, load=CPU))
     query = new["title"] + " " + new["text"]
     statuses: list = []
     stop = threading.Event()
@@ -340,7 +339,7 @@ def test_an_update_killed_while_it_writes_or_swaps_leaves_a_whole_index_and_a_re
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=300)
     assert killed.returncode == -signal.SIGKILL
     read_manifest(index, verify_checksums=True)
-    served = [hit.id for hit in Searcher(index, encoder, device="cpu").search(passage(17)["text"], k=BASE)]
+    served = [hit.id for hit in Searcher(index, encoder, load=CPU).search(passage(17)["text"], k=BASE)]
     assert sorted(served) in (sorted(old_ids), sorted(set(old_ids) - {"p3", "p5"}))
     assert cli.main(update) == 0
     assert [pid for _, pid, *_ in contents(index)[1]] == [pid for pid in old_ids if pid not in ("p3", "p5")]

@@ -18,6 +18,7 @@ import pytest
 
 from retrieval import dense_index
 from retrieval.index_format import INDEX_FILE, IndexFormatError, read_manifest
+from retrieval.load_options import LoadOptions
 from retrieval.searcher import Searcher
 from service.engine.search_engine import SearchEngine
 from service.http.app import create_app
@@ -67,7 +68,7 @@ def test_a_tampered_index_file_is_refused_on_load(index_copy, encoder, tamper, m
     path = index_copy / INDEX_FILE
     path.write_bytes(tamper(path.read_bytes()))
     with pytest.raises(IndexFormatError, match="sha256 differs from the manifest's"):
-        Searcher(index_copy, encoder, device="cpu", verify_checksums=True, mmap=mmap)
+        Searcher(index_copy, encoder, load=LoadOptions(device="cpu", mmap=mmap))
 
 
 @pytest.mark.parametrize("tamper,message", [(vectors_zeroed, "sha256 differs"), (zeroed, "sha256 differs"),
@@ -93,7 +94,7 @@ def test_a_verified_load_gives_the_index_as_read_unverified(small_index, mmap):
 def test_without_verify_checksums_nothing_is_hashed_and_a_changed_file_loads(index_copy, encoder):
     path = index_copy / INDEX_FILE
     path.write_bytes(vectors_zeroed(path.read_bytes()))
-    searcher = Searcher(index_copy, encoder, device="cpu", verify_checksums=False)
+    searcher = Searcher(index_copy, encoder, load=LoadOptions(device="cpu", verify_checksums=False))
     assert not vectors_of(searcher.index).any()
 
 
@@ -141,7 +142,7 @@ def loads_under_swaps(index_dir: Path, encoder, mmap: bool, in_place: bool) -> t
     with swapping(path, good, vectors_zeroed(good), in_place):
         for _ in range(LOADS):
             try:
-                searcher = Searcher(index_dir, encoder, device="cpu", verify_checksums=True, mmap=mmap)
+                searcher = Searcher(index_dir, encoder, load=LoadOptions(device="cpu", mmap=mmap))
             except (IndexFormatError, RuntimeError):  # refused: the checksum, or FAISS on a half-written file
                 continue
             loaded += 1

@@ -132,9 +132,8 @@ class Runtime:
         settings = self.settings
         try:
             engine = SearchEngine.open(
-                settings.index_dir, device=settings.device, query_max_tokens=settings.query_max_tokens,
-                verify_checksums=settings.verify_checksums, rerankers=settings.rerankers, backend=settings.backend,
-                rerank_backend=settings.rerank_backend, mmap=settings.index_mmap, fp16=settings.gpu_fp16,
+                settings.index_dir, load=settings.load, query_max_tokens=settings.query_max_tokens,
+                rerankers=settings.rerankers, backend=settings.backend, rerank_backend=settings.rerank_backend,
             )
             engine.warm_up()
             self._settle()  # before the engine is served, so no request waits for its collection
@@ -213,7 +212,7 @@ class Runtime:
         engine = self.ready_engine()
         async with self.reload_lock:
             try:
-                prepare = functools.partial(engine.prepare, target, verify_checksums=self.settings.verify_checksums)
+                prepare = functools.partial(engine.prepare, target)
                 candidate = await asyncio.get_running_loop().run_in_executor(self.loader, prepare)
                 await self._on_model_thread(engine.install, candidate)
             except ReloadError as error:

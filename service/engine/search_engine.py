@@ -17,6 +17,7 @@ from models.reranker import Reranker, load_reranker, reranker_kind
 from retrieval.fields import UnknownField
 from retrieval.filters import FilterError
 from retrieval.index_format import INDEX_FILE, PASSAGES_FILE, Manifest, read_manifest
+from retrieval.load_options import LoadOptions
 from retrieval.request import Retrieval
 from retrieval.rerank import BLEND, rerank
 from retrieval.searcher import EncoderMismatch, Hit, Searcher, encoder_for
@@ -185,19 +186,17 @@ class SearchEngine:
 
     @classmethod
     def open(
-        cls, index_dir: Path, *, device: str = "auto", query_max_tokens: int | None = None,
-        verify_checksums: bool = True, rerankers: Sequence[Path] = (), backend: Backend | None = None,
-        rerank_backend: Backend | None = None, mmap: bool = False, fp16: bool = False,
+        cls, index_dir: Path, *, load: LoadOptions = LoadOptions(), query_max_tokens: int | None = None,
+        rerankers: Sequence[Path] = (), backend: Backend | None = None, rerank_backend: Backend | None = None,
     ) -> "SearchEngine":
-        """`rerankers`: reranker folders (see models.reranker), at most one of each kind; `backend`:
-        the query encoder's (default: the one the index was built with); `rerank_backend`: a monoBERT
-        reranker's (default: the query encoder's); `mmap`, `fp16`: how the vectors are held
-        (retrieval.dense_index.load_index)."""
+        """`load`: how the index is loaded (retrieval.load_options; its device is the models' too);
+        `rerankers`: reranker folders (see models.reranker), at most one of each kind; `backend`: the query
+        encoder's (default: the one the index was built with); `rerank_backend`: a monoBERT reranker's
+        (default: the query encoder's)."""
         manifest = read_manifest(index_dir)  # the Searcher verifies, from the bytes it loads
-        encoder = encoder_for(manifest, device, query_max_tokens, backend)
-        loaded = load_rerankers(rerankers, device, rerank_backend or encoder.backend)
-        return cls(Searcher(index_dir, encoder, device=device, verify_checksums=verify_checksums, mmap=mmap or None, fp16=fp16),
-                   loaded, query_max_tokens, backend)
+        encoder = encoder_for(manifest, load.device, query_max_tokens, backend)
+        loaded = load_rerankers(rerankers, load.device, rerank_backend or encoder.backend)
+        return cls(Searcher(index_dir, encoder, load), loaded, query_max_tokens, backend)
 
     @property
     def searcher(self) -> Searcher:
@@ -318,9 +317,9 @@ class SearchEngine:
         """The folder and manifest of the index served, which SEARCH_WATCH_INDEX follows."""
         return self._searcher.index_dir, self._searcher.manifest
 
-    def prepare(self, index_dir: Path, *, verify_checksums: bool = True) -> Searcher:
-        """Load `index_dir` beside the serving one (reusing the current encoder where its model, backend
-        and token limits match).
+    def prepare(self, index_dir: Path) -> Searcher:
+        """Load `index_dir` beside the serving one, as it was loaded (reusing the current encoder where its
+        model, backend and token limits match).
         Safe to run while searches go on: it encodes nothing."""
         current = self._searcher
         device = str(current.encoder.device)  # "cpu", "cuda" or "cuda:N": the device it was given
@@ -332,13 +331,11 @@ class SearchEngine:
                 self.query_max_tokens is not None or spec.query_max_tokens == record.query_max_tokens)
             if same_limits and current.encoder.backend == (self.backend or record.backend):
                 try:
-                    return Searcher(index_dir, current.encoder, device=device, verify_checksums=verify_checksums,
-                                    mmap=current.mmap, fp16=current.fp16)
+                    return Searcher(index_dir, current.encoder, current.load)
                 except EncoderMismatch:  # the new index was built with another model: load that one
                     pass
             encoder = encoder_for(manifest, device, self.query_max_tokens, self.backend)
-            return Searcher(index_dir, encoder, device=device, verify_checksums=verify_checksums, mmap=current.mmap,
-                            fp16=current.fp16)
+            return Searcher(index_dir, encoder, current.load)
         except Exception as error:  # noqa: BLE001 - whatever failed, the old index must keep serving
             raise ReloadError(f"{index_dir}: {error}") from error
 

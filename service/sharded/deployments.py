@@ -10,12 +10,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+from dataclasses import replace
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 from ray import serve
 
+from retrieval.load_options import LoadOptions
 from retrieval.sharding import ShardIndex, expand_shard_dirs
 from service.engine import allocator
 from service.http.app import create_app
@@ -34,9 +36,8 @@ class ShardDeployment:
     GPUs Ray gave this replica, the index sharded over them as `SEARCH_DEVICE=cuda` does; else the CPU),
     with its candidate structures (on the CPU; `mmap` None: the vectors memory-mapped where one is loaded)."""
 
-    def __init__(self, index_dir: str, device: str = "auto", verify_checksums: bool = True,
-                 mmap: bool | None = None, fp16: bool = False) -> None:
-        self.index = ShardIndex(index_dir, device=device, verify_checksums=verify_checksums, mmap=mmap, fp16=fp16)
+    def __init__(self, index_dir: str, load: LoadOptions = LoadOptions()) -> None:
+        self.index = ShardIndex(index_dir, load)
 
     def describe(self) -> dict:
         return describe_shard(self.index)
@@ -116,15 +117,13 @@ def build_application(shard_dirs: Sequence[str | Path], settings: ServiceSetting
     # does for uvicorn's (off by default: under load it takes a share of the event loop that serving needs).
     logging_config = {"enable_access_log": settings.access_log}
     shards = []
-    # SEARCH_INDEX_MMAP false leaves it to each shard, as to the plain service: mapped where a structure is loaded.
     for name, directory in zip(names, shard_dirs):
         options = _replica_options(shard_options, malloc)
         if shard_resources:
             options["resources"] = {**options.get("resources", {}), Path(directory).name: 1}
         shards.append(ShardDeployment.options(name=name, num_replicas=shard_replicas, ray_actor_options=options,
                                               logging_config=logging_config)
-                      .bind(str(directory), "auto", settings.verify_checksums, settings.index_mmap or None,
-                            settings.gpu_fp16))
+                      .bind(str(directory), replace(settings.load, device="auto")))
     # Serve holds a replica's requests past max_ongoing_requests in its own queue, unbounded, where the app
     # would never see them to answer 429: so twice the app's cap, which leaves the app to refuse searches
     # past SEARCH_MAX_CONCURRENT_REQUESTS at once, as the plain service does, and keeps room for /health,

@@ -262,7 +262,7 @@ class ShardedEngine(SearchEngine):
     def followed(self) -> None:
         """None: shards are not followed in place (see prepare)."""
 
-    def prepare(self, index_dir: Path, *, verify_checksums: bool = True):
+    def prepare(self, index_dir: Path):
         raise ReloadError("a sharded service does not reload in place: build the new shards and deploy them "
                           "(python -m service --ray ... --shards NEW...), then move traffic")
 
