@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from retrieval import dense_index
+from retrieval.index_format import Manifest, sealed
 from retrieval.searcher import Searcher
 from retrieval.sharding import ShardHit, ShardIndex, merge_top_k
 from service.engine.search_engine import SearchEngine
@@ -140,8 +141,8 @@ def test_a_replica_that_holds_another_build_than_the_one_checked_at_start_fails_
     sharded = ShardedEngine.over(clients, device="cpu")
     assert sharded.search("join two paths", 10).shards["missing"] == []
     replaced = ShardIndex(small_shards[1], load=CPU)  # as a replica restarted after the folder was rebuilt
-    replaced.manifest = replaced.manifest.model_copy(
-        update={"built_at": "2030-01-01T00:00:00+00:00", "manifest_sha256": None})
+    replaced.manifest = Manifest.model_validate(sealed(replaced.manifest.model_copy(
+        update={"built_at": "2030-01-01T00:00:00+00:00"})))
     clients[1].index = replaced
     with pytest.raises(ShardsUnavailable, match=r"shard 1/3 \(shard-1\) failed \(OtherBuild: .* another build"):
         sharded.search("join two paths", 10)

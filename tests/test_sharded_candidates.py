@@ -270,7 +270,7 @@ def test_the_ray_path_passes_the_structure_and_candidates_to_the_shard_replica(h
     pytest.importorskip("ray.serve", reason="ray[serve] is not installed (pip install 'dense-search[ray]')")
     from service.sharded.deployments import RayShard, ShardDeployment
 
-    replica = ShardDeployment.func_or_class(str(hnsw_shards[0]), "cpu")
+    replica = ShardDeployment.func_or_class(str(hnsw_shards[0]), CPU)
     sent = []
 
     class Method:
