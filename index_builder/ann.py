@@ -17,8 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-from index_builder import out_lock
 from index_builder.errors import BuildError
+from retrieval import out_lock
 from retrieval import index_writer
 from retrieval.candidates.recall import HELD_OUT, RECALL_SAMPLE, RECALL_THRESHOLD
 from retrieval.candidates.registry import KINDS, params_by_name

@@ -37,12 +37,12 @@ from typing import BinaryIO, Callable, Iterator, Mapping, Protocol, Sequence
 import numpy as np
 from tqdm import tqdm
 
-from index_builder import out_lock
 from index_builder.ann import AnnOptions, AnnReport, add_in_place
 from index_builder.corpus_file import check_corpus_file, check_unchanged, count_lines
 from index_builder.errors import BuildError
 from models.checkpoint import read_json
 from models.encoder import EncoderSpec
+from retrieval import out_lock
 from retrieval import index_writer
 from retrieval.corpus import DEFAULT_MAX_PASSAGE_BYTES, BadLine, CorpusFormat, Passage, detect_format, read_corpus
 from retrieval.fields import MAX_FIELDS, FieldTypes, encode_fields

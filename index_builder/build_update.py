@@ -27,11 +27,11 @@ import faiss
 import numpy as np
 from tqdm import tqdm
 
-from index_builder import out_lock
 from index_builder.ann import AnnOptions, AnnReport
 from index_builder.build import BuildOptions, PassageEncoder, build_index, encoder_record
 from index_builder.errors import BuildError
 from models.encoder import BiEncoder
+from retrieval import out_lock
 from retrieval.candidates.recall import HELD_OUT, RECALL_SAMPLE
 from retrieval.index_format import INDEX_FILE, MANIFEST_FILE, PASSAGES_FILE, EncoderRecord, Manifest, read_manifest
 from retrieval.sharding import shard_folder

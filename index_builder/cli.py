@@ -9,7 +9,6 @@ import sys
 from dataclasses import fields
 from pathlib import Path
 
-from index_builder import out_lock
 from index_builder.ann import AnnOptions, add_structures
 from index_builder.build import BuildError, BuildOptions, build_index
 from index_builder.build_update import build_update, check_updatable, index_encoder
@@ -21,6 +20,7 @@ from index_builder.merge import merge_shards
 from index_builder.update import ChangeOptions, apply_changes
 from models.backends import BACKENDS
 from models.encoder import BiEncoder
+from retrieval import out_lock
 from retrieval.candidates.recall import RECALL_SAMPLE, RECALL_THRESHOLD
 from retrieval.candidates.registry import KINDS, params_by_name
 from retrieval.corpus import DEFAULT_MAX_PASSAGE_BYTES

@@ -24,8 +24,8 @@ import faiss
 import numpy as np
 from tqdm import tqdm
 
-from index_builder import out_lock
 from index_builder.errors import BuildError
+from retrieval import out_lock
 from retrieval import format_upgrade, index_writer
 from retrieval.fields import merged_types
 from retrieval.index_format import INDEX_FILE, PASSAGES_FILE, Manifest, read_manifest
@@ -107,7 +107,8 @@ def _check_shards(directories: Sequence[Path]) -> list[tuple[Path, Manifest]]:
 
 def _rows(connection: sqlite3.Connection, number: int) -> Iterator[tuple[int, int, int, str, str, str | None]]:
     """(line, shard number, row, id, text, fields) of one shard, in row order, which a build makes line order."""
-    for row, pid, text, line, stored in connection.execute("SELECT row, id, text, line, fields FROM passages ORDER BY row"):
+    rows = connection.execute("SELECT row, id, text, line, fields FROM passages ORDER BY row")
+    for row, pid, text, line, stored in rows:
         yield line, number, row, pid, text, stored
 
 

@@ -27,9 +27,9 @@ import faiss
 import numpy as np
 from tqdm import tqdm
 
-from index_builder import out_lock
 from index_builder.ann import AnnReport, add_in_place
 from index_builder.build import BuildOptions, PassageEncoder, build_index, encoder_record
+from retrieval import out_lock
 from index_builder.build_update import (
     OldIndex,
     ReusingEncoder,
@@ -208,7 +208,7 @@ def _write(work: Path, old: OldIndex, adding: Path, plan: _Plan, skipped: int) -
     corpus = manifest.corpus.model_copy(update={"passages": count, "skipped": manifest.corpus.skipped + skipped,
                                                 "sha256": None})
     index_writer.write_manifest(work, encoder=manifest.encoder, corpus=corpus, count=count,
-                                bm25=manifest.bm25 is not None)
+                                bm25=manifest.bm25 is not None, write_sequence=manifest.write_sequence)
     return [add_in_place(work, structure, published=old.folder) for structure in rebuilt_structures(manifest)]
 
 

@@ -53,7 +53,8 @@ def build_bm25(texts: Iterable[str], count: int, out: Path) -> None:
 
 
 class Bm25Index:
-    """Reads DIR/bm25; `search` gives rows and scores of matching passages only (score > 0)."""
+    """Reads DIR/bm25 (or indexes texts in memory: `over`); `search` gives rows and scores of matching passages
+    only (score > 0)."""
 
     def __init__(self, folder: Path) -> None:
         if not folder.is_dir():
@@ -63,6 +64,19 @@ class Bm25Index:
         self.tokenizer.load_vocab(str(folder))
         self.tokenizer.load_stopwords(str(folder))
         self.count = int(self.retriever.scores["num_docs"])
+
+    @classmethod
+    def over(cls, texts: Sequence[str]) -> "Bm25Index":
+        """BM25 over `texts` (row i = texts[i]), in memory, scoring as `build_bm25`'s index of them does."""
+        index = cls.__new__(cls)
+        index.tokenizer = new_tokenizer()
+        tokens = index.tokenizer.tokenize(list(texts), return_as="tuple", show_progress=False)
+        index.retriever = bm25s.BM25(k1=K1, b=B)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # none: numpy's mean over nothing
+            index.retriever.index(tokens, show_progress=False)
+        index.count = len(texts)
+        return index
 
     def search(self, queries: Sequence[str], k: int) -> list[list[tuple[int, float]]]:
         """Best first, at most k (row, score) per query; no list ever holds a passage sharing no term."""

@@ -83,6 +83,11 @@ def _parse_jsonl(text: str, line: int) -> Passage | BadLine:
         return BadLine(line, "JSON nested too deeply")
     if not isinstance(record, dict):
         return BadLine(line, "expected a JSON object")
+    return parse_record(record, line)
+
+
+def parse_record(record: dict, line: int) -> Passage | BadLine:
+    """One JSONL record (`id` or `_id`, `text`, optional `title`, metadata fields) as the passage it is."""
     pid = record.get("id", record.get("_id"))
     if not isinstance(pid, (str, int)) or isinstance(pid, bool) or not str(pid).strip():
         return BadLine(line, 'missing "id" (or BEIR "_id")')

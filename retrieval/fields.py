@@ -244,10 +244,17 @@ class FieldColumns:
         fields parsed by Python's JSON reader: values are kept as the exact code points stored (NUL included,
         which SQLite's JSON functions cut a string at), in time linear in the values stored."""
         if not types:
-            return cls(count, types or {}, {name: absent_column(kind, count) for name, kind in (types or {}).items()})
+            return cls.empty(count)
+        stored = connection.execute("SELECT row, fields FROM passages WHERE fields IS NOT NULL")
+        return cls.of_rows(count, types, ((row, json.loads(fields)) for row, fields in stored))
+
+    @classmethod
+    def of_rows(cls, count: int, types: Mapping[str, str], rows: Iterable[tuple[int, Mapping]]) -> "FieldColumns":
+        """The columns of `types`' fields over `count` rows from (row, fields) pairs; a value of another type than
+        its field's is absent."""
         found: dict[str, tuple[list[int], list]] = {name: ([], []) for name in types}
-        for row, stored in connection.execute("SELECT row, fields FROM passages WHERE fields IS NOT NULL"):
-            for name, value in json.loads(stored).items():
+        for row, fields in rows:
+            for name, value in fields.items():
                 column = found.get(name)
                 if column is not None and _is_a(value, types[name]):
                     column[0].append(row)

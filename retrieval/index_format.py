@@ -117,6 +117,9 @@ class Manifest(BaseModel):
     # The passages' metadata fields and the type of each (retrieval.fields), e.g. {"year": "number"}; none for
     # a TSV corpus and a JSONL one without them.
     fields: dict[str, Literal["string", "number", "boolean", "string[]"]] = {}
+    # The last write over HTTP this generation holds (retrieval.write_log: a compaction folded every write up to
+    # it in); 0 for none. The writer replays the log's later writes over it.
+    write_sequence: int = 0
     # sha256 of the manifest's own other fields (`manifest_digest`), so an edited manifest is refused; None in a
     # manifest not yet sealed.
     manifest_sha256: str | None = None

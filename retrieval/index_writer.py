@@ -110,7 +110,7 @@ def write_bm25(work: Path, rows: int) -> list[str]:
 
 
 def write_manifest(work: Path, *, encoder: EncoderRecord, corpus: CorpusRecord, count: int, bm25: bool,
-                   shard: str | None = None) -> Manifest:
+                   shard: str | None = None, write_sequence: int = 0) -> Manifest:
     """Builds BM25 where asked and the passages' content hashes (retrieval.text_hashes, which an update
     matches unchanged passages by), then writes the manifest (last: it marks `work` a finished index),
     listing the stored passages' metadata fields with their types (ValueError for a field stored with two)."""
@@ -125,6 +125,7 @@ def write_manifest(work: Path, *, encoder: EncoderRecord, corpus: CorpusRecord, 
         bm25=bm25_record() if bm25 else None,
         shard=shard,
         fields=fields,
+        write_sequence=write_sequence,
     )
     write_json_atomic(work / MANIFEST_FILE, sealed(manifest))
     return manifest

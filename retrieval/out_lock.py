@@ -1,4 +1,5 @@
-"""One writer per `--out`: a build or merge holds an exclusive lock on `.NAME.lock` beside `NAME`.
+"""One writer per index folder: a build, merge, update or `ann` (its `--out`), or the service taking writes over
+HTTP, holds an exclusive lock on `.NAME.lock` beside `NAME`.
 
 Two commands writing one `--out` would share its work folder (a build's `.NAME.partial/`, a merge's
 `.NAME.merging/`) and end in raw SQLite errors or a mixed index; the second one fails at once
@@ -15,7 +16,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from index_builder.errors import BuildError
+
+class InUse(ValueError):
+    """Another process (or thread) writes the folder."""
+
 
 # The lock files this process holds, and the thread holding each: that thread taking one again (the CLI,
 # then build_index) goes on, another thread is refused as another process is.
@@ -29,7 +33,7 @@ def lock_file(out: Path) -> Path:
 
 @contextmanager
 def hold(out: Path, command: str) -> Iterator[None]:
-    """Holds `out`'s lock for the block, or raises BuildError at once when another process holds it:
+    """Holds `out`'s lock for the block, or raises InUse at once when another process holds it:
     "OUT is in use by pid N (another build)". `command` ("build", "merge") is what others are told."""
     path = lock_file(out)
     if _held.get(path) == threading.get_ident():
@@ -55,7 +59,7 @@ def _acquire(path: Path, out: Path, command: str) -> int:
             holder = os.pread(descriptor, 100, 0).decode("ascii", "replace").split()
             os.close(descriptor)
             who = f"pid {holder[0]} (another {holder[1]})" if len(holder) == 2 else "another build or merge"
-            raise BuildError(f"{out} is in use by {who}; wait for it to end, or give another --out") from None
+            raise InUse(f"{out} is in use by {who}; wait for it to end, or give another --out") from None
         try:
             current = os.stat(path).st_ino == os.fstat(descriptor).st_ino
         except FileNotFoundError:

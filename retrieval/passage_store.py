@@ -60,6 +60,23 @@ class PassageStore:
             raise KeyError(f"{self.path}: rows {missing[:5]} not in the passage store")
         return [found[int(r)] for r in rows]
 
+    def ids(self, rows: Sequence[int]) -> list[str]:
+        """The id of each row, in the order asked."""
+        found = dict(self._rows("row, id", rows))
+        return [found[int(r)] for r in rows]
+
+    def rows_of(self, ids: Sequence[str]) -> dict[str, int]:
+        """The row of each of `ids` the store holds."""
+        found: dict[str, int] = {}
+        for start in range(0, len(ids), 900):  # SQLite caps bound parameters
+            part = list(ids[start : start + 900])
+            found.update(self._query(f"SELECT id, row FROM passages WHERE id IN ({','.join('?' * len(part))})", part))
+        return found
+
+    def texts(self) -> list[str]:
+        """Every row's text, in row order."""
+        return [text for (text,) in self._query("SELECT text FROM passages ORDER BY row")]
+
     def fields(self, rows: Sequence[int]) -> list[dict]:
         """Each row's metadata fields (retrieval.fields), in the order asked; {} for none."""
         if not rows:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import heapq
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,7 +16,7 @@ from models.checkpoint import resolve_device
 from models.encoder import BiEncoder, Tokens
 from retrieval import filtered_search
 from retrieval.candidates.kind import Structure
-from retrieval.dense import check_candidates, pick_structure
+from retrieval.dense import Ranked, check_candidates, pick_structure
 from retrieval.fields import chosen_fields
 from retrieval.filters import Filter, parse_filter
 from retrieval.fusion import FUSION_RULES
@@ -22,6 +24,7 @@ from retrieval.generation import load_generation
 from retrieval.index_format import Manifest
 from retrieval.load_options import LoadOptions
 from retrieval.request import FUSIONS, LEADS, MAX_K, MODES, Fusion, Lead, Mode, Retrieval
+from retrieval.segment import Segment
 
 log = logging.getLogger("retrieval")
 # The fields an encoder must share with the index it searches; names and token limits may differ.
@@ -128,6 +131,14 @@ class Searcher:
         self.bm25 = loaded.bm25
         self.generation = loaded.generation_id
         self.field_types = dict(self.manifest.fields)
+        self.segment = Segment(self.manifest.count)  # what writes over HTTP changed since (none here)
+
+    def with_segment(self, segment: Segment) -> "Searcher":
+        """This generation with `segment` (its writes since) searched beside it: another Searcher sharing
+        everything loaded; the fields the segment's passages add are known to its filters."""
+        written = copy.copy(self)
+        written.segment, written.field_types = segment, {**segment.types, **self.manifest.fields}
+        return written
 
     @property
     def index(self):
@@ -145,7 +156,21 @@ class Searcher:
 
     @property
     def count(self) -> int:
-        return self.manifest.count
+        """Passages in the collection: the generation's, changed by its segment."""
+        return self.segment.count
+
+    def passage(self, pid: str) -> HitWithFields | None:
+        """The passage `pid` (rank 1, score 0: not a search's hit) with its fields; None where the collection
+        does not hold it."""
+        segment = self.segment
+        if pid in segment.by_id:
+            written = segment.passages[segment.by_id[pid]]
+            return HitWithFields(written.id, written.text, 0.0, 1, fields=dict(written.fields))
+        row = self.passages.rows_of([pid]).get(pid)
+        if row is None or segment.is_hidden(row):
+            return None
+        (found,) = self.hits([[(row, 0.0)]], tuple(self.field_types))
+        return found[0]
 
     def parse_filter(self, filter) -> Filter | None:
         """`filter` (as JSON gives it, or already parsed) checked against this index's fields; None for
@@ -203,8 +228,8 @@ class Searcher:
         chosen = self._structure(retrieval)
         if chosen is None or retrieval.mode == "bm25":
             return "exact"
-        if retrieval.filter is not None and not filtered_search.through_structure(
-                self.restrictions.of(retrieval.filter), chosen):
+        restriction = self.generation_rows(retrieval.filter)
+        if restriction is not None and not filtered_search.through_structure(restriction, chosen):
             return "exact"
         return f"approximate:{chosen.kind}"
 
@@ -229,10 +254,11 @@ class Searcher:
         `vectors` are the encoded queries (unused for bm25). With a filter, only the passages it matches, the
         top k among them (in hybrid modes both lists filtered before fusion)."""
         k, chosen = retrieval.k, self._structure(retrieval)
-        restriction = None if retrieval.filter is None else self.restrictions.of(retrieval.filter)
+        restriction = self.generation_rows(retrieval.filter)
+        written = self.segment.matching(retrieval.filter)
         retrievers = {
-            "dense": lambda depth: self.dense.search(vectors, depth, restriction, chosen, retrieval.candidates),
-            "bm25": lambda depth: self._bm25(queries, depth, restriction),
+            "dense": lambda depth: self._dense(vectors, depth, restriction, chosen, retrieval.candidates, written),
+            "bm25": lambda depth: self._bm25(queries, depth, restriction, written),
         }
         if retrieval.mode in retrievers:
             return retrievers[retrieval.mode](k)
@@ -241,8 +267,36 @@ class Searcher:
         return [rule.fuse(dense, lexical, k, retrieval.lead)
                 for dense, lexical in zip(retrievers["dense"](depth), retrievers["bm25"](depth))]
 
-    def _bm25(self, queries: Sequence[str], k: int,
-              restriction: filtered_search.Restriction | None) -> list[list[tuple[int, float]]]:
+    def generation_rows(self, filter: Filter | None) -> filtered_search.Restriction | None:
+        """The generation's rows a search reads: those `filter` matches (None: all), less those the segment
+        hides; None for every row."""
+        matched = None if filter is None else self.restrictions.of(filter)
+        if self.segment.hidden is None:
+            return matched
+        return filtered_search.Restriction(self.segment.base_mask(None if matched is None else matched.mask))
+
+    def _dense(self, vectors: np.ndarray, k: int, restriction: filtered_search.Restriction | None,
+               structure: Structure | None, candidates: int | None, written: np.ndarray) -> Ranked:
+        """The generation's dense lists, merged with the segment's `written` passages' (exact) ones."""
+        found = self.dense.search(vectors, k, restriction, structure, candidates)
+        if not written.any():
+            return found
+        return [heapq.nsmallest(k, base + mine, key=lambda hit: (-hit[1], hit[0]))
+                for base, mine in zip(found, self.segment.dense(vectors, k, written))]
+
+    def _bm25(self, queries: Sequence[str], k: int, restriction: filtered_search.Restriction | None,
+              written: np.ndarray) -> list[list[tuple[int, float]]]:
+        segment = self.segment
+        if segment.changes:  # BM25 over the whole changed collection (retrieval.segment)
+            index, rows = segment.bm25(self.passages.texts)
+            base = np.flatnonzero(rows < segment.base_count)
+            mask = None
+            if restriction is not None or not written.all():
+                mask = np.concatenate([np.ones(len(base), dtype=bool) if restriction is None
+                                       else restriction.mask[rows[base]],
+                                       written[rows[len(base):] - segment.base_count]])
+            found = index.search(queries, k) if mask is None else index.search_among(queries, k, mask)
+            return [[(int(rows[i]), score) for i, score in ranking] for ranking in found]
         if restriction is None:
             return self.bm25.search(queries, k)
         return self.bm25.search_among(queries, k, restriction.mask)
@@ -250,13 +304,19 @@ class Searcher:
     def hits(self, ranked: list[list[tuple[int, float]]], fields: Sequence[str] | None = None) -> list[list[Hit]]:
         """Attach ids and texts to ranked rows; with `fields` (names), HitWithFields holding those each
         passage has."""
-        results = []
+        results, base_count = [], self.segment.base_count
         for ranking in ranked:
             rows = [row for row, _ in ranking]
-            found = self.passages.get(rows)
+            stored = [row for row in rows if row < base_count]
+            found = dict(zip(stored, self.passages.get(stored)))
+            texts = [found[row] if row < base_count else self.segment.passage(row).id_and_text for row in rows]
             hits = [Hit(id=pid, text=text, score=score, rank=rank)
-                    for rank, ((pid, text), (_, score)) in enumerate(zip(found, ranking), start=1)]
-            results.append(hits if fields is None else with_fields(hits, self.passages.fields(rows), fields))
+                    for rank, ((pid, text), (_, score)) in enumerate(zip(texts, ranking), start=1)]
+            if fields is not None:
+                values = dict(zip(stored, self.passages.fields(stored)))
+                hits = with_fields(hits, [values[row] if row < base_count else self.segment.passage(row).fields
+                                          for row in rows], fields)
+            results.append(hits)
         return results
 
 

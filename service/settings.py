@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Literal
 from urllib.parse import urlsplit
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from models.backends import Backend
@@ -96,6 +96,25 @@ class ServiceSettings(BaseSettings):
         65_536, ge=1, description="Most tokens one /rerank request may make its reranker read (query and passage "
         "of every pair, after the reranker's own truncation); over it, 422.",
     )
+    writes: bool = Field(
+        False, description="Take writes over HTTP (POST /passages, POST /passages/delete, GET /passages/{id}), each "
+        "logged beside index_dir and fsynced before it is answered and searched at once; one instance per index, "
+        "and not with watch_index.",
+    )
+    max_write_passages: int = Field(256, ge=1, description="Most passages in one POST /passages.")
+    compact_passages: int = Field(
+        10_000, ge=1, description="With writes, a compaction (the written passages folded into a new generation of "
+        "the index, swapped in for replicas to follow, and the log truncated) starts once this many passages were "
+        "written or deleted since the last.",
+    )
+    compact_age_s: float = Field(
+        300.0, gt=0, description="With writes, a compaction starts once the oldest write not yet compacted is this "
+        "many seconds old.",
+    )
+    max_write_tokens: int = Field(
+        65_536, ge=1, description="Most passage tokens one POST /passages may have encoded (each passage cut at the "
+        "index's passage token limit first); over it, 422.",
+    )
     api_key: SecretStr | None = Field(
         None, description="Bearer key required on every route but /health and /ready; unset: no key is asked for.",
     )
@@ -180,6 +199,14 @@ class ServiceSettings(BaseSettings):
         if url is not None and (url.scheme not in ("http", "https") or not url.hostname):
             raise ValueError(f"{endpoint!r} is not an http(s) URL, e.g. http://collector:4318/v1/traces")
         return endpoint
+
+    @model_validator(mode="after")
+    def _one_writer(self) -> "ServiceSettings":
+        # A writer's index changes only through its writes: a generation swapped in from outside would drop them.
+        if self.writes and self.watch_index:
+            raise ValueError("SEARCH_WRITES and SEARCH_WATCH_INDEX exclude each other: a writer's index changes "
+                             "only through its writes")
+        return self
 
     @property
     def load(self) -> LoadOptions:

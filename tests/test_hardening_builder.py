@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from index_builder import out_lock
 from index_builder.build import BuildError, BuildOptions, build_index
 from index_builder.cli import main as cli_main
+from retrieval import out_lock
 from retrieval.corpus import READ_BLOCK, BadLine, Passage, read_corpus
 from retrieval.index_format import read_manifest
 from retrieval.passage_store import PassageStore
@@ -253,7 +253,7 @@ def test_a_second_build_into_an_out_being_built_exits_2_naming_the_first_builds_
         assert cli_main(["build", "--corpus", str(corpus), "--out", str(out), "--device", "cpu"]) == 2
         assert last_error(capsys) == (
             f"error: {out} is in use by pid {first.pid} (another build); wait for it to end, or give another --out")
-        with pytest.raises(BuildError, match=f"in use by pid {first.pid}"):
+        with pytest.raises(out_lock.InUse, match=f"in use by pid {first.pid}"):
             build_index(BuildOptions(corpus, out, overwrite=True, restart=True), encoder)
         _, errors = first.communicate(timeout=300)
     finally:
@@ -267,7 +267,7 @@ def test_a_second_build_into_an_out_being_built_exits_2_naming_the_first_builds_
 HOLD_THE_LOCK = """
 import sys, time
 from pathlib import Path
-from index_builder import out_lock
+from retrieval import out_lock
 
 with out_lock.hold(Path(sys.argv[1]), "build"):
     print("held", flush=True)

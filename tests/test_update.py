@@ -20,11 +20,12 @@ import httpx
 import numpy as np
 import pytest
 
-from index_builder import cli, out_lock
+from index_builder import cli
 from index_builder.ann import AnnOptions
 from index_builder.build import BuildError, BuildOptions, build_index
 from index_builder.build_update import build_update
 from index_builder.update import ChangeOptions, apply_changes
+from retrieval import out_lock
 from retrieval import index_writer
 from retrieval.index_format import INDEX_FILE, MANIFEST_FILE, PASSAGES_FILE, read_manifest, sealed, write_json_atomic
 from retrieval.searcher import Searcher

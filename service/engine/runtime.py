@@ -11,7 +11,7 @@ import os
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Sequence
@@ -19,13 +19,17 @@ from typing import Callable, Sequence
 import numpy as np
 
 from models.encoder import Tokens
+from retrieval.compaction import compact
 from retrieval.index_format import Manifest
+from retrieval.searcher import Searcher
+from retrieval.segment import Passage
+from retrieval.writes import Writes
 from service.engine.batcher import MicroBatcher, completed
 from service.engine.index_watch import IndexWatch
 from service.engine.monitoring import Monitor
 from service.engine.search_engine import ReloadError, Run, SearchEngine, SearchPlan, SearchResult
 from service.engine.tracing import Stage, Tracing
-from service.errors import NotReady
+from service.errors import NotReady, NotServable
 from service.settings import ServiceSettings
 
 log = logging.getLogger("service")
@@ -84,10 +88,14 @@ class Runtime:
         self.reload_lock = asyncio.Lock()
         self.watch = IndexWatch(settings.watch_interval_s, self.served_index, self.reload, self.served_again) \
             if settings.watch_index else None
+        self.writes: Writes | None = None  # with SEARCH_WRITES, once the engine is loaded
+        self.compacting: Future | None = None  # the last compaction started, on the loader thread
+        self.compactor: asyncio.Task | None = None  # starts one when the oldest write is SEARCH_COMPACT_AGE_S old
         if engine is not None:
             # On the model thread: torch's OpenMP workers spin after each call, and two threads that
             # both run torch fight over the cores, each slower than one alone.
             self.executor.submit(engine.warm_up).result()
+            self._open_writes(engine)
             self._settle()
 
     def _run(self, queries: list[str], plan: SearchPlan, tokens: list[Tokens] | None) -> list[SearchResult] | Run:
@@ -117,15 +125,23 @@ class Runtime:
             asyncio.get_running_loop().run_in_executor(self.executor, self._load)
         if self.watch is not None:
             self.watch.start()
+        if self.settings.writes:
+            self.compactor = asyncio.get_running_loop().create_task(self._compact_on_age())
 
     async def close(self) -> None:
         if self.watch is not None:
             await self.watch.stop()
+        if self.compactor is not None:
+            self.compactor.cancel()
+        if self.compacting is not None:
+            await asyncio.wrap_future(self.compacting)  # the new generation swapped in, or not at all
         await self.batcher.close()
         self.executor.shutdown(wait=False, cancel_futures=True)
         self.loader.shutdown(wait=False, cancel_futures=True)
         self.filter_thread.shutdown(wait=False, cancel_futures=True)
         self.waiter.shutdown(wait=False, cancel_futures=True)
+        if self.writes is not None:
+            self.writes.close()
         await asyncio.to_thread(self.tracing.shutdown)  # exports the last spans: network I/O
 
     def _load(self) -> None:
@@ -136,6 +152,7 @@ class Runtime:
                 rerankers=settings.rerankers, backend=settings.backend, rerank_backend=settings.rerank_backend,
             )
             engine.warm_up()
+            self._open_writes(engine)
             self._settle()  # before the engine is served, so no request waits for its collection
             self.engine = engine
             log.info("ready: %s", engine.describe())
@@ -205,11 +222,85 @@ class Runtime:
             scores.append(await self._traced("rerank", attributes, engine.rescore, query, list(texts[start:end]), reranker))
         return np.concatenate(scores) if scores else np.zeros(0, dtype=np.float32)
 
+    def _open_writes(self, engine: SearchEngine) -> None:
+        """With SEARCH_WRITES: the writes to the served index (its log replayed), served from now on."""
+        if not self.settings.writes:
+            return
+        searcher = engine.searcher
+        if not isinstance(searcher, Searcher):
+            raise ValueError("SEARCH_WRITES takes writes to one index, not to shards (--ray)")
+        if searcher.encoder.backend != searcher.manifest.encoder.backend:
+            raise ValueError(f"SEARCH_WRITES needs the index's own encoder backend "
+                             f"({searcher.manifest.encoder.backend}) to encode written passages as its others were, "
+                             f"not {searcher.encoder.backend} (SEARCH_BACKEND)")
+        self.writes = Writes.open(searcher, publish=engine.serve)
+
+    def ready_writes(self) -> Writes:
+        self.ready_engine()
+        if self.writes is None:
+            raise NotServable("this instance takes no writes (start one with SEARCH_WRITES=true)")
+        return self.writes
+
+    async def check_upsert(self, items: Sequence[dict]) -> list[Passage]:
+        """`items` as passages, off the event loop (WriteError names the first item that is none)."""
+        return await asyncio.to_thread(self.ready_writes().check_upsert, items)
+
+    async def passage_tokens(self, passages: Sequence[Passage]) -> list[Tokens]:
+        """Each passage tokenized as the index's encoder encodes passages (cut at its passage token limit)."""
+        encoder = self.ready_writes().searcher.encoder
+        return await asyncio.to_thread(lambda: [encoder.tokenize(passage.text, "passage") for passage in passages])
+
+    async def upsert(self, passages: Sequence[Passage], tokens: Sequence[Tokens]) -> int:
+        """Encodes `passages` (`tokens`: theirs) on the model thread in slices of at most RERANK_SLICE_TOKENS tokens,
+        each its own turn (searches that queue meanwhile run between them, as a /rerank's do), then writes them:
+        logged, fsynced and searched when this returns their sequence number."""
+        writes = self.ready_writes()
+        encoder = writes.searcher.encoder
+        parts = [await self._on_model_thread(encoder.encode_tokens, list(tokens[start:end]))
+                 for start, end in slices([len(t.ids) for t in tokens], RERANK_SLICE_TOKENS)]
+        seq = await asyncio.to_thread(writes.upsert, list(passages), np.concatenate(parts))
+        self._compact_when_due()
+        return seq
+
+    async def delete(self, ids: Sequence[str] | None, filter: dict | None) -> tuple[int, int]:
+        """(sequence number, passages deleted): see retrieval.writes.Writes.delete."""
+        writes = self.ready_writes()
+        done = await asyncio.get_running_loop().run_in_executor(self.filter_thread, writes.delete, ids, filter)
+        self._compact_when_due()
+        return done
+
+    def _compact_when_due(self) -> None:
+        """Starts a compaction (retrieval.compaction, on the loader thread, niced) when the segment holds
+        SEARCH_COMPACT_PASSAGES or its oldest write is SEARCH_COMPACT_AGE_S old, and none runs."""
+        writes, settings = self.writes, self.settings
+        if writes is None or (self.compacting is not None and not self.compacting.done()):
+            return
+        since = writes.segment_since
+        old = since is not None and time.monotonic() - since >= settings.compact_age_s
+        if writes.searcher.segment.size >= settings.compact_passages or old:
+            self.compacting = self.loader.submit(self._compact)
+
+    def _compact(self) -> None:
+        try:
+            report = compact(self.writes)
+        except Exception:  # noqa: BLE001 - the writes stay in the segment and the log; the next one tries again
+            log.exception("compaction failed; the writes stay logged and searched")
+            return
+        if report is not None:
+            log.info(report.summary())
+
+    async def _compact_on_age(self) -> None:
+        while True:
+            await asyncio.sleep(min(5.0, self.settings.compact_age_s / 4))
+            self._compact_when_due()
+
     async def reload(self, target: Path) -> dict:
         """Loads `target` beside the serving index (searches go on), warms it up on the model thread and
         swaps it in; ReloadError leaves the serving one in place, and its reason in `reload_error` until a
         reload succeeds. One reload at a time."""
         engine = self.ready_engine()
+        if self.writes is not None:
+            raise NotServable("this instance takes writes (SEARCH_WRITES): its index changes only through them")
         async with self.reload_lock:
             try:
                 prepare = functools.partial(engine.prepare, target)

@@ -347,13 +347,24 @@ class SearchEngine:
             raise ReloadError(f"{candidate.index_dir}: warm-up query failed: {error}") from error
         self._searcher = candidate
 
+    @property
+    def write_sequence(self) -> int:
+        """The last write over HTTP the serving searcher holds (retrieval.writes); 0 for none."""
+        return self._searcher.segment.seq
+
+    def serve(self, searcher: Searcher) -> None:
+        """Make `searcher` (the served generation with writes over HTTP: retrieval.writes) the serving one, in one
+        assignment."""
+        self._searcher = searcher
+
     def describe(self) -> dict:
         searcher = self._searcher
         manifest = searcher.manifest
         return {
             "index_dir": str(searcher.index_dir),
             "generation": searcher.generation,
-            "count": manifest.count,
+            "count": searcher.count,
+            "write_sequence": self.write_sequence,
             "index_bytes": sum(manifest.files[name].bytes for name in (INDEX_FILE, PASSAGES_FILE)),
             "model": manifest.encoder.name,
             "similarity": manifest.similarity,

@@ -16,8 +16,8 @@ from service.errors import Overloaded, Stopping
 from service.http import status
 from service.http.status import send_error
 
-# The routes that run a model (all POST): the ones the cap counts.
-MODEL_PATHS = frozenset({"/search", "/search/batch", "/v1/embeddings", "/rerank"})
+# The routes that run a model or write (all POST): the ones the cap counts.
+MODEL_PATHS = frozenset({"/search", "/search/batch", "/v1/embeddings", "/rerank", "/passages", "/passages/delete"})
 # In the ASGI scope of a search request the HTTP protocol has already counted in (see service.http.protocol).
 ADMITTED = "search.admitted"
 

@@ -14,7 +14,7 @@ from service.engine.search_engine import SearchEngine
 from service.engine.tracing import Tracing
 from service.http import limits, status
 from service.http.admission import Admission, Occupancy
-from service.http.routes import admin, embeddings, page, rerank, search
+from service.http.routes import admin, embeddings, page, passages, rerank, search
 from service.http.routes.access import Access
 from service.http.routes.spec import spec_with_limits
 from service.settings import ServiceSettings
@@ -50,7 +50,8 @@ def create_app(settings: ServiceSettings | None = None, engine: SearchEngine | N
     access = Access.for_settings(settings)
     page.mount_page(app, settings)
     routers = [admin.router(runtime, access), search.router(runtime, access), embeddings.router(runtime, access),
-               rerank.router(runtime, access), *([] if docs_open else [admin.docs_router(app, access)])]
+               rerank.router(runtime, access), passages.router(runtime, access),
+               *([] if docs_open else [admin.docs_router(app, access)])]
     for routes in routers:
         app.include_router(routes)
     # The paths /metrics counts requests by (others are "unmatched").

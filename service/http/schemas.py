@@ -191,7 +191,8 @@ class ReloadRequest(BaseModel):
 class IndexInfo(BaseModel):
     index_dir: str
     generation: str  # the generation served (index_format.generation_id): each answer's X-Index-Generation
-    count: int
+    count: int  # passages served, writes over HTTP included
+    write_sequence: int = 0  # the last write over HTTP searched (SEARCH_WRITES); 0: none
     index_bytes: int
     model: str
     similarity: str
@@ -308,3 +309,37 @@ class RerankResponse(BaseModel):
     model: str
     score_kind: ScoreKind = Field(description=SCORE_KIND_DESCRIPTION)
     results: list[RerankResult]
+
+
+class UpsertRequest(BaseModel):
+    """Passages to write, each a JSON object as a JSONL corpus line holds one: `id`, `text`, an optional `title`
+    (put before the text, as a build does) and any metadata fields a filter may name."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    passages: list[dict[str, Any]] = Field(
+        min_length=1, description="at most SEARCH_MAX_WRITE_PASSAGES; each replaces the passage of its id where the "
+        "collection holds one; the batch is written whole or not at all")
+
+
+class DeleteRequest(BaseModel):
+    """The passages to delete: by id, or those a filter matches (one of them)."""
+
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"oneOf": [{"required": ["ids"]},
+                                                                           {"required": ["filter"]}]})
+
+    ids: list[str] | SkipJsonSchema[None] = Field(None, description="ids to delete (those not held are no change)")
+    filter: dict[str, Any] | SkipJsonSchema[None] = Field(None, description=FILTER_DESCRIPTION)
+
+
+class WriteResponse(BaseModel):
+    seq: int = Field(description="the write's sequence number (the last write's, for a delete that deleted nothing)")
+    upserted: int = 0
+    deleted: int = 0
+    count: int = Field(description="passages in the collection once the write is in")
+
+
+class PassageResponse(BaseModel):
+    id: str
+    text: str
+    fields: dict[str, Any]

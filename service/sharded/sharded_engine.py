@@ -262,6 +262,8 @@ class ShardedEngine(SearchEngine):
     def followed(self) -> None:
         """None: shards are not followed in place (see prepare)."""
 
+    write_sequence = 0  # shards take no writes
+
     def prepare(self, index_dir: Path):
         raise ReloadError("a sharded service does not reload in place: build the new shards and deploy them "
                           "(python -m service --ray ... --shards NEW...), then move traffic")

@@ -1,0 +1,208 @@
+"""Writes over HTTP: upserts a second, read-after-write latency, searches during a write stream, a replica's lag,
+and compaction against a full rebuild.
+
+    python bench/writes.py [--seconds 20] [--size 100000] [--work DIR]
+
+Served (`python -m service`, SEARCH_WRITES=true, on a copy of an index of the demo corpus with BM25 and an int8
+structure, built once into --work): upserts of generated passages (bench/scale.py's texts, 40 to 80 words) at 1,
+16 and 64 a request, one client, requests back to back; read-after-write, a one-passage upsert then a dense
+search for its text until it is the first hit (the time from sending the upsert); /search p50/p99 from 4
+clients for --seconds idle, then as long with one more client streaming 16-passage upserts; a replica's lag,
+a second service on the same folder with SEARCH_WATCH_INDEX (interval 0.5 s) while the writer compacts every 64
+passages written: from the answer to the write that starts a compaction to the replica's /ready naming the new
+generation. Library (`retrieval.compaction`): a synthetic --size index (bench/scale.py's clustered vectors),
+1,000 passages upserted (encoded) and 1,000 deleted, compacted; against it, a full rebuild of the changed
+collection: encoding every passage at the rate the upserts were encoded, plus the same writes (computed, not
+run: at ~60 passages a second a real rebuild of 100k passages takes about half an hour on a 2-core CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.load import Server  # noqa: E402
+from bench.scale import build_synthetic, demo_centres, generated_texts, vocabulary  # noqa: E402
+from index_builder.ann import AnnOptions  # noqa: E402
+from index_builder.build import BuildOptions, build_index, encoder_record  # noqa: E402
+from models.encoder import BiEncoder  # noqa: E402
+from retrieval.compaction import compact  # noqa: E402
+from retrieval.load_options import LoadOptions  # noqa: E402
+from retrieval.searcher import Searcher  # noqa: E402
+from retrieval.writes import Writes  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+SEARCH_CLIENTS = 4
+
+
+def percentile(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q)) if values else float("nan")
+
+
+class Texts:
+    def __init__(self, seed: int) -> None:
+        self.rng, self.words, self.made = np.random.default_rng(seed), vocabulary(), 0
+
+    def passages(self, count: int) -> list[dict]:
+        texts = generated_texts(self.rng, self.words, count, 40, 80)
+        self.made += count
+        return [{"id": f"w{self.made - count + i}", "text": text} for i, text in enumerate(texts)]
+
+
+def upserts_a_second(client: httpx.Client, texts: Texts, per_request: int, seconds: float) -> str:
+    latencies, deadline = [], time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        started = time.perf_counter()
+        client.post("/passages", json={"passages": texts.passages(per_request)}).raise_for_status()
+        latencies.append(time.perf_counter() - started)
+    total = sum(latencies)
+    return (f"| {per_request} | {len(latencies) / total:.1f} | {per_request * len(latencies) / total:.1f} | "
+            f"{1000 * percentile(latencies, 50):.0f} | {1000 * percentile(latencies, 99):.0f} |")
+
+
+def read_after_write(client: httpx.Client, texts: Texts, trials: int) -> list[float]:
+    seen = []
+    for _ in range(trials):
+        (passage,) = texts.passages(1)
+        started = time.perf_counter()
+        client.post("/passages", json={"passages": [passage]}).raise_for_status()
+        while client.post("/search", json={"query": passage["text"], "k": 1}).json()["results"][0]["id"] != passage["id"]:
+            pass
+        seen.append(time.perf_counter() - started)
+    return seen
+
+
+def searches_during(base: str, seconds: float, writing: bool, texts: Texts) -> list[float]:
+    latencies, stop = [], threading.Event()
+
+    def search(number: int) -> None:
+        with httpx.Client(base_url=base, timeout=60, trust_env=False) as client:
+            queries = generated_texts(np.random.default_rng(number), texts.words, 200, 4, 10)
+            for i in range(10**9):
+                if stop.is_set():
+                    return
+                started = time.perf_counter()
+                client.post("/search", json={"query": queries[i % len(queries)], "k": 10}).raise_for_status()
+                latencies.append(time.perf_counter() - started)
+
+    def write() -> None:
+        with httpx.Client(base_url=base, timeout=60, trust_env=False) as client:
+            while not stop.is_set():
+                client.post("/passages", json={"passages": texts.passages(16)}).raise_for_status()
+
+    threads = [threading.Thread(target=search, args=(i,)) for i in range(SEARCH_CLIENTS)]
+    threads += [threading.Thread(target=write)] if writing else []
+    for thread in threads:
+        thread.start()
+    time.sleep(seconds)
+    stop.set()
+    for thread in threads:
+        thread.join()
+    return latencies
+
+
+def replica_lag(writer: httpx.Client, replica: httpx.Client, texts: Texts, rounds: int) -> list[float]:
+    lags = []
+    for _ in range(rounds):
+        before = writer.get("/ready").json()["index"]["generation"]
+        for _ in range(3):
+            writer.post("/passages", json={"passages": texts.passages(16)}).raise_for_status()
+        started = time.perf_counter()
+        writer.post("/passages", json={"passages": texts.passages(16)}).raise_for_status()  # the 64th: compaction
+        while (generation := writer.get("/ready").json()["index"]["generation"]) == before:
+            time.sleep(0.05)
+        while replica.get("/ready").json()["index"]["generation"] != generation:
+            time.sleep(0.05)
+        lags.append(time.perf_counter() - started)
+    return lags
+
+
+def served(args: argparse.Namespace, encoder: BiEncoder) -> None:
+    built = args.work / "demo-index"
+    if not built.exists():
+        build_index(BuildOptions(ROOT / "data" / "demo" / "corpus.tsv", built, bm25=True,
+                                 ann=[AnnOptions("int8")]), encoder)
+    index = args.work / "served"
+    shutil.rmtree(index, ignore_errors=True)
+    shutil.copytree(built, index)
+    texts = Texts(1)
+    with Server(index, "cpu", writes="true", compact_passages="1000000") as server, \
+            httpx.Client(base_url=server.base, timeout=120, trust_env=False) as client:
+        print(f"Upserts to a {3000:,}-passage index (one client, requests back to back, {args.seconds:.0f} s each):\n")
+        print("| passages a request | requests/s | passages/s | p50 ms | p99 ms |\n|---|---|---|---|---|")
+        for per_request in (1, 16, 64):
+            print(upserts_a_second(client, texts, per_request, args.seconds))
+        seen = read_after_write(client, texts, 50)
+        print(f"\nread-after-write (upsert sent -> a search's first hit), 50 writes: p50 "
+              f"{1000 * percentile(seen, 50):.0f} ms, p99 {1000 * percentile(seen, 99):.0f} ms")
+        idle = searches_during(server.base, args.seconds, False, texts)
+        busy = searches_during(server.base, args.seconds, True, texts)
+        print(f"/search from {SEARCH_CLIENTS} clients: idle p50 {1000 * percentile(idle, 50):.0f} ms, p99 "
+              f"{1000 * percentile(idle, 99):.0f} ms ({len(idle)} searches); during a stream of 16-passage upserts "
+              f"p50 {1000 * percentile(busy, 50):.0f} ms, p99 {1000 * percentile(busy, 99):.0f} ms ({len(busy)}); "
+              f"p99 ratio {percentile(busy, 99) / percentile(idle, 99):.2f}")
+    shutil.rmtree(index)
+    shutil.copytree(built, index)
+    with Server(index, "cpu", writes="true", compact_passages="64") as writer_server, \
+            Server(index, "cpu", watch_index="true", watch_interval_s="0.5") as replica_server, \
+            httpx.Client(base_url=writer_server.base, timeout=120, trust_env=False) as writer, \
+            httpx.Client(base_url=replica_server.base, timeout=120, trust_env=False) as replica:
+        lags = replica_lag(writer, replica, texts, 5)
+        print(f"replica lag (the 64th passage's write answered -> the replica's /ready names the compacted "
+              f"generation), 5 compactions: median {statistics.median(lags):.1f} s, max {max(lags):.1f} s")
+
+
+def compaction(args: argparse.Namespace, encoder: BiEncoder) -> None:
+    out = args.work / f"synthetic-{args.size}"
+    record = encoder_record(encoder)
+    build_synthetic(out, args.size, record.dimension, record, demo_centres(encoder, record.dimension), 0.35)
+    writes = Writes.open(Searcher(out, encoder, LoadOptions(device="cpu")))
+    texts = Texts(2)
+    passages = texts.passages(1000)
+    started = time.perf_counter()
+    vectors = encoder.encode_passages([passage["text"] for passage in passages])
+    rate = len(passages) / (time.perf_counter() - started)
+    for first in range(0, len(passages), 100):
+        writes.upsert(passages[first:first + 100], vectors[first:first + 100])
+    writes.delete(ids=[f"p{i}" for i in range(0, args.size, args.size // 1000)][:1000])
+    report = compact(writes, progress=True)
+    writes.close()
+    rebuild = report.count / rate + report.seconds
+    print(f"\ncompaction at {args.size:,} passages (1,000 upserted, 1,000 deleted): {report.seconds:.1f} s; a full "
+          f"rebuild of the {report.count:,} passages: {rebuild:,.0f} s (encoding at {rate:.0f} passages/s, computed, "
+          f"plus the same writes); {rebuild / report.seconds:.0f}x")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seconds", type=float, default=20.0)
+    parser.add_argument("--size", type=int, default=100_000)
+    parser.add_argument("--work", type=Path, default=None, help="where the indexes are kept (default: a temporary folder)")
+    args = parser.parse_args()
+    temporary = None
+    if args.work is None:
+        temporary = tempfile.TemporaryDirectory()
+        args.work = Path(temporary.name)
+    args.work.mkdir(parents=True, exist_ok=True)
+    encoder = BiEncoder(device="cpu")
+    try:
+        served(args, encoder)
+        compaction(args, encoder)
+    finally:
+        if temporary is not None:
+            temporary.cleanup()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,105 @@
+"""Compaction: the writes over HTTP held in a segment (retrieval.writes) folded into a new generation of the index,
+swapped in at its folder, after which the writer serves the new generation with only the later writes beside it
+and the log drops the folded ones. Read-only replicas watching the folder follow the new generation.
+
+The new generation holds the collection the writer searched: the old generation's live rows in their order,
+then the live written passages in write order (retrieval.segment), each with its vector as searched (nothing is
+encoded again); BM25 and the candidate structures (with the old ones' parameters) are built again, and the
+manifest records the last write folded in (`write_sequence`). It is written in `.NAME.compacting` beside the
+folder while writes go on; a kill leaves the old generation and the log, which replays every write again.
+"""
+
+from __future__ import annotations
+
+import itertools
+import shutil
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import faiss
+import numpy as np
+
+from retrieval import index_writer
+from retrieval.fields import encode_fields
+from retrieval.index_format import INDEX_FILE, generation_id
+from retrieval.searcher import Searcher
+from retrieval.writes import Writes
+
+BLOCK = 65_536  # rows read and written at a time
+
+_compacting = threading.Lock()  # one compaction at a time in a process
+
+
+@dataclass(frozen=True)
+class CompactionReport:
+    index_dir: Path
+    folded: int  # the last write folded in
+    written: int  # live written passages moved into the generation
+    removed: int  # rows of the old generation deleted or replaced
+    count: int
+    generation: str
+    seconds: float
+
+    def summary(self) -> str:
+        return (f"compacted writes 1..{self.folded} into {self.index_dir} (generation {self.generation}): "
+                f"{self.written} written passages in, {self.removed} old rows out, {self.count} passages, "
+                f"in {self.seconds:.1f} s")
+
+
+def compact(writes: Writes, progress: bool = False) -> CompactionReport | None:
+    """Folds the writes' current segment into a new generation and serves it (see the module); None where the
+    segment changes nothing. Writes go on meanwhile; those after the segment stay in the new one's segment."""
+    with _compacting:
+        started = time.perf_counter()
+        searcher = writes.searcher
+        segment = searcher.segment
+        if not segment.changes:
+            return None
+        index_dir = searcher.index_dir
+        work = index_dir.parent / f".{index_dir.name}.compacting"
+        if work.exists():  # left by a compaction that was killed: written again
+            shutil.rmtree(work)
+        work.mkdir()
+        try:
+            count = _write(work, searcher, progress)
+        except BaseException:
+            shutil.rmtree(work, ignore_errors=True)
+            raise
+        index_writer.move_into_place(work, index_dir)
+        fresh = Searcher(index_dir, searcher.encoder, searcher.load)
+        writes.rebase(fresh)
+        return CompactionReport(index_dir, segment.seq, segment.written, segment.hidden_count, count,
+                                generation_id(fresh.manifest), time.perf_counter() - started)
+
+
+def _write(work: Path, searcher: Searcher, progress: bool) -> int:
+    """The new generation in `work`: passages, vectors, the manifest, the structures; its passage count."""
+    segment, manifest = searcher.segment, searcher.manifest
+    base = np.arange(segment.base_count) if segment.hidden is None else np.flatnonzero(~segment.hidden)
+    written = np.flatnonzero(segment.live)
+    store = index_writer.open_store(work)
+    try:
+        for start in range(0, len(base), BLOCK):
+            rows = base[start:start + BLOCK].tolist()
+            index_writer.insert_passages(store, [
+                (start + i, pid, text, line, encode_fields(fields)) for i, ((pid, text, line), fields)
+                in enumerate(zip(searcher.passages.records(rows), searcher.passages.fields(rows)))])
+        index_writer.insert_passages(store, [
+            (len(base) + i, passage.id, passage.text, 0, encode_fields(passage.fields))  # line 0: from no corpus
+            for i, passage in enumerate(segment.passages[position] for position in written)])
+    finally:
+        store.close()
+    stored = faiss.read_index(str(searcher.dense.pinned.path(INDEX_FILE)), faiss.IO_FLAG_MMAP_IFC)
+    parts = (stored.reconstruct_batch(base[start:start + BLOCK]) for start in range(0, len(base), BLOCK))
+    if len(written):
+        parts = itertools.chain(parts, [segment.vectors[written]])
+    count = index_writer.write_vectors(work, parts, manifest.dimension)
+    corpus = manifest.corpus.model_copy(update={"passages": count, "sha256": None})  # no longer one file's
+    index_writer.write_manifest(work, encoder=manifest.encoder, corpus=corpus, count=count,
+                                bm25=manifest.bm25 is not None, write_sequence=segment.seq)
+    for record in manifest.candidates:
+        index_writer.write_candidates(work, record.kind, record.params, depth=record.depth, sample=record.sample,
+                                      progress=progress)
+    return count

@@ -1,0 +1,158 @@
+"""The passages written since a generation was built (writes over HTTP), searched exactly beside it.
+
+A `Segment` is immutable: each write makes the next one (`upserted`, `deleted`), and a search reads the one it
+started with. It holds the written passages (id, text, fields, vector) in write order, which of them are still
+live (an id written again or deleted is not), and which of the generation's rows it hides (deleted, or
+replaced by a written passage). Its rows follow the generation's: the generation's `base_count` rows, then
+one per written passage. Searched together (retrieval.searcher), the generation's live rows then the
+segment's live passages are the collection a compaction writes (retrieval.compaction), in that order.
+
+Dense: the segment's live vectors scanned exactly, merged with the generation's search among its rows not
+hidden. BM25: its statistics belong to the whole collection, so a segment that changes anything answers
+BM25 from an index of every live passage's text, built in memory on its first BM25 search (`bm25`), whose
+cost grows with the collection.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from retrieval.bm25_index import Bm25Index
+from retrieval.fields import FieldColumns, value_type
+from retrieval.filters import Filter, evaluate
+
+
+@dataclass(frozen=True)
+class Passage:
+    id: str
+    text: str
+    fields: dict = field(default_factory=dict, hash=False)
+
+    @property
+    def id_and_text(self) -> tuple[str, str]:
+        return self.id, self.text
+
+
+@dataclass(frozen=True, eq=False)
+class Segment:
+    base_count: int
+    seq: int = 0  # the last write it holds (retrieval.write_log); 0: none
+    passages: tuple[Passage, ...] = ()
+    vectors: np.ndarray | None = None  # (len(passages), dimension) float32
+    live: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))  # per written passage
+    hidden: np.ndarray | None = None  # per generation row: deleted or replaced; None: none
+    by_id: Mapping[str, int] = field(default_factory=dict)  # id -> position of its live written passage
+    types: Mapping[str, str] = field(default_factory=dict)  # the written passages' field types
+    _bm25: dict = field(default_factory=dict, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @property
+    def changes(self) -> bool:
+        """Whether it changes the collection at all."""
+        return bool(self.passages) or self.hidden is not None
+
+    @property
+    def written(self) -> int:
+        """Its live written passages."""
+        return int(self.live.sum())
+
+    @property
+    def size(self) -> int:
+        """How much it holds: every passage written, and every generation row it hides."""
+        return len(self.passages) + self.hidden_count
+
+    @property
+    def hidden_count(self) -> int:
+        return 0 if self.hidden is None else int(self.hidden.sum())
+
+    @property
+    def count(self) -> int:
+        """Passages in the collection it makes of its generation."""
+        return self.base_count - self.hidden_count + self.written
+
+    def upserted(self, passages: Sequence[Passage], vectors: np.ndarray, seq: int,
+                 base_rows: Mapping[str, int]) -> "Segment":
+        """The segment with `passages` (encoded as `vectors`; their ids distinct) written: each replaces a passage
+        of its id, written before or in the generation (`base_rows`: the generation's row of each id it holds)."""
+        live, hidden, by_id = self._drop([p.id for p in passages], base_rows)
+        start = len(self.passages)
+        by_id.update((passage.id, start + i) for i, passage in enumerate(passages))
+        live = np.concatenate([live, np.ones(len(passages), dtype=bool)])
+        stacked = vectors if self.vectors is None else np.concatenate([self.vectors, vectors])
+        types = dict(self.types)
+        for passage in passages:
+            for name, value in passage.fields.items():
+                types.setdefault(name, value_type(value))
+        return Segment(self.base_count, seq, self.passages + tuple(passages), np.ascontiguousarray(stacked, np.float32),
+                       live, hidden, by_id, types)
+
+    def deleted(self, ids: Sequence[str], seq: int, base_rows: Mapping[str, int]) -> "Segment":
+        """The segment with `ids` deleted (those the collection does not hold are no change)."""
+        live, hidden, by_id = self._drop(ids, base_rows)
+        return Segment(self.base_count, seq, self.passages, self.vectors, live, hidden, by_id, self.types)
+
+    def _drop(self, ids: Sequence[str], base_rows: Mapping[str, int]):
+        live, by_id = self.live.copy(), dict(self.by_id)
+        hidden = None if self.hidden is None else self.hidden.copy()
+        for pid in ids:
+            if pid in by_id:
+                live[by_id.pop(pid)] = False
+            if pid in base_rows:
+                if hidden is None:
+                    hidden = np.zeros(self.base_count, dtype=bool)
+                hidden[base_rows[pid]] = True
+        return live, hidden, by_id
+
+    def holds(self, pid: str, base_rows: Mapping[str, int]) -> bool:
+        """Whether the collection holds `pid` (`base_rows`: its row in the generation, where it has one)."""
+        return pid in self.by_id or (pid in base_rows and not self.is_hidden(base_rows[pid]))
+
+    def is_hidden(self, row: int) -> bool:
+        return self.hidden is not None and bool(self.hidden[row])
+
+    def base_mask(self, mask: np.ndarray | None) -> np.ndarray | None:
+        """The generation's rows a search reads: `mask`'s (None: all) less the hidden ones; None for all."""
+        if self.hidden is None:
+            return mask
+        return ~self.hidden if mask is None else mask & ~self.hidden
+
+    def matching(self, filter: Filter | None) -> np.ndarray:
+        """The written passages a search reads: live, and matched by `filter` where one is given."""
+        if filter is None or not len(self.passages):
+            return self.live
+        columns = FieldColumns.of_rows(len(self.passages), self.types, enumerate(p.fields for p in self.passages))
+        return self.live & evaluate(filter, columns)
+
+    def dense(self, vectors: np.ndarray, k: int, among: np.ndarray) -> list[list[tuple[int, float]]]:
+        """The best `k` written passages `among` keeps per query vector, exactly (inner product), as rows
+        (base_count + position), best first, equal scores by row."""
+        positions = np.flatnonzero(among)
+        if not len(positions) or k <= 0:
+            return [[] for _ in range(len(vectors))]
+        scores = np.asarray(vectors, dtype=np.float32) @ self.vectors[positions].T
+        results = []
+        for row_scores in scores:
+            order = np.lexsort((positions, -row_scores))[:k]
+            results.append([(self.base_count + int(positions[i]), float(row_scores[i])) for i in order])
+        return results
+
+    def bm25(self, base_texts) -> tuple[Bm25Index, np.ndarray]:
+        """BM25 over every live passage (the generation's rows not hidden, then the written ones), built on first
+        use from `base_texts()` (the generation's texts in row order), and each of its rows' row in the collection."""
+        with self._lock:
+            if not self._bm25:
+                base = np.arange(self.base_count) if self.hidden is None else np.flatnonzero(~self.hidden)
+                written = np.flatnonzero(self.live)
+                texts = base_texts()
+                self._bm25["index"] = Bm25Index.over([texts[row] for row in base]
+                                                     + [self.passages[i].text for i in written])
+                self._bm25["rows"] = np.concatenate([base, self.base_count + written]).astype(np.int64)
+            return self._bm25["index"], self._bm25["rows"]
+
+    def passage(self, row: int) -> Passage:
+        """The written passage at collection row `row` (at least base_count)."""
+        return self.passages[row - self.base_count]

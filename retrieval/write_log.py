@@ -1,0 +1,150 @@
+"""The write-ahead log of writes over HTTP: every accepted batch, appended and fsynced before it is acknowledged,
+beside the index it changes (`.NAME.writes`, next to the folder `NAME`, so that a new generation swapped in
+over the folder leaves it alone).
+
+A record is one batch, whole: a header (the JSON part's length, the vectors' length, the CRC-32 of both) then
+the JSON part (`{"seq": N, "upsert": [...]}` or `{"seq": N, "delete": [ids]}`) and the upserted passages' vectors
+(float32, row after row). A batch is acknowledged only once its record is on disk, so a kill at any moment
+loses no acknowledged batch; a record cut short by the kill (or not matching its checksum) is the last one,
+never acknowledged, and `open` drops it (with a log line) and everything after it. Compaction folds the
+records up to a sequence number into a generation (whose manifest records that number) and `drop_through`
+rewrites the log without them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import struct
+import threading
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+log = logging.getLogger("retrieval")
+HEADER = struct.Struct("<III")  # JSON bytes, vector bytes, CRC-32 of the JSON bytes then the vector bytes
+
+
+def log_path(index_dir: Path) -> Path:
+    index_dir = Path(os.path.abspath(index_dir))
+    return index_dir.parent / f".{index_dir.name}.writes"
+
+
+@dataclass(frozen=True)
+class Record:
+    """One batch: `seq`, and either `upsert` (passages as dicts: id, text, fields) with their `vectors`, or
+    `delete` (ids)."""
+
+    seq: int
+    upsert: tuple[dict, ...] = ()
+    vectors: np.ndarray | None = None
+    delete: tuple[str, ...] = ()
+
+    def encode(self) -> bytes:
+        body = {"seq": self.seq, **({"upsert": list(self.upsert)} if self.upsert else {"delete": list(self.delete)})}
+        payload = json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+        vectors = b"" if self.vectors is None else np.ascontiguousarray(self.vectors, dtype="<f4").tobytes()
+        return HEADER.pack(len(payload), len(vectors), zlib.crc32(vectors, zlib.crc32(payload))) + payload + vectors
+
+    @classmethod
+    def decode(cls, payload: bytes, vectors: bytes) -> "Record":
+        body = json.loads(payload)
+        if "upsert" in body:
+            rows = np.frombuffer(vectors, dtype="<f4").astype(np.float32).reshape(len(body["upsert"]), -1)
+            return cls(body["seq"], upsert=tuple(body["upsert"]), vectors=rows)
+        return cls(body["seq"], delete=tuple(body["delete"]))
+
+
+class WriteLog:
+    """The log of one index, open for appending; `records` are those it held when opened (a torn tail dropped)."""
+
+    def __init__(self, path: Path, records: list[Record]) -> None:
+        self.path, self.records = path, records
+        self._lock = threading.Lock()
+        self._file = open(path, "ab")
+
+    @classmethod
+    def open(cls, index_dir: Path) -> "WriteLog":
+        path = log_path(index_dir)
+        records, end = read(path)
+        if path.exists() and path.stat().st_size > end:
+            log.warning("write log %s: %d bytes after byte %d are no whole record (a write cut short by a kill, "
+                        "never acknowledged): dropped", path, path.stat().st_size - end, end)
+            with open(path, "r+b") as handle:
+                handle.truncate(end)
+                os.fsync(handle.fileno())
+        if not path.exists():
+            path.touch()
+            _fsync_folder(path.parent)
+        return cls(path, records)
+
+    @property
+    def last_seq(self) -> int:
+        return self.records[-1].seq if self.records else 0
+
+    def append(self, record: Record) -> None:
+        """`record` on disk (written and fsynced) when this returns; OSError otherwise, and then the log is as it
+        was (a partial write is cut off, so the next record starts where a reader expects one)."""
+        data = record.encode()
+        with self._lock:
+            start = self._file.tell()
+            try:
+                self._file.write(data)
+                self._file.flush()
+                os.fsync(self._file.fileno())
+            except OSError:
+                self._file.truncate(start)
+                self._file.seek(start)
+                raise
+            self.records.append(record)
+
+    def drop_through(self, seq: int) -> None:
+        """The log rewritten without the records up to `seq` (folded into a generation): written beside, fsynced,
+        renamed over, so that a kill leaves the old log or the new one."""
+        with self._lock:
+            kept = [record for record in self.records if record.seq > seq]
+            tmp = self.path.with_name(self.path.name + ".tmp")
+            with open(tmp, "wb") as handle:
+                for record in kept:
+                    handle.write(record.encode())
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(tmp, self.path)
+            _fsync_folder(self.path.parent)
+            self._file.close()
+            self._file = open(self.path, "ab")
+            self.records = kept
+
+    def close(self) -> None:
+        with self._lock:
+            self._file.close()
+
+
+def read(path: Path) -> tuple[list[Record], int]:
+    """The whole records of the log at `path` (none where there is no log), and the byte where they end."""
+    if not path.exists():
+        return [], 0
+    data = path.read_bytes()
+    records, at = [], 0
+    while at + HEADER.size <= len(data):
+        json_bytes, vector_bytes, crc = HEADER.unpack_from(data, at)
+        start, end = at + HEADER.size, at + HEADER.size + json_bytes + vector_bytes
+        if end > len(data):
+            break
+        payload, vectors = data[start:start + json_bytes], data[start + json_bytes:end]
+        if zlib.crc32(vectors, zlib.crc32(payload)) != crc:
+            break
+        records.append(Record.decode(payload, vectors))
+        at = end
+    return records, at
+
+
+def _fsync_folder(folder: Path) -> None:
+    descriptor = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
