@@ -4,14 +4,19 @@
 
 An index of --size clustered unit vectors (bench/scale.py's clustered_vectors, around random centres) is written
 through the index writer with metadata fields on every passage (`bucket`, a number 0 .. 999 drawn uniformly;
-`source`, one of four strings; `tags`, a list of strings; `open`, a boolean), and loaded by a Searcher, which reads
+`source`, one of four strings; `tags`, a list of strings; `open`, a boolean; `tenant`, one of 1,000, row i
+tenant i % 1000), and loaded by a Searcher, which reads
 the fields into columns (timed: the load's cost of fields). Then, for each selectivity (a `bucket` range keeping
 50%, 5% and 0.1% of the passages), --queries single-query dense searches at k=--k through `Searcher.rank`, each
 filtered search followed by the same query unfiltered (the exact flat scan), so both see the same machine state;
 one line per selectivity: the filtered and unfiltered p50 and their ratio, how the filtered search was answered
 (retrieval/filtered_search.py: `postfilter`, the unfiltered scan read deeper; `among`, the matching rows only),
 the mask's first evaluation (a filter's mask is then cached), and whether every filtered answer held only matching
-passages. A last line sums up against the goal: never slower than the unfiltered exact scan, faster when selective.
+passages. A line sums up against the goal: never slower than the unfiltered exact scan, faster when selective.
+Then scoped keys (service/http/keys.py): each query from a random one of the 1,000 tenants, its scope
+`{"tenant": ...}` ANDed with a 50% `bucket` filter as the service does for a scoped key (parsed and its mask
+evaluated per search: a tenant's filter is rarely among the 16 masks cached), against the same 50% filter
+unscoped (its mask cached): both p50s, their ratio, and whether every scoped answer held only the tenant's passages.
 Queries are vectors (stored vectors plus noise), so no model runs; the encoder is loaded only for the Searcher's check.
 """
 
@@ -45,6 +50,7 @@ CHUNK = 100_000
 BUCKETS = 1000
 SELECTIVITIES = (0.5, 0.05, 0.001)
 SOURCES = ("pubmed", "arxiv", "wiki", "news")
+TENANTS = 1000
 
 
 def build(out: Path, size: int, dimension: int, record: EncoderRecord, sigma: float) -> float:
@@ -62,7 +68,7 @@ def build(out: Path, size: int, dimension: int, record: EncoderRecord, sigma: fl
         index_writer.insert_passages(connection, (
             (first + i, f"p{first + i}", f"passage {first + i}", first + i + 1, encode_fields({
                 "bucket": int(bucket), "source": SOURCES[(first + i) % 4], "tags": [f"t{bucket % 7}"],
-                "open": bool(bucket % 2)}))
+                "open": bool(bucket % 2), "tenant": f"tenant{(first + i) % TENANTS}"}))
             for i, bucket in enumerate(buckets)))
     connection.close()
 
@@ -105,7 +111,7 @@ def main(argv: list[str] | None = None) -> None:
         started = time.perf_counter()
         searcher = Searcher(index, encoder, load=LoadOptions(device="cpu"))
         loaded = time.perf_counter() - started
-        print(f"{args.size:,} x {args.dimension} flat index with 4 fields: built in {built:.1f} s, loaded (with the "
+        print(f"{args.size:,} x {args.dimension} flat index with 5 fields: built in {built:.1f} s, loaded (with the "
               f"fields' columns) in {loaded:.1f} s; {args.queries} single queries at k={args.k} per selectivity")
         rng = np.random.default_rng(7)
         stored = searcher.index.reconstruct_batch(rng.integers(0, args.size, size=args.queries))
@@ -136,6 +142,18 @@ def main(argv: list[str] | None = None) -> None:
         print("summary: filtered/unfiltered p50 " + ", ".join(f"{r:.3f} at {100 * s:g}%" for s, r in ratios.items())
               + f"; never slower than the unfiltered scan (within 5%): {'yes' if never_slower else 'NO'}; "
               f"faster when selective: {'yes' if faster else 'NO'}")
+        spec = {"bucket": {"$lt": 0.5 * BUCKETS}}
+        scoped, unscoped, inside = [], [], True
+        for vector, tenant in zip(vectors, rng.integers(0, TENANTS, size=len(vectors))):
+            both = {"$and": [{"tenant": f"tenant{tenant}"}, spec]}
+            ms, ranked = timed(lambda: searcher.rank([""], vector[None], searcher.request(args.k, filter=both)))
+            scoped.append(ms)
+            inside &= all(row % TENANTS == tenant for row, _ in ranked[0])
+            unscoped.append(timed(lambda: searcher.rank([""], vector[None], searcher.request(args.k, filter=spec)))[0])
+        p50, base = statistics.median(scoped), statistics.median(unscoped)
+        print(f"scoped keys, {TENANTS:,} tenants: scope AND a 50% filter p50 {p50:.2f} ms (parsed and masked per "
+              f"search), the 50% filter unscoped p50 {base:.2f} ms, ratio {p50 / base:.3f}; only the tenant's "
+              f"passages: {'yes' if inside else 'NO'}")
     finally:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)

@@ -125,6 +125,15 @@ def parse_filter(spec: Any, types: Mapping[str, str]) -> Filter:
     return Filter(canonical, root, tuple(sorted(used.types.items())))
 
 
+def conjunction(first: Filter | None, second: Filter | None) -> Filter | None:
+    """The filter both hold for (`{"$and": [first, second]}`, already parsed); either where the other is None."""
+    if first is None or second is None:
+        return first or second
+    spec = json.dumps({"$and": [json.loads(first.spec), json.loads(second.spec)]}, sort_keys=True,
+                      separators=(",", ":"), ensure_ascii=False)
+    return Filter(spec, All((first.root, second.root)), tuple(sorted(set(first.types) | set(second.types))))
+
+
 @dataclass
 class _Used:
     """What a filter parsed so far reads (its fields, with their types) and how big it is."""

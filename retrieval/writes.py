@@ -24,8 +24,8 @@ import numpy as np
 
 from retrieval import out_lock
 from retrieval.corpus import DEFAULT_MAX_PASSAGE_BYTES, BadLine, parse_record
-from retrieval.fields import MAX_FIELDS, FieldTypes
-from retrieval.filters import Filter
+from retrieval.fields import MAX_FIELDS, FieldColumns, FieldTypes
+from retrieval.filters import Filter, conjunction, evaluate
 from retrieval.searcher import Searcher
 from retrieval.segment import Passage, Segment
 from retrieval.write_log import Record, WriteLog
@@ -48,7 +48,7 @@ class Writes:
 
     def __init__(self, searcher: Searcher, log: WriteLog, publish: Callable[[Searcher], None] | None = None,
                  held: ExitStack | None = None) -> None:
-        self.log, self.publish, self._held = log, None, held  # published once replayed
+        self.log, self.publish, self._folder_lock = log, None, held  # published once replayed
         self._lock = threading.Lock()
         segment = Segment(searcher.manifest.count, searcher.manifest.write_sequence)
         self.searcher = searcher.with_segment(segment)
@@ -78,17 +78,21 @@ class Writes:
         """The last write applied; 0 for none."""
         return self.searcher.segment.seq
 
-    def check_upsert(self, items: Sequence[Mapping], max_bytes: int = DEFAULT_MAX_PASSAGE_BYTES) -> list[Passage]:
+    def check_upsert(self, items: Sequence[Mapping], max_bytes: int = DEFAULT_MAX_PASSAGE_BYTES,
+                     scope: dict | None = None) -> list[Passage]:
         """`items` (JSON objects) as passages; WriteError naming the first item and field that cannot be one: not
         a passage (an empty text, an id missing or over MAX_ID_CHARS), over `max_bytes` as a JSON line, an id twice,
-        or a field whose type differs from the collection's."""
+        a field whose type differs from the collection's, or outside `scope` (a filter every passage written must
+        match; the fields it fixes by equality at its top level are set where a passage lacks them)."""
         types = FieldTypes(max_fields=max(MAX_FIELDS, len(self.searcher.field_types)))
         types.know(self.searcher.field_types, "the index")
+        implied = fixed_fields(scope, self.searcher.field_types) if scope is not None else {}
         passages, seen = [], {}
         for i, item in enumerate(items):
             where = ("passages", i)
             if not isinstance(item, Mapping):
                 raise WriteError(where, "expected a JSON object")
+            item = {**implied, **item}
             size = len(json.dumps(item, ensure_ascii=False).encode("utf-8", "surrogatepass"))
             if size > max_bytes:
                 raise WriteError(where, f"{size} bytes as JSON, over the limit of {max_bytes} bytes a passage may have")
@@ -96,7 +100,8 @@ class Writes:
             if isinstance(parsed, BadLine):
                 raise WriteError(where + (_field_named(parsed.reason),), parsed.reason)
             if len(parsed.id) > MAX_ID_CHARS:
-                raise WriteError(where + ("id",), f"id of {len(parsed.id)} characters, over the limit of {MAX_ID_CHARS}")
+                raise WriteError(where + ("id",),
+                                 f"id of {len(parsed.id)} characters, over the limit of {MAX_ID_CHARS}")
             if parsed.id in seen:
                 raise WriteError(where + ("id",), f"id {parsed.id!r} is also item {seen[parsed.id]} of this batch")
             seen[parsed.id] = i
@@ -106,33 +111,51 @@ class Writes:
                 raise WriteError(where + ((name,) if name else ()), conflict)
             types.add(parsed.fields, i)
             passages.append(Passage(parsed.id, parsed.text, dict(parsed.fields or {})))
+        if scope is not None:
+            outside = np.flatnonzero(~self._matches(self.searcher.parse_filter(scope), [p.fields for p in passages]))
+            if len(outside):
+                raise WriteError(("passages", int(outside[0])), "this passage's fields are outside the key's scope "
+                                 f"{json.dumps(scope)}")
         return passages
 
-    def upsert(self, items: Sequence[Mapping] | Sequence[Passage], vectors: np.ndarray | None = None) -> int:
+    def upsert(self, items: Sequence[Mapping] | Sequence[Passage], vectors: np.ndarray | None = None,
+               scope: dict | None = None) -> int:
         """Writes a batch of passages (JSON objects, checked by `check_upsert`; or passages it made), each
         replacing the passage of its id where the collection holds one; `vectors`: theirs, encoded by the index's
-        encoder as passages (encoded here where None). Returns the write's sequence number once it is logged."""
-        passages = list(items) if all(isinstance(item, Passage) for item in items) else self.check_upsert(items)
+        encoder as passages (encoded here where None). With a `scope`, a passage held outside it is not replaced:
+        WriteError naming the id. Returns the write's sequence number once it is logged."""
+        if all(isinstance(item, Passage) for item in items):
+            passages = list(items)
+        else:
+            passages = self.check_upsert(items, scope=scope)
         if vectors is None:
             vectors = self.searcher.encoder.encode_passages([passage.text for passage in passages])
         with self._lock:
+            if scope is not None:
+                taken = self._held([p.id for p in passages], self.searcher.parse_filter(scope), inside=False)
+                if taken:
+                    position = next(i for i, p in enumerate(passages) if p.id == taken[0])
+                    raise WriteError(("passages", position, "id"), f"id {taken[0]!r} is taken by a passage this key "
+                                     "may not write (ids are the collection's: give each scope its own)")
             record = Record(self.seq + 1, upsert=tuple(vars(p) for p in passages), vectors=vectors)
             self.log.append(record)
             self._apply(record)
             return record.seq
 
-    def delete(self, ids: Sequence[str] | None = None, filter: Filter | dict | None = None) -> tuple[int, int]:
+    def delete(self, ids: Sequence[str] | None = None, filter: Filter | dict | None = None,
+               scope: dict | None = None) -> tuple[int, int]:
         """Deletes the passages of `ids`, or those `filter` matches (the search filter grammar; resolved to ids when
-        it is applied, and logged as those). Returns (sequence number, passages deleted); a delete that deletes
-        nothing is not logged, and its sequence number is the last write's."""
+        it is applied, and logged as those), among those `scope` matches (None: all; a passage outside it is
+        answered as one the collection does not hold). Returns (sequence number, passages deleted); a delete that
+        deletes nothing is not logged, and its sequence number is the last write's."""
         if (ids is None) == (filter is None):
             raise WriteError((), "give ids or a filter (one of them)")
         with self._lock:
             searcher = self.searcher
+            bound = None if scope is None else searcher.parse_filter(scope)
             if filter is not None:
-                ids = self._matching(searcher, searcher.parse_filter(filter))
-            base_rows = searcher.passages.rows_of(list(ids))
-            held = [pid for pid in dict.fromkeys(ids) if searcher.segment.holds(pid, base_rows)]
+                ids = self._matching(searcher, conjunction(bound, searcher.parse_filter(filter)))
+            held = self._held(list(dict.fromkeys(ids)), bound, inside=True)
             if not held:
                 return self.seq, 0
             record = Record(self.seq + 1, delete=tuple(held))
@@ -154,9 +177,31 @@ class Writes:
                 self.publish(self.searcher)
             self.log.drop_through(folded)
 
-    def get(self, pid: str):
-        """The passage `pid` with its fields (retrieval.searcher.HitWithFields), or None."""
-        return self.searcher.passage(pid)
+    def get(self, pid: str, scope: dict | None = None):
+        """The passage `pid` with its fields (retrieval.searcher.HitWithFields), or None (also for one outside
+        `scope`)."""
+        searcher = self.searcher
+        found = searcher.passage(pid)
+        if found is None or scope is None or self._matches(searcher.parse_filter(scope), [found.fields])[0]:
+            return found
+        return None
+
+    def _held(self, ids: list[str], scope: Filter | None, inside: bool) -> list[str]:
+        """Those of `ids` the collection holds, inside `scope` (None: all) or, with `inside` false, outside it."""
+        searcher = self.searcher
+        base_rows = searcher.passages.rows_of(ids)
+        held = [pid for pid in ids if searcher.segment.holds(pid, base_rows)]
+        if scope is None:
+            return held if inside else []
+        found = searcher.hits([[(searcher.segment.base_count + searcher.segment.by_id[pid], 0.0) if pid in
+                                searcher.segment.by_id else (base_rows[pid], 0.0) for pid in held]],
+                              tuple(searcher.field_types))[0]
+        matched = self._matches(scope, [hit.fields for hit in found])
+        return [pid for pid, match in zip(held, matched) if match == inside]
+
+    def _matches(self, scope: Filter, fields: list[dict]) -> np.ndarray:
+        columns = FieldColumns.of_rows(len(fields), self.searcher.field_types, enumerate(fields))
+        return evaluate(scope, columns)
 
     def _matching(self, searcher: Searcher, filter: Filter) -> list[str]:
         segment = searcher.segment
@@ -182,8 +227,23 @@ class Writes:
 
     def close(self) -> None:
         self.log.close()
-        if self._held is not None:
-            self._held.close()
+        if self._folder_lock is not None:
+            self._folder_lock.close()
+
+
+def fixed_fields(scope: dict, types: Mapping[str, str]) -> dict:
+    """The field values `scope` (a filter) fixes by equality at its top level: {"tenant": "acme"} and
+    {"tenant": {"$eq": "acme"}} fix tenant (a list field's equality means "contains", and fixes nothing)."""
+    fixed = {}
+    for name, value in scope.items():
+        if name.startswith("$") or types.get(name) in (None, "string[]"):
+            continue
+        if isinstance(value, dict):
+            if set(value) != {"$eq"}:
+                continue
+            value = value["$eq"]
+        fixed[name] = value
+    return fixed
 
 
 def _field_named(reason: str) -> str:

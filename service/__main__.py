@@ -81,14 +81,15 @@ def main(argv: list[str] | None = None, *, reexec: bool = False) -> int:
         return 2
     import uvicorn
 
-    from service.http.app import create_app
-    from service.http.protocol import timeout_protocol
     from service.engine.tracing import TracingUnavailable
+    from service.http.app import create_app
+    from service.http.keys import KeysFileError
+    from service.http.protocol import timeout_protocol
 
     logging.getLogger("service").info("malloc: %s", malloc)
     try:
         app = create_app(settings)
-    except TracingUnavailable as error:
+    except (TracingUnavailable, KeysFileError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     protocol = timeout_protocol(settings.read_timeout_s, settings.write_timeout_s, app.state.occupancy,

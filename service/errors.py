@@ -28,6 +28,10 @@ class Unauthorized(ServiceError):
     """A missing or wrong API key: 401."""
 
 
+class Forbidden(ServiceError):
+    """A key that may not call the route: 403."""
+
+
 class TimedOut(ServiceError):
     """The request stopped arriving: 408."""
 

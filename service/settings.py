@@ -118,6 +118,10 @@ class ServiceSettings(BaseSettings):
     api_key: SecretStr | None = Field(
         None, description="Bearer key required on every route but /health and /ready; unset: no key is asked for.",
     )
+    api_keys_file: Path | None = Field(
+        None, description="A JSON file of scoped API keys (name, key_sha256, routes, filter: docs/serving.md#keys), "
+        "re-read when it changes; unset: only api_key.",
+    )
     open_docs: bool = Field(False, description="With a key, serve /docs, /redoc and /openapi.json without it.")
 
     max_concurrent_requests: int = Field(

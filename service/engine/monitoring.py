@@ -46,6 +46,10 @@ class Monitor:
             "search_dropped_requests", "Queued search requests dropped unrun because their client disconnected",
             registry=self.registry,
         )
+        self.key_requests = Counter(
+            "search_key_requests", "Requests by API key name (\"unknown\": no key or a wrong one) and outcome: "
+            "allowed, or refused with 401 or 403", ["key", "outcome"], registry=self.registry,
+        )
         self.queued = Gauge("search_queue_size", "Search requests waiting for the model", registry=self.registry)
         self.in_flight = Gauge("search_in_flight_requests", "Search requests in the service (queued or running)",
                                registry=self.registry)
@@ -56,6 +60,9 @@ class Monitor:
         self._window_size = window
         self._served = 0
         self._lock = threading.Lock()
+
+    def observe_key(self, name: str, outcome: str) -> None:
+        self.key_requests.labels(key=name, outcome=outcome).inc()
 
     def observe_request(self, route: str, status: int) -> None:
         # One labelled child per route and status, looked up once: labels() costs several times inc(), and a

@@ -241,16 +241,17 @@ class Runtime:
             raise NotServable("this instance takes no writes (start one with SEARCH_WRITES=true)")
         return self.writes
 
-    async def check_upsert(self, items: Sequence[dict]) -> list[Passage]:
-        """`items` as passages, off the event loop (WriteError names the first item that is none)."""
-        return await asyncio.to_thread(self.ready_writes().check_upsert, items)
+    async def check_upsert(self, items: Sequence[dict], scope: dict | None = None) -> list[Passage]:
+        """`items` as passages inside `scope`, off the event loop (WriteError names the first item that is none)."""
+        writes = self.ready_writes()
+        return await asyncio.to_thread(functools.partial(writes.check_upsert, items, scope=scope))
 
     async def passage_tokens(self, passages: Sequence[Passage]) -> list[Tokens]:
         """Each passage tokenized as the index's encoder encodes passages (cut at its passage token limit)."""
         encoder = self.ready_writes().searcher.encoder
         return await asyncio.to_thread(lambda: [encoder.tokenize(passage.text, "passage") for passage in passages])
 
-    async def upsert(self, passages: Sequence[Passage], tokens: Sequence[Tokens]) -> int:
+    async def upsert(self, passages: Sequence[Passage], tokens: Sequence[Tokens], scope: dict | None = None) -> int:
         """Encodes `passages` (`tokens`: theirs) on the model thread in slices of at most RERANK_SLICE_TOKENS tokens,
         each its own turn (searches that queue meanwhile run between them, as a /rerank's do), then writes them:
         logged, fsynced and searched when this returns their sequence number."""
@@ -258,14 +259,15 @@ class Runtime:
         encoder = writes.searcher.encoder
         parts = [await self._on_model_thread(encoder.encode_tokens, list(tokens[start:end]))
                  for start, end in slices([len(t.ids) for t in tokens], RERANK_SLICE_TOKENS)]
-        seq = await asyncio.to_thread(writes.upsert, list(passages), np.concatenate(parts))
+        seq = await asyncio.to_thread(functools.partial(writes.upsert, list(passages), np.concatenate(parts), scope))
         self._compact_when_due()
         return seq
 
-    async def delete(self, ids: Sequence[str] | None, filter: dict | None) -> tuple[int, int]:
+    async def delete(self, ids: Sequence[str] | None, filter: dict | None,
+                     scope: dict | None = None) -> tuple[int, int]:
         """(sequence number, passages deleted): see retrieval.writes.Writes.delete."""
         writes = self.ready_writes()
-        done = await asyncio.get_running_loop().run_in_executor(self.filter_thread, writes.delete, ids, filter)
+        done = await asyncio.get_running_loop().run_in_executor(self.filter_thread, writes.delete, ids, filter, scope)
         self._compact_when_due()
         return done
 

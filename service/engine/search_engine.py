@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -15,7 +15,7 @@ from models.backends import Backend
 from models.encoder import InputType, Tokens
 from models.reranker import Reranker, load_reranker, reranker_kind
 from retrieval.fields import UnknownField
-from retrieval.filters import FilterError
+from retrieval.filters import FilterError, conjunction
 from retrieval.index_format import INDEX_FILE, PASSAGES_FILE, Manifest, read_manifest
 from retrieval.load_options import LoadOptions
 from retrieval.request import Retrieval
@@ -204,14 +204,15 @@ class SearchEngine:
 
     def plan(self, k: int, *, rerank_depth: int | None = None, reranker: str | None = None,
              retrieval_weight: float = 0.0, max_rerank_depth: int | None = None, allow_partial: bool = False,
-             **options) -> SearchPlan:
+             scope: dict | None = None, **options) -> SearchPlan:
         """`k` hits retrieved by `options` (those of Searcher.request: mode, fusion, lead, exact, candidates,
         structure, filter, fields; TypeError for any other), with `rerank_depth` the top `rerank_depth`
         (<= `max_rerank_depth`; the rest of k follow in retrieval order) rescored by `reranker` (a kind; default:
         the first configured) and ordered by its score, or by its blend with the first stage's at
         `retrieval_weight` (retrieval.rerank.reordered), checked once: NotServable for what this service or its
         index cannot do, OverLimit for a value past a limit or not usable (a filter that does not fit the
-        index's fields, a field to return it lacks). `allow_partial` matters to a sharded engine only."""
+        index's fields, a field to return it lacks). `allow_partial` matters to a sharded engine only. `scope`: a
+        filter every hit must match besides the request's (an API key's: service/http/keys.py), ANDed with it."""
         if rerank_depth is not None:
             if not self.rerankers:
                 raise NotServable("rerank: no reranker is configured on this service (set SEARCH_RERANKERS)")
@@ -224,6 +225,8 @@ class SearchEngine:
             reranker = reranker or self.default_reranker
         with refusals():
             retrieval = self._searcher.request(max(rerank_depth or 0, k), **options)
+            if scope is not None:
+                retrieval = replace(retrieval, filter=conjunction(self._searcher.parse_filter(scope), retrieval.filter))
         return SearchPlan(k, retrieval, rerank_depth=rerank_depth, reranker=reranker, allow_partial=allow_partial,
                           retrieval_weight=retrieval_weight if rerank_depth is not None else 0.0)
 

@@ -89,6 +89,13 @@ class Tracing:
         return {"tracer_provider": self.provider, "metrics": False, "logs": False, "operation_spans": False,
                 "auto_configure": False}
 
+    def annotate(self, attributes: dict[str, Any]) -> None:
+        """`attributes` on the current span (the request's), where tracing is on."""
+        if self.enabled:
+            from opentelemetry import trace  # only where tracing is on (see the module)
+
+            trace.get_current_span().set_attributes(attributes)
+
     def stages(self, stages: Sequence[Stage], attributes: dict[str, Any]) -> None:
         """A child span of the current span (the request's) per stage, placed at its measured times,
         `attributes` on each and on the request's span too (to find its traces by them)."""

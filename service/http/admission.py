@@ -8,10 +8,10 @@ the request head is in, and this middleware wherever no protocol did."""
 from __future__ import annotations
 
 import asyncio
-import hmac
 import time
 
 from service.engine.monitoring import Monitor
+from service.http.keys import Keys
 from service.errors import Overloaded, Stopping
 from service.http import status
 from service.http.status import send_error
@@ -29,12 +29,11 @@ def is_search(scope: dict) -> bool:
 
 class Occupancy:
     """Search requests in the service now, against the cap (read by /metrics), and the refusal past it.
-    With an `api_key`, only a request that carries it counts: the app answers the others 401, but only
-    once it has read their bodies, and keyless clients sending slow bodies must not fill the cap."""
+    Where `keys` asks for a key, only a request that carries a known one counts: the app answers the others
+    401, but only once it has read their bodies, and keyless clients sending slow bodies must not fill the cap."""
 
-    def __init__(self, cap: int, retry_after_s: int, monitor: Monitor, api_key: bytes | None = None) -> None:
-        self.cap, self.retry_after_s, self.monitor = cap, retry_after_s, monitor
-        self.expected = b"bearer " + api_key if api_key is not None else None
+    def __init__(self, cap: int, retry_after_s: int, monitor: Monitor, keys: Keys | None = None) -> None:
+        self.cap, self.retry_after_s, self.monitor, self.keys = cap, retry_after_s, monitor, keys
         self.in_flight = 0
         self.stopping = False
 
@@ -58,11 +57,11 @@ class Occupancy:
         """Whether the request of ASGI `scope` counts against the cap: a search, with the key where one is set."""
         if not is_search(scope):
             return False
-        if self.expected is None:
+        if self.keys is None or not self.keys.required:
             return True
         given = next((value for name, value in scope["headers"] if name == b"authorization"), b"")
         scheme, _, credentials = given.partition(b" ")
-        return hmac.compare_digest(scheme.lower() + b" " + credentials.strip(), self.expected)
+        return scheme.lower() == b"bearer" and self.keys.identify(credentials.strip()) is not None
 
     async def serve(self, app, scope, receive, send) -> None:
         """Runs `app` for a request counted in (`in_flight += 1` as it was let in, which a burst of heads

@@ -8,12 +8,14 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
+from retrieval.index_format import read_manifest
 from service.engine.monitoring import RequestCounter
 from service.engine.runtime import Runtime
 from service.engine.search_engine import SearchEngine
 from service.engine.tracing import Tracing
 from service.http import limits, status
 from service.http.admission import Admission, Occupancy
+from service.http.keys import Keys
 from service.http.routes import admin, embeddings, page, passages, rerank, search
 from service.http.routes.access import Access
 from service.http.routes.spec import spec_with_limits
@@ -37,17 +39,22 @@ def create_app(settings: ServiceSettings | None = None, engine: SearchEngine | N
         yield
         await runtime.close()
 
+    def field_types():  # what a scoped key's filter may name: the served collection's fields
+        engine = runtime.engine
+        return engine.searcher.field_types if engine is not None else read_manifest(settings.index_dir).fields
+
+    api_key = settings.api_key.get_secret_value() if settings.api_key is not None else None
+    keys = Keys(api_key, settings.api_keys_file, field_types)  # KeysFileError for a keys file it cannot use
     # With a key, the docs and the spec need it too, unless SEARCH_OPEN_DOCS opens them.
-    docs_open = settings.api_key is None or settings.open_docs
+    docs_open = not keys.required or settings.open_docs
     app = FastAPI(title="dense-search", version="0.1.0", lifespan=lifespan, telemetry=tracing.fastapi_config(),
                   description="Dense retrieval (RepBERT bi-encoder, exact FAISS search) over one index directory.",
                   **({} if docs_open else {"docs_url": None, "redoc_url": None, "openapi_url": None}))
-    app.state.runtime = runtime
+    app.state.runtime, app.state.keys = runtime, keys
     # The searches in the service, against the cap: what the protocol and the middleware count and refuse.
-    key = settings.api_key.get_secret_value().encode() if settings.api_key is not None else None
-    app.state.occupancy = Occupancy(settings.max_concurrent_requests, settings.retry_after_s, runtime.monitor, key)
+    app.state.occupancy = Occupancy(settings.max_concurrent_requests, settings.retry_after_s, runtime.monitor, keys)
     runtime.monitor.in_flight.set_function(lambda: app.state.occupancy.in_flight)
-    access = Access.for_settings(settings)
+    access = Access(settings, keys, runtime.monitor, tracing)
     page.mount_page(app, settings)
     routers = [admin.router(runtime, access), search.router(runtime, access), embeddings.router(runtime, access),
                rerank.router(runtime, access), passages.router(runtime, access),

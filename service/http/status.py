@@ -14,8 +14,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from service.errors import (HeadTooLarge, NotFound, NotReady, NotServable, Overloaded, OverLimit, ServiceError,
-                            ShardsUnavailable, Stopping, TimedOut, Unauthorized)
+from service.errors import (Forbidden, HeadTooLarge, NotFound, NotReady, NotServable, Overloaded, OverLimit,
+                            ServiceError, ShardsUnavailable, Stopping, TimedOut, Unauthorized)
 
 
 def _json_safe(value):
@@ -40,7 +40,7 @@ def answer(error: ServiceError) -> tuple[int, dict, dict[str, str]]:
         return status, {"detail": str(error)}, {"Retry-After": str(error.retry_after_s)}
     if isinstance(error, Unauthorized):
         return 401, {"detail": str(error)}, {"WWW-Authenticate": "Bearer"}
-    status = {NotServable: 400, NotFound: 404, TimedOut: 408, HeadTooLarge: 431, NotReady: 503,
+    status = {NotServable: 400, Forbidden: 403, NotFound: 404, TimedOut: 408, HeadTooLarge: 431, NotReady: 503,
               ShardsUnavailable: 503}[type(error)]
     return status, {"detail": str(error)}, {}
 

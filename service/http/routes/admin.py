@@ -3,7 +3,7 @@ API docs where a key closes them."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter, FastAPI, Response
+from fastapi import APIRouter, FastAPI, Request, Response
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -25,29 +25,38 @@ def router(runtime: Runtime, access: Access) -> APIRouter:
 
     @routes.get("/ready", response_model=Status, responses={503: {"model": Status}},
                 summary="the index is loaded and a real query has run")
-    async def ready(response: Response) -> Status:
+    async def ready(response: Response, request: Request) -> Status:
         if runtime.engine is None:
             response.status_code = 503
             return Status(status="failed" if runtime.load_error else "loading", detail=runtime.load_error)
-        # Ready either way: a failed reload leaves the previous index serving, and says why here.
-        return Status(status="ready", detail=runtime.reload_error, index=IndexInfo(**runtime.engine.describe()))
+        # Ready either way: a failed reload leaves the previous index serving, and says why here; where keys are
+        # scoped, the index's details (its size) only to an admin key, and a keys file's refusal too.
+        if access.keys.scoped and not admin_key(request):
+            return Status(status="ready")
+        detail = "; ".join(reason for reason in (runtime.reload_error, access.keys.error) if reason) or None
+        return Status(status="ready", detail=detail, index=IndexInfo(**runtime.engine.describe()))
+
+    def admin_key(request: Request) -> bool:
+        scheme, _, credentials = request.headers.get("authorization", "").partition(" ")
+        key = access.keys.identify(credentials.strip() if scheme.lower() == "bearer" else None)
+        return key is not None and key.allows("admin")
 
     # HEAD too, as load balancers' and probes' checks often ask (uvicorn sends no body for it).
     routes.add_api_route("/health", health, methods=["HEAD"], include_in_schema=False)
     routes.add_api_route("/ready", ready, methods=["HEAD"], include_in_schema=False)
 
-    @routes.get("/metrics", dependencies=access.protected, response_class=Response,
+    @routes.get("/metrics", dependencies=access.guard("admin"), response_class=Response,
                 responses={200: {"content": {CONTENT_TYPE_LATEST: {}}, "description": "Prometheus text format"},
-                           **({401: {"description": "missing or wrong API key"}} if settings.api_key else {})})
+                           **{status: answer for status, answer in access.responses().items() if status in (401, 403)}})
     async def metrics() -> Response:
         return Response(runtime.monitor.exposition(), media_type=CONTENT_TYPE_LATEST)
 
-    @routes.get("/stats", response_model=Stats, dependencies=access.protected, responses=access.responses())
+    @routes.get("/stats", response_model=Stats, dependencies=access.guard("admin"), responses=access.responses())
     async def stats() -> Stats:
         engine = runtime.ready_engine()
         return Stats(**runtime.monitor.stats(), index=IndexInfo(**engine.describe()))
 
-    @routes.post("/admin/reload", response_model=IndexInfo, dependencies=access.protected,
+    @routes.post("/admin/reload", response_model=IndexInfo, dependencies=access.guard("admin"),
                  responses=access.responses({404: "no such folder in the index root"}))
     async def reload(request: ReloadRequest) -> IndexInfo:
         runtime.ready_engine()
@@ -72,7 +81,7 @@ def router(runtime: Runtime, access: Access) -> APIRouter:
 
 def docs_router(app: FastAPI, access: Access) -> APIRouter:
     """/openapi.json, /docs and /redoc behind the key (FastAPI's own are turned off then)."""
-    routes = APIRouter(dependencies=access.protected, include_in_schema=False)
+    routes = APIRouter(dependencies=access.guard(None), include_in_schema=False)
 
     @routes.get("/openapi.json")
     async def openapi() -> JSONResponse:

@@ -17,7 +17,7 @@ from service.http.schemas import EmbeddingsRequest, EmbeddingsResponse
 
 def router(runtime: Runtime, access: Access) -> APIRouter:
     settings = access.settings
-    routes = APIRouter(dependencies=access.protected, route_class=JsonOffLoopRoute)
+    routes = APIRouter(dependencies=access.guard("embeddings"), route_class=JsonOffLoopRoute)
 
     @routes.post("/v1/embeddings", response_model=EmbeddingsResponse, responses=access.responses(),
                  summary="OpenAI's embeddings API, by the served index's encoder")

@@ -17,7 +17,7 @@ from service.http.schemas import RerankRequest, RerankResponse
 
 def router(runtime: Runtime, access: Access) -> APIRouter:
     settings = access.settings
-    routes = APIRouter(dependencies=access.protected, route_class=JsonOffLoopRoute)
+    routes = APIRouter(dependencies=access.guard("rerank"), route_class=JsonOffLoopRoute)
 
     @routes.post("/rerank", response_model=RerankResponse, include_in_schema=bool(settings.rerankers),
                  responses=access.responses({400: "no reranker is configured, or not the one asked for"}),

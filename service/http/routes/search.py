@@ -9,15 +9,17 @@ from fastapi import APIRouter, Request, Response
 from service.engine.runtime import Runtime
 from service.engine.search_engine import SearchEngine, SearchPlan, SearchResult
 from service.http import limits
-from service.http.routes.access import Access
+from service.http.routes.access import Access, key_of
 from service.http.routes.answers import GONE, json_answer, unless_gone
 from service.http.routes.bodies import JsonOffLoopRoute
 from service.http.schemas import BatchSearchRequest, BatchSearchResponse, SearchRequest, SearchResponse
 from service.settings import ServiceSettings
 
 
-def plan(settings: ServiceSettings, engine: SearchEngine, request: SearchRequest | BatchSearchRequest) -> SearchPlan:
-    """The request checked once, into the plan the engine runs (OverLimit: 422, NotServable: 400)."""
+def plan(settings: ServiceSettings, engine: SearchEngine, request: SearchRequest | BatchSearchRequest,
+         scope: dict | None = None) -> SearchPlan:
+    """The request checked once, into the plan the engine runs (OverLimit: 422, NotServable: 400), within `scope`
+    (the key's filter, ANDed with the request's)."""
     limits.check_k(settings, request.k)
     default = min(settings.rerank_depth, settings.max_rerank_depth)
     depth = (request.depth or default) if request.rerank else None
@@ -28,7 +30,7 @@ def plan(settings: ServiceSettings, engine: SearchEngine, request: SearchRequest
     weight = settings.rerank_retrieval_weight if request.retrieval_weight is None else request.retrieval_weight
     return engine.plan(request.k, rerank_depth=depth, reranker=request.reranker if request.rerank else None,
                        retrieval_weight=weight, max_rerank_depth=settings.max_rerank_depth,
-                       allow_partial=request.allow_partial, **retrieval)
+                       allow_partial=request.allow_partial, scope=scope, **retrieval)
 
 
 def _shards(result: SearchResult) -> dict:
@@ -38,7 +40,7 @@ def _shards(result: SearchResult) -> dict:
 
 def router(runtime: Runtime, access: Access) -> APIRouter:
     settings = access.settings
-    routes = APIRouter(dependencies=access.protected, route_class=JsonOffLoopRoute)
+    routes = APIRouter(dependencies=access.guard("search"), route_class=JsonOffLoopRoute)
 
     @routes.post("/search", response_model=SearchResponse,
                  responses=access.responses({400: "rerank without a reranker, or a mode the index lacks"}, search=True))
@@ -46,7 +48,9 @@ def router(runtime: Runtime, access: Access) -> APIRouter:
         limits.check_query(settings, request.query)
         engine = runtime.ready_engine()
         tokens = engine.tokenize(request.query, request.truncate)
-        planned = await runtime.plan(functools.partial(plan, settings, engine, request), request.filter is not None)
+        scope = key_of(http).scope
+        planned = await runtime.plan(functools.partial(plan, settings, engine, request, scope),
+                                     request.filter is not None or scope is not None)
         result = await unless_gone(http, runtime.search(request.query, planned, tokens))
         if result is None:
             return Response(status_code=GONE)
@@ -56,13 +60,15 @@ def router(runtime: Runtime, access: Access) -> APIRouter:
 
     @routes.post("/search/batch", response_model=BatchSearchResponse,
                  responses=access.responses({400: "a mode the index lacks"}, search=True))
-    async def search_batch(request: BatchSearchRequest) -> Response:
+    async def search_batch(request: BatchSearchRequest, http: Request) -> Response:
         limits.check_batch(settings, request.queries)
         engine = runtime.ready_engine()
         tokens = [engine.tokenize(query, request.truncate, ("queries", position))
                   for position, query in enumerate(request.queries)]
         limits.check_batch_tokens(settings, sum(len(query.ids) for query in tokens))
-        planned = await runtime.plan(functools.partial(plan, settings, engine, request), request.filter is not None)
+        scope = key_of(http).scope
+        planned = await runtime.plan(functools.partial(plan, settings, engine, request, scope),
+                                     request.filter is not None or scope is not None)
         results = await runtime.search_batch(request.queries, planned, tokens)
         return json_answer({"results": [{"query": r.query, "results": r.hits} for r in results],
                             "score_kind": results[0].score_kind, "latency_ms": results[0].timings.as_dict(),
