@@ -1,7 +1,7 @@
 """Writes over HTTP: upserts a second, read-after-write latency, searches during a write stream, a replica's lag,
 and compaction against a full rebuild.
 
-    python bench/writes.py [--seconds 20] [--size 100000] [--work DIR]
+    python bench/writes.py [--seconds 20] [--size 100000] [--work DIR] [--only served|compaction]
 
 Served (`python -m service`, SEARCH_WRITES=true, on a copy of an index of the demo corpus with BM25 and an int8
 structure, built once into --work): upserts of generated passages (bench/scale.py's texts, 40 to 80 words) at 1,
@@ -189,6 +189,7 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--size", type=int, default=100_000)
     parser.add_argument("--work", type=Path, default=None, help="where the indexes are kept (default: a temporary folder)")
+    parser.add_argument("--only", choices=["served", "compaction"], help="run one of the two parts")
     args = parser.parse_args()
     temporary = None
     if args.work is None:
@@ -197,8 +198,10 @@ def main() -> None:
     args.work.mkdir(parents=True, exist_ok=True)
     encoder = BiEncoder(device="cpu")
     try:
-        served(args, encoder)
-        compaction(args, encoder)
+        if args.only != "compaction":
+            served(args, encoder)
+        if args.only != "served":
+            compaction(args, encoder)
     finally:
         if temporary is not None:
             temporary.cleanup()

@@ -150,6 +150,16 @@ def test_a_scoped_write_takes_its_scope_and_cannot_leave_it(served):
     assert one(served, "GET", f"/passages/{taken}", headers=bearer("ops")).json()["text"] != "mine now"
 
 
+def test_each_request_is_logged_with_the_name_of_its_key_never_the_key(served, caplog):
+    caplog.set_level("INFO", logger="service.audit")
+    one(served, "POST", "/search", {"query": "x"}, headers=bearer("acme"))
+    one(served, "GET", "/stats", headers=bearer("acme"))
+    one(served, "GET", "/stats", headers={"Authorization": "Bearer wrong"})
+    lines = [record.getMessage() for record in caplog.records if record.name == "service.audit"]
+    assert lines == ['"POST /search" 200 key=acme', '"GET /stats" 403 key=acme', '"GET /stats" 401 key=-']
+    assert not any("secret" in line for line in lines)
+
+
 def test_what_a_scoped_key_is_told_about_the_service_names_no_other_tenant(served):
     assert one(served, "GET", "/ready", headers=bearer("acme")).json()["index"] is None
     assert one(served, "GET", "/ready", headers=bearer("ops")).json()["index"]["count"] == PASSAGES

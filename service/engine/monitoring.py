@@ -1,7 +1,8 @@
-"""Prometheus metrics and sliding-window percentiles for /metrics and /stats."""
+"""Prometheus metrics and sliding-window percentiles for /metrics and /stats, and the audit log of keyed requests."""
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import deque
 
@@ -12,6 +13,7 @@ from service.engine.search_engine import STAGES, StageTimings
 
 STAGE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+audit_log = logging.getLogger("service.audit")
 
 
 def _percentiles(values: list[float]) -> dict[str, float]:
@@ -107,10 +109,11 @@ class Monitor:
 
 
 class RequestCounter:
-    """ASGI middleware: counts every response by route template and status, refused ones included."""
+    """ASGI middleware: counts every response by route template and status, refused ones included; with `audit`
+    (scoped keys), logs a line per request naming the key it carried (`key=-` for none known)."""
 
-    def __init__(self, app, monitor: Monitor, paths: set[str]) -> None:
-        self.app, self.monitor, self.paths = app, monitor, paths
+    def __init__(self, app, monitor: Monitor, paths: set[str], audit: bool = False) -> None:
+        self.app, self.monitor, self.paths, self.audit = app, monitor, paths, audit
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -129,3 +132,6 @@ class RequestCounter:
             route = scope.get("route")
             path = route.path if route is not None else scope["path"]
             self.monitor.observe_request(path if path in self.paths else "unmatched", status)
+            if self.audit:
+                key = scope.get("state", {}).get("key")
+                audit_log.info('"%s %s" %d key=%s', scope["method"], path, status, key.name if key else "-")

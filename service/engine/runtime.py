@@ -35,6 +35,9 @@ from service.settings import ServiceSettings
 log = logging.getLogger("service")
 # A /rerank's share of the model thread before waiting batches get theirs: 16 full monoBERT pairs.
 RERANK_SLICE_TOKENS = 8192
+# A write's share of the model thread before waiting searches get theirs: one passage at the usual 256-token
+# limit (16 passages in one slice held searches 6.5x longer at p99: bench/writes.py).
+WRITE_SLICE_TOKENS = 256
 STATS_WINDOW = 1000  # requests /stats takes its percentiles over; /metrics' histograms count every one
 
 
@@ -252,13 +255,13 @@ class Runtime:
         return await asyncio.to_thread(lambda: [encoder.tokenize(passage.text, "passage") for passage in passages])
 
     async def upsert(self, passages: Sequence[Passage], tokens: Sequence[Tokens], scope: dict | None = None) -> int:
-        """Encodes `passages` (`tokens`: theirs) on the model thread in slices of at most RERANK_SLICE_TOKENS tokens,
+        """Encodes `passages` (`tokens`: theirs) on the model thread in slices of at most WRITE_SLICE_TOKENS tokens,
         each its own turn (searches that queue meanwhile run between them, as a /rerank's do), then writes them:
         logged, fsynced and searched when this returns their sequence number."""
         writes = self.ready_writes()
         encoder = writes.searcher.encoder
         parts = [await self._on_model_thread(encoder.encode_tokens, list(tokens[start:end]))
-                 for start, end in slices([len(t.ids) for t in tokens], RERANK_SLICE_TOKENS)]
+                 for start, end in slices([len(t.ids) for t in tokens], WRITE_SLICE_TOKENS)]
         seq = await asyncio.to_thread(functools.partial(writes.upsert, list(passages), np.concatenate(parts), scope))
         self._compact_when_due()
         return seq

@@ -70,5 +70,5 @@ def create_app(settings: ServiceSettings | None = None, engine: SearchEngine | N
     app.add_middleware(limits.BodyLimits, max_bytes=settings.body_limit, timeout_s=settings.read_timeout_s)
     # Outside the body limits: an overloaded service refuses before reading a byte of the body.
     app.add_middleware(Admission, occupancy=app.state.occupancy)
-    app.add_middleware(RequestCounter, monitor=runtime.monitor, paths=paths)
+    app.add_middleware(RequestCounter, monitor=runtime.monitor, paths=paths, audit=keys.scoped)
     return app

@@ -40,12 +40,12 @@ class Access:
                 monitor.observe_key("unknown", "refused")
                 raise Unauthorized("missing or wrong API key")
             tracing.annotate({"search.key": key.name})
+            request.state.key = key  # named in the audit log, refused or not
             if group is not None and not key.allows(group):
                 monitor.observe_key(key.name, "refused")
                 raise Forbidden(f"the key {key.name!r} may not call {group} routes (it may call: "
                                 f"{', '.join(sorted(key.routes))})")
             monitor.observe_key(key.name, "allowed")
-            request.state.key = key
 
         return [Depends(require_key)]
 
