@@ -133,10 +133,14 @@ class Segment:
         positions = np.flatnonzero(among)
         if not len(positions) or k <= 0:
             return [[] for _ in range(len(vectors))]
-        scores = np.asarray(vectors, dtype=np.float32) @ self.vectors[positions].T
+        candidates = self.vectors if len(positions) == len(self.vectors) else self.vectors[positions]
+        scores = np.asarray(vectors, dtype=np.float32) @ candidates.T
+        take = min(k, len(positions))
         results = []
         for row_scores in scores:
-            order = np.lexsort((positions, -row_scores))[:k]
+            kth = np.partition(row_scores, len(row_scores) - take)[len(row_scores) - take]
+            found = np.flatnonzero(row_scores >= kth)  # every score tied at the k-th too, ordered by row below
+            order = found[np.lexsort((positions[found], -row_scores[found]))][:k]
             results.append([(self.base_count + int(positions[i]), float(row_scores[i])) for i in order])
         return results
 
