@@ -100,7 +100,7 @@ class DenseIndex:
                                                files[record.file] if verify else None)
                   for record in records}
         restrictions = filtered_search.Restrictions(passages.field_columns(manifest.fields, manifest.count))
-        scan = filtered_search.scan_index(index, pinned.path(INDEX_FILE), manifest.fields)
+        scan = filtered_search.scan_index(index, pinned.path(INDEX_FILE))
         return cls(index, loaded, restrictions, scan, manifest.count, pinned)
 
     def search(self, vectors: np.ndarray, k: int, restriction: filtered_search.Restriction | None = None,

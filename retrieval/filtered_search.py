@@ -26,7 +26,6 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping
 
 import faiss
 import numpy as np
@@ -96,13 +95,14 @@ class Restrictions:
         return restriction
 
 
-def scan_index(index: faiss.Index, path: Path, fields: Mapping[str, str]) -> faiss.IndexFlat | None:
+def scan_index(index: faiss.Index, path: Path) -> faiss.IndexFlat:
     """The flat index whose matching rows a filtered search scans: `index` itself on the CPU; for a GPU index
     (which takes no ID selector) the same file, `path`, memory-mapped now, as it loads, so it holds the very
-    vectors served (a file swapped in later is another), where the index has fields to filter on."""
+    vectors served (a file swapped in later is another). Every index has one: rows hidden by writes over HTTP
+    (retrieval.segment) restrict a search as a filter does, fields or none."""
     if isinstance(index, faiss.IndexFlat):
         return index
-    return faiss.read_index(str(path), faiss.IO_FLAG_MMAP_IFC) if fields else None
+    return faiss.read_index(str(path), faiss.IO_FLAG_MMAP_IFC)
 
 
 def through_structure(restriction: Restriction, structure: Structure | None) -> bool:

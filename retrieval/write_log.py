@@ -5,8 +5,9 @@ over the folder leaves it alone).
 A record is one batch, whole: a header (the JSON part's length, the vectors' length, the CRC-32 of both) then
 the JSON part (`{"seq": N, "upsert": [...]}` or `{"seq": N, "delete": [ids]}`) and the upserted passages' vectors
 (float32, row after row). A batch is acknowledged only once its record is on disk, so a kill at any moment
-loses no acknowledged batch; a record cut short by the kill (or not matching its checksum) is the last one,
-never acknowledged, and `open` drops it (with a log line) and everything after it. Compaction folds the
+loses no acknowledged batch; a record cut short by the kill (or the last one, not matching its checksum) was
+never acknowledged, and `open` drops it with a log line; a damaged record with records after it is no write
+cut short, and `open` refuses the log (LogCorrupt) rather than drop what follows. Compaction folds the
 records up to a sequence number into a generation (whose manifest records that number) and `drop_through`
 rewrites the log without them.
 """
@@ -58,16 +59,26 @@ class Record:
         return cls(body["seq"], delete=tuple(body["delete"]))
 
 
+class LogCorrupt(ValueError):
+    """A log record that is whole but does not match its checksum, with records after it: not a write cut short,
+    so nothing after it is dropped; the log is left as it is for an operator to look at."""
+
+
 class WriteLog:
-    """The log of one index, open for appending; `records` are those it held when opened (a torn tail dropped)."""
+    """The log of one index, open for appending; `records` are those it held when opened (a torn tail dropped).
+    Written with unbuffered system calls, so a write refused (a full disk) leaves nothing behind to be written
+    later with another record."""
 
     def __init__(self, path: Path, records: list[Record]) -> None:
         self.path, self.records = path, records
         self._lock = threading.Lock()
-        self._file = open(path, "ab")
+        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self._broken: str | None = None  # why appends are refused: a failed write that could not be cut off
 
     @classmethod
     def open(cls, index_dir: Path) -> "WriteLog":
+        """The log beside `index_dir` (created where there is none); a torn last record dropped with a log line;
+        LogCorrupt for a damaged record before the end."""
         path = log_path(index_dir)
         records, end = read(path)
         if path.exists() and path.stat().st_size > end:
@@ -87,17 +98,23 @@ class WriteLog:
 
     def append(self, record: Record) -> None:
         """`record` on disk (written and fsynced) when this returns; OSError otherwise, and then the log is as it
-        was (a partial write is cut off, so the next record starts where a reader expects one)."""
+        was (a partial write is cut off, so the next record starts where a reader expects one; where even that
+        fails, every later append is refused)."""
         data = record.encode()
         with self._lock:
-            start = self._file.tell()
+            if self._broken is not None:
+                raise OSError(f"{self.path}: the log takes no more writes: {self._broken}")
+            start = os.lseek(self._fd, 0, os.SEEK_END)
             try:
-                self._file.write(data)
-                self._file.flush()
-                os.fsync(self._file.fileno())
-            except OSError:
-                self._file.truncate(start)
-                self._file.seek(start)
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(self._fd, view):]
+                os.fsync(self._fd)
+            except OSError as error:
+                try:
+                    os.ftruncate(self._fd, start)
+                except OSError as cut:
+                    self._broken = f"a failed write ({error}) could not be cut off ({cut})"
                 raise
             self.records.append(record)
 
@@ -112,19 +129,25 @@ class WriteLog:
                     handle.write(record.encode())
                 handle.flush()
                 os.fsync(handle.fileno())
-            os.replace(tmp, self.path)
-            _fsync_folder(self.path.parent)
-            self._file.close()
-            self._file = open(self.path, "ab")
+            try:
+                os.replace(tmp, self.path)
+            finally:  # appends go to the file at the log's name from now on, whatever fails below
+                os.close(self._fd)
+                self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
             self.records = kept
+            _fsync_folder(self.path.parent)
 
     def close(self) -> None:
         with self._lock:
-            self._file.close()
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
 
 
 def read(path: Path) -> tuple[list[Record], int]:
-    """The whole records of the log at `path` (none where there is no log), and the byte where they end."""
+    """The whole records of the log at `path` (none where there is no log), and the byte where they end: a record
+    cut short at the end, or the last one not matching its checksum, ends them (a write a kill cut short);
+    LogCorrupt for a record not matching its checksum with more after it."""
     if not path.exists():
         return [], 0
     data = path.read_bytes()
@@ -136,6 +159,9 @@ def read(path: Path) -> tuple[list[Record], int]:
             break
         payload, vectors = data[start:start + json_bytes], data[start + json_bytes:end]
         if zlib.crc32(vectors, zlib.crc32(payload)) != crc:
+            if end < len(data):
+                raise LogCorrupt(f"{path}: the record at byte {at} does not match its checksum and {len(data) - end} "
+                                 "bytes follow it: not a write cut short; the log is left as it is")
             break
         records.append(Record.decode(payload, vectors))
         at = end

@@ -24,7 +24,7 @@ import numpy as np
 
 from retrieval import out_lock
 from retrieval.corpus import DEFAULT_MAX_PASSAGE_BYTES, BadLine, parse_record
-from retrieval.fields import MAX_FIELDS, FieldColumns, FieldTypes
+from retrieval.fields import MAX_FIELDS, FieldColumns, FieldTypes, value_type
 from retrieval.filters import Filter, conjunction, evaluate
 from retrieval.searcher import Searcher
 from retrieval.segment import Passage, Segment
@@ -137,9 +137,11 @@ class Writes:
                     position = next(i for i, p in enumerate(passages) if p.id == taken[0])
                     raise WriteError(("passages", position, "id"), f"id {taken[0]!r} is taken by a passage this key "
                                      "may not write (ids are the collection's: give each scope its own)")
+            conflict = _type_conflict(passages, self.searcher.field_types)  # a batch written since the check
+            if conflict is not None:
+                raise WriteError(conflict[0], conflict[1])
             record = Record(self.seq + 1, upsert=tuple(vars(p) for p in passages), vectors=vectors)
-            self.log.append(record)
-            self._apply(record)
+            self._commit(record)
             return record.seq
 
     def delete(self, ids: Sequence[str] | None = None, filter: Filter | dict | None = None,
@@ -159,8 +161,7 @@ class Writes:
             if not held:
                 return self.seq, 0
             record = Record(self.seq + 1, delete=tuple(held))
-            self.log.append(record)
-            self._apply(record)
+            self._commit(record)
             return record.seq, len(held)
 
     def rebase(self, searcher: Searcher) -> None:
@@ -210,7 +211,18 @@ class Writes:
         return searcher.passages.ids(rows.tolist()) + [segment.passages[i].id
                                                        for i in np.flatnonzero(segment.matching(filter))]
 
+    def _commit(self, record: Record) -> None:
+        """`record` logged and applied: the next searcher made first, so a write that fails is neither logged nor
+        applied, and one logged is applied."""
+        searcher = self._after(record)
+        self.log.append(record)
+        self._serve(searcher)
+
     def _apply(self, record: Record) -> None:
+        self._serve(self._after(record))
+
+    def _after(self, record: Record) -> Searcher:
+        """The searcher with `record` applied."""
         searcher = self.searcher
         segment = searcher.segment
         if record.upsert:
@@ -219,16 +231,30 @@ class Writes:
             segment = segment.upserted(passages, record.vectors, record.seq, base_rows)
         else:
             segment = segment.deleted(record.delete, record.seq, searcher.passages.rows_of(list(record.delete)))
+        return searcher.with_segment(segment)
+
+    def _serve(self, searcher: Searcher) -> None:
         if self.segment_since is None:
             self.segment_since = time.monotonic()
-        self.searcher = searcher.with_segment(segment)
+        self.searcher = searcher
         if self.publish is not None:
-            self.publish(self.searcher)
+            self.publish(searcher)
 
     def close(self) -> None:
         self.log.close()
         if self._folder_lock is not None:
             self._folder_lock.close()
+
+
+def _type_conflict(passages: Sequence[Passage], types: Mapping[str, str]) -> tuple[tuple, str] | None:
+    """(where, why) for the first field of `passages` whose type is not the collection's (`types`), or None."""
+    for position, passage in enumerate(passages):
+        for name, value in passage.fields.items():
+            kind = value_type(value)
+            if name in types and types[name] != kind:
+                return (("passages", position, name),
+                        f'field "{name}" is a {kind} here but a {types[name]} in the collection')
+    return None
 
 
 def fixed_fields(scope: dict, types: Mapping[str, str]) -> dict:

@@ -473,9 +473,8 @@ def test_over_an_index_that_takes_no_id_selector_the_matching_rows_are_scanned_i
     for part, block in zip(parts, np.array_split(vectors, 2)):
         part.add(block)
         sharded.add_shard(part)
-    scan = filtered_search.scan_index(sharded, fields_index / INDEX_FILE, fields_searcher.field_types)
+    scan = filtered_search.scan_index(sharded, fields_index / INDEX_FILE)
     assert isinstance(scan, faiss.IndexFlat) and scan.ntotal == flat.ntotal
-    assert filtered_search.scan_index(sharded, fields_index / INDEX_FILE, {}) is None
     query_vectors = encoder.encode_texts(QUERIES)
     for spec, _ in FILTERS:
         restriction = fields_searcher.restrictions.of(fields_searcher.parse_filter(spec))

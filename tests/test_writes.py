@@ -25,7 +25,7 @@ from retrieval import out_lock
 from retrieval.compaction import compact
 from retrieval.index_format import read_manifest
 from retrieval.searcher import Searcher
-from retrieval.write_log import Record, log_path, read
+from retrieval.write_log import HEADER, LogCorrupt, Record, log_path, read
 from retrieval.writes import WriteError, Writes
 from service.engine.search_engine import SearchEngine
 from service.http.app import create_app
@@ -335,3 +335,24 @@ def test_the_service_compacts_once_the_segment_is_full_and_a_replica_follows(tmp
     reloaded = one(replica, "POST", "/admin/reload", {"index": "served"}).json()  # as its index watch would
     assert (reloaded["generation"], reloaded["count"]) == (ready["generation"], BASE + 4)
     runtime.writes.close()
+
+
+def test_a_damaged_record_before_the_end_is_refused_not_dropped_with_what_follows(writes, encoder):
+    for i in range(3):
+        writes.upsert([{"id": f"new-{i}", "text": f"passage {i}"}])
+    path = log_path(writes.searcher.index_dir)
+    writes.close()
+    data = bytearray(path.read_bytes())
+    data[HEADER.size + 2] ^= 0xFF  # inside the first record's JSON
+    path.write_bytes(bytes(data))
+    with pytest.raises(LogCorrupt, match="the record at byte 0 does not match its checksum"):
+        Writes.open(Searcher(writes.searcher.index_dir, encoder, CPU))
+    assert path.read_bytes() == bytes(data)
+
+
+def test_a_batch_whose_field_type_another_write_took_first_is_refused_under_the_lock(writes):
+    checked = writes.check_upsert([{"id": "late", "text": "a passage", "venue": 3}])
+    writes.upsert([{"id": "first", "text": "another passage", "venue": "a string"}])
+    with pytest.raises(WriteError, match='field "venue" is a number here but a string') as error:
+        writes.upsert(checked, np.zeros((1, 384), dtype=np.float32))
+    assert error.value.path == ("passages", 0, "venue") and writes.get("late") is None and writes.seq == 1

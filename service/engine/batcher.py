@@ -128,6 +128,11 @@ class MicroBatcher:
         """Requests queued for the model (not yet in a running batch)."""
         return (self._queue.qsize() if self._queue is not None else 0) + (self._held is not None)
 
+    @property
+    def busy(self) -> bool:
+        """Whether searches are queued for the model or running on it."""
+        return bool(self.waiting or self._running)
+
     async def search(self, query: str, plan: SearchPlan, *, tokens: Tokens | None = None) -> SearchResult:
         """`query` run by `plan` (checked by SearchEngine.plan), in a batch with others of the same plan
         but for k; `tokens`: the query tokenized, so the model thread does not tokenize it again."""

@@ -38,6 +38,11 @@ RERANK_SLICE_TOKENS = 8192
 # A write's share of the model thread before waiting searches get theirs: one passage at the usual 256-token
 # limit (16 passages in one slice held searches 6.5x longer at p99: bench/writes.py).
 WRITE_SLICE_TOKENS = 256
+# How long a write's slice waits for the searches queued or running to be done before it takes its turn anyway:
+# searches go first, and a stream of them delays a write, never starves it.
+WRITE_YIELD_S = 0.05
+# A failed compaction is tried again after 30 s, then twice as long each time, up to an hour.
+COMPACT_BACKOFF_MIN_S, COMPACT_BACKOFF_MAX_S = 30.0, 3600.0
 STATS_WINDOW = 1000  # requests /stats takes its percentiles over; /metrics' histograms count every one
 
 
@@ -93,6 +98,7 @@ class Runtime:
             if settings.watch_index else None
         self.writes: Writes | None = None  # with SEARCH_WRITES, once the engine is loaded
         self.compacting: Future | None = None  # the last compaction started, on the loader thread
+        self.compact_backoff_s, self.compact_not_before = COMPACT_BACKOFF_MIN_S / 2, 0.0  # after failed ones
         self.compactor: asyncio.Task | None = None  # starts one when the oldest write is SEARCH_COMPACT_AGE_S old
         if engine is not None:
             # On the model thread: torch's OpenMP workers spin after each call, and two threads that
@@ -256,12 +262,16 @@ class Runtime:
 
     async def upsert(self, passages: Sequence[Passage], tokens: Sequence[Tokens], scope: dict | None = None) -> int:
         """Encodes `passages` (`tokens`: theirs) on the model thread in slices of at most WRITE_SLICE_TOKENS tokens,
-        each its own turn (searches that queue meanwhile run between them, as a /rerank's do), then writes them:
-        logged, fsynced and searched when this returns their sequence number."""
+        each its own turn, taken once the searches queued or running are done (or after WRITE_YIELD_S), then writes
+        them: logged, fsynced and searched when this returns their sequence number."""
         writes = self.ready_writes()
         encoder = writes.searcher.encoder
-        parts = [await self._on_model_thread(encoder.encode_tokens, list(tokens[start:end]))
-                 for start, end in slices([len(t.ids) for t in tokens], WRITE_SLICE_TOKENS)]
+        parts = []
+        for start, end in slices([len(t.ids) for t in tokens], WRITE_SLICE_TOKENS):
+            deadline = time.monotonic() + WRITE_YIELD_S
+            while self.batcher.busy and time.monotonic() < deadline:
+                await asyncio.sleep(0.002)
+            parts.append(await self._on_model_thread(encoder.encode_tokens, list(tokens[start:end])))
         seq = await asyncio.to_thread(functools.partial(writes.upsert, list(passages), np.concatenate(parts), scope))
         self._compact_when_due()
         return seq
@@ -280,6 +290,8 @@ class Runtime:
         writes, settings = self.writes, self.settings
         if writes is None or (self.compacting is not None and not self.compacting.done()):
             return
+        if time.monotonic() < self.compact_not_before:  # a failed one: tried again once the backoff is over
+            return
         since = writes.segment_since
         old = since is not None and time.monotonic() - since >= settings.compact_age_s
         if writes.searcher.segment.size >= settings.compact_passages or old:
@@ -288,9 +300,13 @@ class Runtime:
     def _compact(self) -> None:
         try:
             report = compact(self.writes)
-        except Exception:  # noqa: BLE001 - the writes stay in the segment and the log; the next one tries again
-            log.exception("compaction failed; the writes stay logged and searched")
+        except Exception:  # noqa: BLE001 - the writes stay in the segment and the log; a later one tries again
+            self.compact_backoff_s = min(2 * self.compact_backoff_s, COMPACT_BACKOFF_MAX_S)
+            self.compact_not_before = time.monotonic() + self.compact_backoff_s
+            log.exception("compaction failed; the writes stay logged and searched; next try in %.0f s",
+                          self.compact_backoff_s)
             return
+        self.compact_backoff_s, self.compact_not_before = COMPACT_BACKOFF_MIN_S / 2, 0.0
         if report is not None:
             log.info(report.summary())
 

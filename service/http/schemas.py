@@ -336,7 +336,7 @@ class WriteResponse(BaseModel):
     seq: int = Field(description="the write's sequence number (the last write's, for a delete that deleted nothing)")
     upserted: int = 0
     deleted: int = 0
-    count: int = Field(description="passages in the collection once the write is in")
+    count: int | None = Field(description="passages in the collection once the write is in (null for a scoped key)")
 
 
 class PassageResponse(BaseModel):

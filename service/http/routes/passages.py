@@ -31,6 +31,11 @@ def router(runtime: Runtime, access: Access) -> APIRouter:
     settings = access.settings
     routes = APIRouter(dependencies=access.guard("write"), route_class=JsonOffLoopRoute)
     shown = settings.writes
+
+    def collection_count(scope: dict | None) -> int | None:
+        """Passages in the collection once the write is in: not for a scoped key (it would count other scopes')."""
+        return None if scope is not None else runtime.ready_engine().searcher.count
+
     refusals = {400: "this instance takes no writes (SEARCH_WRITES)"}
 
     @routes.post("/passages", response_model=WriteResponse, include_in_schema=shown,
@@ -50,7 +55,7 @@ def router(runtime: Runtime, access: Access) -> APIRouter:
                                            "fewer at a time")
         with refused_writes():
             seq = await runtime.upsert(passages, tokens, scope)
-        return WriteResponse(seq=seq, upserted=len(passages), count=runtime.ready_engine().searcher.count)
+        return WriteResponse(seq=seq, upserted=len(passages), count=collection_count(scope))
 
     @routes.post("/passages/delete", response_model=WriteResponse, include_in_schema=shown,
                  responses=access.responses(refusals), summary="delete passages by id or by filter")
@@ -59,7 +64,7 @@ def router(runtime: Runtime, access: Access) -> APIRouter:
             raise OverLimit(("ids",), "send ids or a filter (one of them)")
         with refused_writes():
             seq, deleted = await runtime.delete(request.ids, request.filter, key_of(http).scope)
-        return WriteResponse(seq=seq, deleted=deleted, count=runtime.ready_engine().searcher.count)
+        return WriteResponse(seq=seq, deleted=deleted, count=collection_count(key_of(http).scope))
 
     @routes.get("/passages/{pid:path}", response_model=PassageResponse, include_in_schema=shown,
                 responses=access.responses({**refusals, 404: "the collection holds no passage of this id"}),
