@@ -40,7 +40,7 @@ RERANK_SLICE_TOKENS = 8192
 WRITE_SLICE_TOKENS = 256
 # How long a write's slice waits for the searches queued or running to be done before it takes its turn anyway:
 # searches go first, and a stream of them delays a write, never starves it.
-WRITE_YIELD_S = 0.2
+WRITE_YIELD_S = 0.05
 # A failed compaction is tried again after 30 s, then twice as long each time, up to an hour.
 COMPACT_BACKOFF_MIN_S, COMPACT_BACKOFF_MAX_S = 30.0, 3600.0
 STATS_WINDOW = 1000  # requests /stats takes its percentiles over; /metrics' histograms count every one
