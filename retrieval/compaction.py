@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import faiss
-import numpy as np
 
 from retrieval import index_writer
 from retrieval.fields import encode_fields
@@ -77,8 +76,7 @@ def compact(writes: Writes, progress: bool = False) -> CompactionReport | None:
 def _write(work: Path, searcher: Searcher, progress: bool) -> int:
     """The new generation in `work`: passages, vectors, the manifest, the structures; its passage count."""
     segment, manifest = searcher.segment, searcher.manifest
-    base = np.arange(segment.base_count) if segment.hidden is None else np.flatnonzero(~segment.hidden)
-    written = np.flatnonzero(segment.live)
+    base, written = segment.collection()
     store = index_writer.open_store(work)
     try:
         for start in range(0, len(base), BLOCK):

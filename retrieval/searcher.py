@@ -159,18 +159,27 @@ class Searcher:
         """Passages in the collection: the generation's, changed by its segment."""
         return self.segment.count
 
+    def live_rows(self, ids: Sequence[str]) -> dict[str, int]:
+        """The collection row of each of `ids` it holds: a written passage's (retrieval.segment), else the
+        generation's where the segment does not hide it."""
+        segment, base_rows = self.segment, self.passages.rows_of(ids)
+        found = {}
+        for pid in ids:
+            if pid in segment.by_id:
+                found[pid] = segment.base_count + segment.by_id[pid]
+            elif pid in base_rows and not segment.is_hidden(base_rows[pid]):
+                found[pid] = base_rows[pid]
+        return found
+
+    def passages_with_fields(self, ids: Sequence[str]) -> list[HitWithFields]:
+        """Those of `ids` the collection holds (rank from 1, score 0: not a search's hits) with all their fields."""
+        (found,) = self.hits([[(row, 0.0) for row in self.live_rows(ids).values()]], tuple(self.field_types))
+        return found
+
     def passage(self, pid: str) -> HitWithFields | None:
-        """The passage `pid` (rank 1, score 0: not a search's hit) with its fields; None where the collection
-        does not hold it."""
-        segment = self.segment
-        if pid in segment.by_id:
-            written = segment.passages[segment.by_id[pid]]
-            return HitWithFields(written.id, written.text, 0.0, 1, fields=dict(written.fields))
-        row = self.passages.rows_of([pid]).get(pid)
-        if row is None or segment.is_hidden(row):
-            return None
-        (found,) = self.hits([[(row, 0.0)]], tuple(self.field_types))
-        return found[0]
+        """The passage `pid` with its fields; None where the collection does not hold it."""
+        found = self.passages_with_fields([pid])
+        return found[0] if found else None
 
     def parse_filter(self, filter) -> Filter | None:
         """`filter` (as JSON gives it, or already parsed) checked against this index's fields; None for
@@ -270,10 +279,13 @@ class Searcher:
     def generation_rows(self, filter: Filter | None) -> filtered_search.Restriction | None:
         """The generation's rows a search reads: those `filter` matches (None: all), less those the segment
         hides; None for every row."""
+        segment = self.segment
         matched = None if filter is None else self.restrictions.of(filter)
-        if self.segment.hidden is None:
+        if segment.hidden is None:
             return matched
-        return filtered_search.Restriction(self.segment.base_mask(None if matched is None else matched.mask))
+        if matched is None:  # every unfiltered search of this segment reads the same rows
+            return segment.made("unfiltered rows", lambda: filtered_search.Restriction(segment.base_mask(None)))
+        return filtered_search.Restriction(segment.base_mask(matched.mask))
 
     def _dense(self, vectors: np.ndarray, k: int, restriction: filtered_search.Restriction | None,
                structure: Structure | None, candidates: int | None, written: np.ndarray) -> Ranked:

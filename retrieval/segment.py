@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -47,7 +47,8 @@ class Segment:
     hidden: np.ndarray | None = None  # per generation row: deleted or replaced; None: none
     by_id: Mapping[str, int] = field(default_factory=dict)  # id -> position of its live written passage
     types: Mapping[str, str] = field(default_factory=dict)  # the written passages' field types
-    _bm25: dict = field(default_factory=dict, repr=False)
+    _made: dict = field(default_factory=dict, repr=False)  # what `made` built once for this segment
+    _building: dict = field(default_factory=dict, repr=False)  # a lock per name `made` builds
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
@@ -107,12 +108,14 @@ class Segment:
                 hidden[base_rows[pid]] = True
         return live, hidden, by_id
 
-    def holds(self, pid: str, base_rows: Mapping[str, int]) -> bool:
-        """Whether the collection holds `pid` (`base_rows`: its row in the generation, where it has one)."""
-        return pid in self.by_id or (pid in base_rows and not self.is_hidden(base_rows[pid]))
-
     def is_hidden(self, row: int) -> bool:
         return self.hidden is not None and bool(self.hidden[row])
+
+    def collection(self) -> tuple[np.ndarray, np.ndarray]:
+        """The collection's rows in its order: the generation's rows not hidden, then the live written passages'
+        positions (their rows are base_count + position)."""
+        base = np.arange(self.base_count) if self.hidden is None else np.flatnonzero(~self.hidden)
+        return base, np.flatnonzero(self.live)
 
     def base_mask(self, mask: np.ndarray | None) -> np.ndarray | None:
         """The generation's rows a search reads: `mask`'s (None: all) less the hidden ones; None for all."""
@@ -147,15 +150,25 @@ class Segment:
     def bm25(self, base_texts) -> tuple[Bm25Index, np.ndarray]:
         """BM25 over every live passage (the generation's rows not hidden, then the written ones), built on first
         use from `base_texts()` (the generation's texts in row order), and each of its rows' row in the collection."""
+        def build() -> tuple[Bm25Index, np.ndarray]:
+            base, written = self.collection()
+            texts = base_texts()
+            index = Bm25Index.over([texts[row] for row in base] + [self.passages[i].text for i in written])
+            return index, np.concatenate([base, self.base_count + written]).astype(np.int64)
+
+        return self.made("bm25", build)
+
+    def made(self, name: str, build: Callable[[], Any]) -> Any:
+        """`build()`'s result, built on first use and kept with this (immutable) segment; one build at a time per
+        name (a BM25 build does not hold up the dense searches' rows)."""
         with self._lock:
-            if not self._bm25:
-                base = np.arange(self.base_count) if self.hidden is None else np.flatnonzero(~self.hidden)
-                written = np.flatnonzero(self.live)
-                texts = base_texts()
-                self._bm25["index"] = Bm25Index.over([texts[row] for row in base]
-                                                     + [self.passages[i].text for i in written])
-                self._bm25["rows"] = np.concatenate([base, self.base_count + written]).astype(np.int64)
-            return self._bm25["index"], self._bm25["rows"]
+            if name in self._made:
+                return self._made[name]
+            building = self._building.setdefault(name, threading.Lock())
+        with building:
+            if name not in self._made:
+                self._made[name] = build()
+            return self._made[name]
 
     def passage(self, row: int) -> Passage:
         """The written passage at collection row `row` (at least base_count)."""

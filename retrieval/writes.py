@@ -24,7 +24,7 @@ import numpy as np
 
 from retrieval import out_lock
 from retrieval.corpus import DEFAULT_MAX_PASSAGE_BYTES, BadLine, parse_record
-from retrieval.fields import MAX_FIELDS, FieldColumns, FieldTypes, value_type
+from retrieval.fields import MAX_FIELDS, FieldColumns, FieldTypes
 from retrieval.filters import Filter, conjunction, evaluate
 from retrieval.searcher import Searcher
 from retrieval.segment import Passage, Segment
@@ -84,8 +84,7 @@ class Writes:
         a passage (an empty text, an id missing or over MAX_ID_CHARS), over `max_bytes` as a JSON line, an id twice,
         a field whose type differs from the collection's, or outside `scope` (a filter every passage written must
         match; the fields it fixes by equality at its top level are set where a passage lacks them)."""
-        types = FieldTypes(max_fields=max(MAX_FIELDS, len(self.searcher.field_types)))
-        types.know(self.searcher.field_types, "the index")
+        types = self._field_types()
         implied = fixed_fields(scope, self.searcher.field_types) if scope is not None else {}
         passages, seen = [], {}
         for i, item in enumerate(items):
@@ -105,10 +104,7 @@ class Writes:
             if parsed.id in seen:
                 raise WriteError(where + ("id",), f"id {parsed.id!r} is also item {seen[parsed.id]} of this batch")
             seen[parsed.id] = i
-            conflict = types.conflict(parsed.fields)
-            if conflict is not None:
-                name = next((n for n in parsed.fields or {} if n in conflict), None)
-                raise WriteError(where + ((name,) if name else ()), conflict)
+            _refuse_conflict(types, where, parsed.fields or {})
             types.add(parsed.fields, i)
             passages.append(Passage(parsed.id, parsed.text, dict(parsed.fields or {})))
         if scope is not None:
@@ -137,9 +133,9 @@ class Writes:
                     position = next(i for i, p in enumerate(passages) if p.id == taken[0])
                     raise WriteError(("passages", position, "id"), f"id {taken[0]!r} is taken by a passage this key "
                                      "may not write (ids are the collection's: give each scope its own)")
-            conflict = _type_conflict(passages, self.searcher.field_types)  # a batch written since the check
-            if conflict is not None:
-                raise WriteError(conflict[0], conflict[1])
+            types = self._field_types()  # a batch written since the check may have typed a field first
+            for position, passage in enumerate(passages):
+                _refuse_conflict(types, ("passages", position), passage.fields)
             record = Record(self.seq + 1, upsert=tuple(vars(p) for p in passages), vectors=vectors)
             self._commit(record)
             return record.seq
@@ -189,16 +185,17 @@ class Writes:
 
     def _held(self, ids: list[str], scope: Filter | None, inside: bool) -> list[str]:
         """Those of `ids` the collection holds, inside `scope` (None: all) or, with `inside` false, outside it."""
-        searcher = self.searcher
-        base_rows = searcher.passages.rows_of(ids)
-        held = [pid for pid in ids if searcher.segment.holds(pid, base_rows)]
         if scope is None:
-            return held if inside else []
-        found = searcher.hits([[(searcher.segment.base_count + searcher.segment.by_id[pid], 0.0) if pid in
-                                searcher.segment.by_id else (base_rows[pid], 0.0) for pid in held]],
-                              tuple(searcher.field_types))[0]
+            return list(self.searcher.live_rows(ids)) if inside else []
+        found = self.searcher.passages_with_fields(ids)
         matched = self._matches(scope, [hit.fields for hit in found])
-        return [pid for pid, match in zip(held, matched) if match == inside]
+        return [hit.id for hit, match in zip(found, matched) if match == inside]
+
+    def _field_types(self) -> FieldTypes:
+        """The collection's field types, as a batch's fields are checked against."""
+        types = FieldTypes(max_fields=max(MAX_FIELDS, len(self.searcher.field_types)))
+        types.know(self.searcher.field_types, "the index")
+        return types
 
     def _matches(self, scope: Filter, fields: list[dict]) -> np.ndarray:
         columns = FieldColumns.of_rows(len(fields), self.searcher.field_types, enumerate(fields))
@@ -246,15 +243,12 @@ class Writes:
             self._folder_lock.close()
 
 
-def _type_conflict(passages: Sequence[Passage], types: Mapping[str, str]) -> tuple[tuple, str] | None:
-    """(where, why) for the first field of `passages` whose type is not the collection's (`types`), or None."""
-    for position, passage in enumerate(passages):
-        for name, value in passage.fields.items():
-            kind = value_type(value)
-            if name in types and types[name] != kind:
-                return (("passages", position, name),
-                        f'field "{name}" is a {kind} here but a {types[name]} in the collection')
-    return None
+def _refuse_conflict(types: FieldTypes, where: tuple, fields: Mapping) -> None:
+    """WriteError at `where` (and the field it names) where `fields` do not fit `types` (FieldTypes.conflict)."""
+    conflict = types.conflict(fields)
+    if conflict is not None:
+        name = next((name for name in fields if f'"{name}"' in conflict), None)
+        raise WriteError(where + ((name,) if name else ()), conflict)
 
 
 def fixed_fields(scope: dict, types: Mapping[str, str]) -> dict:

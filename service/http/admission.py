@@ -60,8 +60,7 @@ class Occupancy:
         if self.keys is None or not self.keys.required:
             return True
         given = next((value for name, value in scope["headers"] if name == b"authorization"), b"")
-        scheme, _, credentials = given.partition(b" ")
-        return scheme.lower() == b"bearer" and self.keys.identify(credentials.strip()) is not None
+        return self.keys.of_header(given) is not None
 
     async def serve(self, app, scope, receive, send) -> None:
         """Runs `app` for a request counted in (`in_flight += 1` as it was let in, which a burst of heads

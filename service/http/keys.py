@@ -133,6 +133,12 @@ class Keys:
                 found = key
         return found
 
+    def of_header(self, authorization: str | bytes) -> Key | None:
+        """The key an Authorization header carries (`Bearer KEY`), or None."""
+        value = authorization.decode("latin-1") if isinstance(authorization, bytes) else authorization
+        scheme, _, credentials = value.partition(" ")
+        return self.identify(credentials.strip()) if scheme.lower() == "bearer" else None
+
     def refresh(self) -> None:
         """Re-reads the keys file where it changed since it was last read."""
         if self.path is None:

@@ -37,8 +37,7 @@ def router(runtime: Runtime, access: Access) -> APIRouter:
         return Status(status="ready", detail=detail, index=IndexInfo(**runtime.engine.describe()))
 
     def admin_key(request: Request) -> bool:
-        scheme, _, credentials = request.headers.get("authorization", "").partition(" ")
-        key = access.keys.identify(credentials.strip() if scheme.lower() == "bearer" else None)
+        key = access.keys.of_header(request.headers.get("authorization", ""))
         return key is not None and key.allows("admin")
 
     # HEAD too, as load balancers' and probes' checks often ask (uvicorn sends no body for it).
