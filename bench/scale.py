@@ -152,8 +152,9 @@ def reusable(index: Path) -> bool:
 
 
 def build_synthetic(out: Path, size: int, dimension: int, record: EncoderRecord, centres: np.ndarray,
-                    sigma: float) -> dict[str, float]:
-    """An index directory at `out` of `size` clustered unit vectors and short texts; seconds per step."""
+                    sigma: float, bm25: bool = False) -> dict[str, float]:
+    """An index directory at `out` of `size` clustered unit vectors and short texts (with `bm25`, a BM25 index of
+    them); seconds per step."""
     rng = np.random.default_rng(size)
     words = vocabulary()
     work = out.parent / f".{out.name}.partial"
@@ -184,7 +185,7 @@ def build_synthetic(out: Path, size: int, dimension: int, record: EncoderRecord,
     seconds["vectors"] = time.perf_counter() - started
     started = time.perf_counter()
     corpus = CorpusRecord(path=f"synthetic:{size}x{dimension}", format="tsv", passages=count, skipped=0, sha256=None)
-    index_writer.write_manifest(work, encoder=record, corpus=corpus, count=count, bm25=False)
+    index_writer.write_manifest(work, encoder=record, corpus=corpus, count=count, bm25=bm25)
     index_writer.move_into_place(work, out)
     seconds["manifest"] = time.perf_counter() - started
     return seconds

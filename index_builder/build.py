@@ -80,7 +80,7 @@ class BuildOptions:
     skip_bad: bool = False
     overwrite: bool = False
     restart: bool = False
-    bm25: bool = False  # also build a BM25 index over the same passages
+    bm25: bool = True  # also build a BM25 index over the same passages (False: --no-bm25)
     shard: Shard | None = None  # keep only this shard's records (see retrieval.sharding)
     shards: int | None = None  # write this many shard directories (shard_folder) instead of one index
     max_passage_bytes: int = DEFAULT_MAX_PASSAGE_BYTES  # a longer corpus line (its line end aside) is a bad line

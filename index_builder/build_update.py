@@ -175,7 +175,7 @@ def build_update(options: BuildOptions, encoder: PassageEncoder) -> UpdateReport
         reusing = ReusingEncoder(encoder, old)
         dropped: list[int] = []
         build = build_index(replace(
-            options, overwrite=True, bm25=options.bm25 or old.manifest.bm25 is not None,
+            options, overwrite=True, bm25=options.bm25,
             ann=rebuilt_structures(old.manifest, options.ann),
             before_publish=lambda work: dropped.append(missing_ids(options.out, work)),
         ), reusing)

@@ -126,7 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "absent from --corpus dropped; BM25 and candidate structures rebuilt")
     build.add_argument("--backend", choices=BACKENDS, default="torch",
                        help="torch, or ONNX Runtime on the CPU (onnx; onnx-int8: int8 weights), recorded in the manifest")
-    build.add_argument("--bm25", action="store_true", help="also build a BM25 index (bm25s) over the same passages")
+    build.add_argument("--bm25", action=argparse.BooleanOptionalAction, default=True,
+                       help="build a BM25 index (bm25s) over the same passages, which hybrid search (the default "
+                       "where there is one) needs; --no-bm25: dense only (default: --bm25)")
     build.add_argument("--ann", choices=list(KINDS), metavar="KIND",
                        help=f"also build an approximate candidate structure ({', '.join(KINDS)}; see `ann`)")
     build.add_argument("--shard", type=_shard, metavar="i/N",
@@ -162,6 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="all N shard index directories (or the folder of a build --shards N)")
     merge.add_argument("--out", type=Path, required=True, help="index directory to create")
     merge.add_argument("--overwrite", action="store_true", help="replace an existing --out (atomically)")
+    merge.add_argument("--no-bm25", dest="bm25", action="store_false",
+                       help="merge without a BM25 index (default: one over all the passages)")
 
     evaluate = commands.add_parser("eval", help="run queries through an index and score them against qrels")
     evaluate.add_argument("--index", type=Path, required=True, help="index directory to search")
@@ -219,6 +223,8 @@ def build_parser() -> argparse.ArgumentParser:
     update.add_argument("--max-fields", type=_positive, default=MAX_FIELDS, metavar="N",
                         help="the metadata fields the updated index may declare, as for build (at least the index's own)")
     update.add_argument("--restart", action="store_true", help="discard an interrupted build of --add")
+    update.add_argument("--no-bm25", dest="bm25", action="store_false",
+                        help="write the new generation without a BM25 index (default: one over all its passages)")
 
     cranfield = commands.add_parser("convert-cranfield", help="SMART-format Cranfield to corpus/queries/qrels files")
     cranfield.add_argument("--data", type=Path, required=True, help="folder with cran.all.1400, cran.qry, cranqrel")
@@ -311,7 +317,7 @@ def _builder(args: argparse.Namespace):
 
 def _update(args: argparse.Namespace) -> None:
     options = ChangeOptions(args.index, args.add, args.delete, args.chunk_size, args.skip_bad, args.restart,
-                            args.max_passage_bytes, args.max_fields)
+                            args.max_passage_bytes, args.max_fields, args.bm25)
     print(apply_changes(options, lambda manifest: index_encoder(manifest, args.model, args.device,
                                                                 args.batch_size)).summary())
 
@@ -324,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "update":
             _update(args)
         elif args.command == "merge":
-            print(merge_shards(expand_shard_dirs(args.shards), args.out, args.overwrite).summary())
+            print(merge_shards(expand_shard_dirs(args.shards), args.out, args.overwrite, args.bm25).summary())
         elif args.command == "ann":
             for report in add_structures(args.index, _ann_options(args, args.kind)):
                 print(report.summary())

@@ -17,6 +17,7 @@ from index_builder.evaluate import (
     Ensemble,
     Remembered,
     consistency_factor,
+    default_row,
     eval_rows,
     format_table,
     metrics,
@@ -152,6 +153,8 @@ def evaluate_index(options: EvalOptions) -> EvalReport:
                 record(f"{row.name}+{name}{_blended(weight)}", run, seconds,
                        exact_row and f"{exact_row}+{name}{_blended(weight)}")
     say(format_table(table))
+    default = searcher.request(options.k)  # what a search naming no mode runs on this index
+    say(f"default: {default_row(default.mode, default.fusion)}, what a search naming no mode runs on this index")
     if approximate:
         _describe_structures(searcher, structures, options.k, say)
     comparisons = {"bm25": runs["bm25"]} if "dense" in runs and "bm25" in runs else {}

@@ -39,6 +39,11 @@ def _eval_modes() -> dict[str, dict]:
 
 
 EVAL_MODES = _eval_modes()  # what `eval --modes` can compare; interleaving in both orders (paper 000 eq. 6)
+
+
+def default_row(mode: str, fusion: str) -> str:
+    """The EVAL_MODES row of what a search naming no mode runs (retrieval.request.Defaults)."""
+    return f"hybrid-{fusion}" if mode == "hybrid" else mode
 APPROXIMATE = "@"  # MODE@KIND: the mode's row answered through the candidate structure KIND
 RECALL_AGAINST_EXACT = "R@10 vs exact"  # the table's column: recall_against_exact at depth 10
 

@@ -5,9 +5,9 @@ k-way merge on the corpus line stored in `passages.sqlite` restores the order
 an unsharded build stores them in: the merged index equals it row for row.
 The merge runs in a sibling folder `.NAME.merging/` that is renamed into place
 at the end, like a build, so `--out` is always a whole index, and it holds
-`--out`'s lock as a build does (`index_builder.out_lock`). Shards built
-with --bm25 give a merged index whose BM25 is rebuilt over all the passages
-(its statistics are corpus-wide, so shard BM25 indexes cannot simply be joined).
+`--out`'s lock as a build does (`index_builder.out_lock`). Unless --no-bm25, the
+merged index's BM25 is built over all the passages (its statistics are
+corpus-wide, so shard BM25 indexes cannot simply be joined).
 """
 
 from __future__ import annotations
@@ -49,14 +49,14 @@ class MergeReport:
         )
 
 
-def merge_shards(directories: Sequence[Path], out: Path, overwrite: bool = False) -> MergeReport:
-    """Merge shard index directories (any order) into `out`; BuildError says why they cannot be merged,
-    or that another build or merge is writing `out`."""
+def merge_shards(directories: Sequence[Path], out: Path, overwrite: bool = False, bm25: bool = True) -> MergeReport:
+    """Merge shard index directories (any order) into `out` (with `bm25`, a BM25 index over all its passages);
+    BuildError says why they cannot be merged, or that another build or merge is writing `out`."""
     with out_lock.hold(out, "merge"):
-        return _merge(directories, out, overwrite)
+        return _merge(directories, out, overwrite, bm25)
 
 
-def _merge(directories: Sequence[Path], out: Path, overwrite: bool) -> MergeReport:
+def _merge(directories: Sequence[Path], out: Path, overwrite: bool, bm25: bool) -> MergeReport:
     started = time.perf_counter()
     if out.exists() and not overwrite:
         raise BuildError(f"{out} already exists; pass --overwrite to replace it")
@@ -81,7 +81,7 @@ def _merge(directories: Sequence[Path], out: Path, overwrite: bool) -> MergeRepo
                 update={"passages": count, "skipped": sum(m.corpus.skipped for _, m in shards)}
             ),
             count=count,
-            bm25=first.bm25 is not None,
+            bm25=bm25,
         )
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)

@@ -60,6 +60,7 @@ class ChangeOptions:
     restart: bool = False  # discard an interrupted build of the --add file
     max_passage_bytes: int = DEFAULT_MAX_PASSAGE_BYTES
     max_fields: int = MAX_FIELDS  # metadata fields the updated index may declare (at least the index's own)
+    bm25: bool = True  # write a BM25 index over the new generation's passages (False: --no-bm25, none)
 
 
 @dataclass
@@ -109,7 +110,7 @@ def apply_changes(options: ChangeOptions, load_encoder: Callable[[Manifest], Pas
             shutil.rmtree(work)
         work.mkdir()
         try:
-            ann = _write(work, old, adding, plan, skipped)
+            ann = _write(work, old, adding, plan, skipped, options.bm25)
         except BaseException:
             shutil.rmtree(work, ignore_errors=True)
             raise
@@ -195,7 +196,7 @@ def _plan(old: OldIndex, adding: Path | None, deletes: set[str]) -> _Plan:
                  sorted(deletes - deleted))
 
 
-def _write(work: Path, old: OldIndex, adding: Path, plan: _Plan, skipped: int) -> list[AnnReport]:
+def _write(work: Path, old: OldIndex, adding: Path, plan: _Plan, skipped: int, bm25: bool) -> list[AnnReport]:
     """The new generation in `work`: passages, vectors, then the manifest (with BM25 and the content hashes)
     and the candidate structures, as a build writes them."""
     _copy_passages(work, old.folder, adding, plan)
@@ -208,7 +209,7 @@ def _write(work: Path, old: OldIndex, adding: Path, plan: _Plan, skipped: int) -
     corpus = manifest.corpus.model_copy(update={"passages": count, "skipped": manifest.corpus.skipped + skipped,
                                                 "sha256": None})
     index_writer.write_manifest(work, encoder=manifest.encoder, corpus=corpus, count=count,
-                                bm25=manifest.bm25 is not None, write_sequence=manifest.write_sequence)
+                                bm25=bm25, write_sequence=manifest.write_sequence)
     return [add_in_place(work, structure, published=old.folder) for structure in rebuilt_structures(manifest)]
 
 

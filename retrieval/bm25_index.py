@@ -58,7 +58,7 @@ class Bm25Index:
 
     def __init__(self, folder: Path) -> None:
         if not folder.is_dir():
-            raise FileNotFoundError(f"{folder}: no BM25 index (build with --bm25)")
+            raise FileNotFoundError(f"{folder}: no BM25 index (built with --no-bm25)")
         self.retriever = bm25s.BM25.load(str(folder), show_progress=False)
         self.tokenizer = Tokenizer(stopwords=[], stemmer=Stemmer.Stemmer(STEMMER))
         self.tokenizer.load_vocab(str(folder))

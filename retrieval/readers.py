@@ -9,6 +9,7 @@ Every reader names the file and line of what it cannot use, in an `InputFileErro
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Iterator
 
@@ -107,11 +108,14 @@ def read_run(path: Path, depth: int | None = None) -> Run:
 
 
 def write_run(path: Path, run: Run, tag: str) -> None:
-    """TREC run format: `qid Q0 docid rank score tag`."""
-    with path.open("w", encoding="utf-8") as handle:
+    """TREC run format: `qid Q0 docid rank score tag`; renamed into place whole, so a script that skips
+    what is already there never takes an interrupted write for a finished one."""
+    partial = path.with_name(f".{path.name}.partial")
+    with partial.open("w", encoding="utf-8") as handle:
         for qid, ranked in run.items():
             for rank, (docid, score) in enumerate(ranked, start=1):
                 handle.write(f"{qid} Q0 {docid} {rank} {score:.6f} {tag}\n")
+    os.replace(partial, path)
 
 
 def iter_passages(path: Path) -> Iterator[Passage]:

@@ -20,6 +20,20 @@ LEADS: tuple[str, ...] = get_args(Lead)
 
 
 @dataclass(frozen=True)
+class Defaults:
+    """What a search that names no `mode` or `fusion` runs: `mode` (None: the index's own, hybrid where it has
+    BM25 and dense otherwise), its lists fused by `fusion`. Hybrid z-score leads on every collection measured
+    (docs/evaluation.md)."""
+
+    mode: Mode | None = None
+    fusion: Fusion = "zscore"
+
+    def mode_for(self, has_bm25: bool) -> Mode:
+        """The mode a search naming none runs on an index with (or without) BM25."""
+        return self.mode or ("hybrid" if has_bm25 else "dense")
+
+
+@dataclass(frozen=True)
 class Retrieval:
     """`k` passages by `mode` ("dense", "bm25" or "hybrid", its lists combined by `fusion`: "interleave", paper
     000 eq. 6, `lead` going first; "rrf" or "zscore" over each list's top `fusion_depth`). The dense list: the

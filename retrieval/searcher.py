@@ -23,7 +23,7 @@ from retrieval.fusion import FUSION_RULES
 from retrieval.generation import load_generation
 from retrieval.index_format import Manifest
 from retrieval.load_options import LoadOptions
-from retrieval.request import FUSIONS, LEADS, MAX_K, MODES, Fusion, Lead, Mode, Retrieval
+from retrieval.request import FUSIONS, LEADS, MAX_K, MODES, Defaults, Fusion, Lead, Mode, Retrieval
 from retrieval.segment import Segment
 
 log = logging.getLogger("retrieval")
@@ -50,7 +50,7 @@ class HitWithFields(Hit):
 
 
 class NoBm25Index(ValueError):
-    """BM25 or hybrid retrieval asked of an index built without --bm25."""
+    """BM25 or hybrid retrieval asked of an index built with --no-bm25."""
 
 
 class EncoderMismatch(ValueError):
@@ -106,21 +106,22 @@ def dense_score_kind(manifest: Manifest) -> str:
 class Searcher:
     """Encode -> inner-product search (and/or BM25, fused) -> passages, sorted by score.
 
-    `mode` picks the retriever: "dense" (the bi-encoder), "bm25" (exact match, when the index
-    was built with --bm25) or "hybrid" (both, combined by `fusion`: "interleave", paper 000
+    `mode` picks the retriever: "dense" (the bi-encoder), "bm25" (exact match, where the index
+    has a BM25 index: built unless --no-bm25) or "hybrid" (both, combined by `fusion`: "interleave", paper 000
     eq. 6, with `lead` deciding which list goes first; "rrf", reciprocal rank fusion over
     each list's top `fusion_depth`; or "zscore", the mean of each passage's standardised scores over
-    the same lists).
+    the same lists). A search naming no mode or fusion runs `defaults` (retrieval.request.Defaults: hybrid
+    z-score where the index has BM25, dense otherwise).
     The dense list comes from the index's candidate structure where its manifest lists one and the
     vectors stay on the CPU (the first listed; `structure` names another): `candidates` rows per query
     proposed by it, then scored exactly from the stored vectors (retrieval.candidates.structures.search), so every
     score is the exact one; `exact` asks for the full scan instead. `answered_by` says which was used.
     `load`: how the index is loaded (retrieval.load_options), kept as an attribute so that an index loaded to
-    replace this one is loaded alike."""
+    replace this one is loaded alike (and `defaults` kept alike)."""
 
     def __init__(self, index_dir: str | Path, encoder: BiEncoder | None = None,
-                 load: LoadOptions = LoadOptions()) -> None:
-        self.index_dir, self.load = Path(index_dir), load
+                 load: LoadOptions = LoadOptions(), defaults: Defaults = Defaults()) -> None:
+        self.index_dir, self.load, self.defaults = Path(index_dir), load, defaults
 
         def take_encoder(manifest: Manifest) -> None:
             self.encoder = encoder if encoder is not None else encoder_for(manifest, load.device)
@@ -194,14 +195,17 @@ class Searcher:
         """One list of at most k hits per query; `options`: those of `request` (TypeError for any other)."""
         return self.run(queries, self.request(k, **options))
 
-    def request(self, k: int = 10, *, mode: Mode = "dense", fusion: Fusion = "interleave", lead: Lead = "dense",
+    def request(self, k: int = 10, *, mode: Mode | None = None, fusion: Fusion | None = None, lead: Lead = "dense",
                 exact: bool = False, candidates: int | None = None, structure: str | None = None, filter=None,
                 fields=None, fusion_depth: int = MAX_K) -> Retrieval:
         """A search of `k` passages per query (see retrieval.request.Retrieval), checked against this index:
         ValueError for what it cannot serve (NoBm25Index for a missing BM25, FilterError for a `filter` that
-        does not fit its fields, UnknownField for a field to return it lacks). `filter`: as JSON gives it, or
-        parsed; `fields`: names, or True for all the index's fields."""
+        does not fit its fields, UnknownField for a field to return it lacks). `mode` and `fusion`: None for
+        this searcher's `defaults`. `filter`: as JSON gives it, or parsed; `fields`: names, or True for all the
+        index's fields."""
         validate_k(k)
+        mode = mode or self.defaults.mode_for(self.bm25 is not None)
+        fusion = fusion or self.defaults.fusion
         if mode not in MODES or fusion not in FUSIONS or lead not in LEADS:
             raise ValueError(f"mode must be one of {MODES}, fusion one of {FUSIONS}, lead dense or bm25")
         self._servable(mode, structure)
@@ -221,7 +225,7 @@ class Searcher:
     def _servable(self, mode: str, structure: str | None) -> None:
         """NoBm25Index where `mode` needs BM25 and this index has none; ValueError for a `structure` not loaded."""
         if mode != "dense" and self.bm25 is None:
-            raise NoBm25Index(f"mode {mode!r} needs a BM25 index; {self.index_dir} was built without --bm25")
+            raise NoBm25Index(f"mode {mode!r} needs a BM25 index; {self.index_dir} has none (built with --no-bm25)")
         pick_structure(self.structures, structure=structure)
 
     def run(self, queries: Sequence[str], retrieval: Retrieval,

@@ -139,8 +139,8 @@ def flag_default(action: argparse.Action, required_together: dict[argparse.Actio
         return "required"
     if action in required_together:
         return f"one of {required_together[action]} required"
-    if action.nargs == 0:  # store_true and the like: the flag is the value
-        return "off" if not action.default else "on"
+    if action.nargs == 0:  # store_true and the like: the flag is the value; store_false's is the opposite
+        return "off" if isinstance(action, argparse._StoreFalseAction) or not action.default else "on"
     if action.default is None or action.default is argparse.SUPPRESS:
         return ""
     default = action.default

@@ -5,8 +5,9 @@
 #
 #   bash scripts/scifact.sh STEP [STEP ...]
 #
-# Steps (each skips what its output folder already holds; `all` runs split index runs monobert coattention
-# biencoder table monobert-residual, in that order):
+# Steps (each skips what it has written whole already, and each training resumes an interrupted one from its
+# newest checkpoint, or refuses, naming the folder, where its settings changed; `all` runs split index runs
+# monobert coattention biencoder table monobert-residual, in that order):
 #   split        the seeded train/dev split of the judged claims, grouped by cited abstract -> $WORK/split
 #   index        dense (packaged MiniLM) + BM25 index of the corpus   -> $WORK/index
 #   runs         dense and BM25 top-100 of the train claims           -> $WORK/train-runs (hard negatives)
@@ -42,7 +43,8 @@
 #                -> $WORK/models/generative-rll, $WORK/table-generative-rll-20-MODE.txt, $WORK/table-ensemble-rll-20.txt
 #
 # Environment: SCIFACT (data folder, default ../shared/data/scifact-train), WORK (default
-# runs/scifact), PYTHON (default .venv/bin/python), DEVICE (auto), and per model STEPS_* (see below).
+# runs/scifact), PYTHON (default .venv/bin/python), DEVICE (auto), per model STEPS_* (see below), and SAVE_EVERY
+# (steps between checkpoints; default each step's own).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DATA=${SCIFACT:-../shared/data/scifact-train}
@@ -73,13 +75,26 @@ timed() {  # timed NAME COMMAND...: runs it and prints how many minutes it took
     echo "$1: $(( (SECONDS - started) / 60 )) min $(( (SECONDS - started) % 60 )) s" | tee -a "$WORK/minutes.txt"
 }
 
-after() {  # after STEP:PATH ...: exit 2 naming the step that writes $WORK/PATH, where it is missing
-    local needs
+after() {  # after STEP:PATH ...: exit 2 naming the step that writes $WORK/PATH, where it is missing (a model:
+    local needs path  # where its training has not reached its last step)
     for needs in "$@"; do
-        [ -e "$WORK/${needs#*:}" ] && continue
-        echo "error: no $WORK/${needs#*:}: run the step ${needs%%:*} first" >&2
+        path=${needs#*:}
+        if [[ $path == models/* ]]; then
+            finished "${path#models/}" && continue
+        elif [ -e "$WORK/$path" ]; then
+            continue
+        fi
+        echo "error: no finished $WORK/$path: run the step ${needs%%:*} first (it resumes an interrupted training)" >&2
         exit 2
     done
+}
+
+finished() {  # finished MODEL: whether $WORK/models/MODEL holds a training run up to its last step
+    local last
+    last=$(ls -d "$WORK/models/$1"/checkpoint-* 2>/dev/null | sort | tail -1)
+    [ -n "$last" ] && $PY -c 'import json, sys
+state = json.load(open(sys.argv[1]))
+sys.exit(state["step"] != state["settings"]["max_steps"])' "$last/trainer_state.json"
 }
 
 newest() {  # the newest checkpoint folder of a training output
@@ -126,18 +141,18 @@ step() {
             --queries "$SPLIT/queries-train.tsv" --qrels "$SPLIT/qrels-train.txt" --modes dense bm25 --k 100 \
             --runs-dir "$WORK/train-runs" --device "$DEVICE" ;;
     monobert)
-        [ -d "$WORK/models/monobert" ] || timed monobert $PY -m training.train_cross_encoder "${TRAIN[@]}" \
+        timed monobert $PY -m training.train_cross_encoder "${TRAIN[@]}" \
             "${NEGATIVES[@]}" --negatives 1 --batch-size 8 --lr 3e-5 --max-steps "${STEPS_MONOBERT:-300}" \
-            --max-tokens 256 --save-every 100 --keep-checkpoints 0 --device "$DEVICE" --output "$WORK/models/monobert" ;;
+            --max-tokens 256 --save-every "${SAVE_EVERY:-100}" --keep-checkpoints 0 --device "$DEVICE" --resume --output "$WORK/models/monobert" ;;
     coattention)
-        [ -d "$WORK/models/coattention" ] || timed coattention $PY -m training.train_coattention "${TRAIN[@]}" \
+        timed coattention $PY -m training.train_coattention "${TRAIN[@]}" \
             "${NEGATIVES[@]}" --negatives 5 --batch-size 16 --lr 1e-3 --max-steps "${STEPS_COATTENTION:-300}" \
-            --hidden "${COATTENTION_HIDDEN:-64}" --passage-max-words 128 --save-every 1000 --device "$DEVICE" \
-            --output "$WORK/models/coattention" ;;
+            --hidden "${COATTENTION_HIDDEN:-64}" --passage-max-words 128 --save-every "${SAVE_EVERY:-1000}" --device "$DEVICE" \
+            --resume --output "$WORK/models/coattention" ;;
     biencoder)
-        [ -d "$WORK/models/biencoder" ] || timed biencoder $PY -m training.train_biencoder "${TRAIN[@]}" \
+        timed biencoder $PY -m training.train_biencoder "${TRAIN[@]}" \
             "${NEGATIVES[@]}" --negatives 1 --objective softmax --batch-size 16 --lr 2e-5 --max-steps "${STEPS_BIENCODER:-200}" \
-            --save-every 1000 --device "$DEVICE" --output "$WORK/models/biencoder"
+            --save-every "${SAVE_EVERY:-1000}" --device "$DEVICE" --resume --output "$WORK/models/biencoder"
         timed index-biencoder $PY -m index_builder build --corpus "$DATA/corpus.jsonl" \
             --out "$WORK/index-biencoder" --model "$(newest "$WORK/models/biencoder")" --bm25 --device "$DEVICE" \
             --if-missing ;;
@@ -152,10 +167,10 @@ step() {
         # where it stopped when the step is run again; a finished one is a no-op. Each dev row is kept once
         # written (about 25 minutes a row here), so a session's end loses at most the row under way.
         timed generative-mle $PY -m training.train_generative --objective mle "${START[@]}" --batch-size 8 \
-            --lr 5e-5 --max-steps "${STEPS_GENERATIVE_MLE:-200}" --save-every 10 --resume --device "$DEVICE" \
+            --lr 5e-5 --max-steps "${STEPS_GENERATIVE_MLE:-200}" --save-every "${SAVE_EVERY:-10}" --resume --device "$DEVICE" \
             --output "$WORK/models/generative-mle"
-        [ -d "$WORK/models/generative-untrained" ] || $PY -m training.train_generative --objective mle \
-            "${START[@]}" --max-steps 0 --device "$DEVICE" --output "$WORK/models/generative-untrained"
+        $PY -m training.train_generative --objective mle "${START[@]}" --max-steps 0 --resume --device "$DEVICE" \
+            --output "$WORK/models/generative-untrained"
         generative_rows generative-mle:hybrid-rrf
         # Over the fine-tuned bi-encoder's hybrid-rrf and hybrid-zscore too, where `biencoder` has built its index.
         local mode over_biencoder
@@ -175,18 +190,18 @@ step() {
         # RLL sees as many claims as MLE (400 steps of 4 = 200 of 8) at MLE's learning rate; at 1e-5 and 100
         # steps (the first plan) its loss hardly moved (1.68 to 1.64) and it reached 0.7100 (docs/experiments/scifact.md).
         timed generative-rll $PY -m training.train_generative --objective rll "${START[@]}" "${NEGATIVES[@]}" \
-            --negatives 15 --batch-size 4 --lr 5e-5 --max-steps "${STEPS_GENERATIVE_RLL:-400}" --save-every 10 \
+            --negatives 15 --batch-size 4 --lr 5e-5 --max-steps "${STEPS_GENERATIVE_RLL:-400}" --save-every "${SAVE_EVERY:-10}" \
             --resume --device "$DEVICE" --output "$WORK/models/generative-rll"
         generative_rows generative-rll:hybrid-rrf generative-rll:hybrid-zscore
         # The ensemble step's row with RLL for MLE, where `monobert-residual` has trained its monoBERT.
-        if [ -d "$WORK/models/monobert-residual" ]; then
+        if finished monobert-residual; then
             ensemble_rows generative-rll "$WORK/table-ensemble-rll-20.txt"
         fi ;;
     monobert-group)
-        [ -d "$WORK/models/monobert-group" ] || timed monobert-group $PY -m training.train_cross_encoder "${TRAIN[@]}" \
+        timed monobert-group $PY -m training.train_cross_encoder "${TRAIN[@]}" \
             "${NEGATIVES[@]}" --negatives 3 --objective group --batch-size 4 --lr 3e-5 \
-            --max-steps "${STEPS_MONOBERT_GROUP:-300}" --max-tokens 256 --save-every 100 --keep-checkpoints 0 \
-            --device "$DEVICE" --output "$WORK/models/monobert-group"
+            --max-steps "${STEPS_MONOBERT_GROUP:-300}" --max-tokens 256 --save-every "${SAVE_EVERY:-100}" --keep-checkpoints 0 \
+            --device "$DEVICE" --resume --output "$WORK/models/monobert-group"
         $PY -m index_builder eval --index "$WORK/index" "${DEV[@]}" --modes hybrid-rrf \
             --rerank "$WORK"/models/monobert-group/checkpoint-* --depth 20 --retrieval-weight 0 1 2 3 \
             | tee "$WORK/table-monobert-group-20.txt" ;;
@@ -199,10 +214,10 @@ step() {
         [ -f "$WORK/train-runs/hybrid-zscore.run" ] || $PY -m index_builder eval --index "$WORK/index" \
             --queries "$SPLIT/queries-train.tsv" --qrels "$SPLIT/qrels-train.txt" --modes hybrid-zscore --k 20 \
             --exact --runs-dir "$WORK/train-runs" --device "$DEVICE"
-        [ -d "$WORK/models/monobert-residual" ] || timed monobert-residual $PY -m training.train_cross_encoder \
+        timed monobert-residual $PY -m training.train_cross_encoder \
             "${TRAIN[@]}" --objective residual --prior-run "$WORK/train-runs/hybrid-zscore.run" --prior-weight 0.5 \
             --negatives 3 --batch-size 4 --lr 3e-5 --max-steps "${STEPS_MONOBERT_RESIDUAL:-300}" --max-tokens 256 \
-            --save-every 100 --keep-checkpoints 0 --device "$DEVICE" --output "$WORK/models/monobert-residual"
+            --save-every "${SAVE_EVERY:-100}" --keep-checkpoints 0 --device "$DEVICE" --resume --output "$WORK/models/monobert-residual"
         $PY -m index_builder eval --index "$WORK/index" "${DEV[@]}" --modes hybrid-rrf hybrid-zscore \
             --rerank "$(newest "$WORK/models/monobert-residual")" --depth 20 --retrieval-weight 0 1 2 3 \
             | tee "$WORK/table-monobert-residual-20.txt"
@@ -221,13 +236,13 @@ step() {
         after generative:models/generative-mle
         local teacher
         teacher=$(newest "$WORK/models/generative-mle")
-        [ -d "$WORK/teacher" ] || timed teacher $PY -m index_builder eval --index "$WORK/index" \
+        [ -f "$WORK/teacher/hybrid-rrf+generative-mle-$(basename "$teacher").run" ] || timed teacher $PY -m index_builder eval --index "$WORK/index" \
             --queries "$SPLIT/queries-train.tsv" --qrels "$SPLIT/qrels-train.txt" --k 8 --device "$DEVICE" --exact \
             --modes hybrid-rrf --rerank "$teacher" --depth 8 --retrieval-weight 0 1 --runs-dir "$WORK/teacher"
-        [ -d "$WORK/models/monobert-distil" ] || timed monobert-distil $PY -m training.train_cross_encoder \
+        timed monobert-distil $PY -m training.train_cross_encoder \
             "${TRAIN[@]}" --objective distil --teacher-run "$WORK/teacher/hybrid-rrf+generative-mle-$(basename "$teacher").run" \
-            --batch-size 2 --lr 5e-5 --max-steps "${STEPS_MONOBERT_DISTIL:-150}" --max-tokens 256 --save-every 50 \
-            --device "$DEVICE" --output "$WORK/models/monobert-distil"
+            --batch-size 2 --lr 5e-5 --max-steps "${STEPS_MONOBERT_DISTIL:-150}" --max-tokens 256 --save-every "${SAVE_EVERY:-50}" \
+            --device "$DEVICE" --resume --output "$WORK/models/monobert-distil"
         $PY -m index_builder eval --index "$WORK/index" "${DEV[@]}" --modes hybrid-rrf \
             --rerank "$(newest "$WORK/models/monobert-distil")" --depth 20 "${BLEND[@]}" \
             | tee "$WORK/table-monobert-distil-20.txt" ;;
@@ -245,12 +260,12 @@ step() {
             --runs-dir "$generated/runs" --device "$DEVICE"
         cat "$SPLIT/queries-train.tsv" "$generated/queries.tsv" > "$generated/queries-with-train.tsv"
         cat "$SPLIT/qrels-train.txt" "$generated/qrels.txt" > "$generated/qrels-with-train.txt"
-        [ -d "$WORK/models/monobert-generated" ] || timed monobert-generated $PY -m training.train_cross_encoder \
+        timed monobert-generated $PY -m training.train_cross_encoder \
             --corpus "$DATA/corpus.jsonl" --queries "$generated/queries-with-train.tsv" \
             --qrels "$generated/qrels-with-train.txt" --negatives-run "$WORK/train-runs/dense.run" \
             "$WORK/train-runs/bm25.run" "$generated/runs/dense.run" "$generated/runs/bm25.run" --negatives-depth 100 \
             --negatives 1 --batch-size 8 --lr 3e-5 --max-steps "${STEPS_MONOBERT_GENERATED:-450}" --max-tokens 256 \
-            --save-every 150 --keep-checkpoints 0 --device "$DEVICE" --output "$WORK/models/monobert-generated"
+            --save-every "${SAVE_EVERY:-150}" --keep-checkpoints 0 --device "$DEVICE" --resume --output "$WORK/models/monobert-generated"
         $PY -m index_builder eval --index "$WORK/index-biencoder" "${DEV[@]}" --modes hybrid-rrf \
             --rerank "$WORK"/models/monobert-generated/checkpoint-* --depth 20 --retrieval-weight 0 1 2 3 \
             | tee "$WORK/table-biencoder-monobert-generated-20.txt" ;;

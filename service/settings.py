@@ -11,6 +11,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from models.backends import Backend
 from retrieval.load_options import LoadOptions
+from retrieval.request import MODES, Defaults, Fusion
 
 
 class ServiceSettings(BaseSettings):
@@ -64,6 +65,16 @@ class ServiceSettings(BaseSettings):
         0.0, ge=0, le=100, description="Weight of the first stage's score beside the reranker's when a request "
         "gives none: reranked passages are ordered by z(reranker) + w * z(first stage), each standardised over "
         "them; 0: by the reranker's score alone.",
+    )
+
+    default_mode: Literal["auto", *MODES] = Field(
+        "auto", description="The retrieval of a request that names no mode: auto is hybrid where the index has a "
+        "BM25 index and dense otherwise; dense, bm25 or hybrid for that one (an index that cannot serve it is not "
+        "loaded).",
+    )
+    default_fusion: Fusion = Field(
+        "zscore", description="How hybrid fuses its two lists when a request names no fusion: zscore, rrf or "
+        "interleave.",
     )
 
     exact_search: bool = Field(
@@ -217,6 +228,11 @@ class ServiceSettings(BaseSettings):
         """How the index is loaded; SEARCH_INDEX_MMAP false leaves mapping to the index (mapped where a candidate
         structure is loaded), as LoadOptions' default does."""
         return LoadOptions(self.device, self.verify_checksums, self.index_mmap or None, self.gpu_fp16)
+
+    @property
+    def defaults(self) -> Defaults:
+        """What a request naming no mode or fusion runs."""
+        return Defaults(None if self.default_mode == "auto" else self.default_mode, self.default_fusion)
 
     @property
     def body_limit(self) -> int:

@@ -91,7 +91,7 @@ def small_shards(tmp_path_factory, small_corpus, encoder) -> list[Path]:
     """The small corpus as `build --shards 3` writes it (in one pass): the shards of `small_index`'s passages.
     (tests/test_shards.py shows they equal what three `build --shard i/3` jobs write.)"""
     out = tmp_path_factory.mktemp("shards") / "small"
-    build_index(BuildOptions(small_corpus, out, chunk_size=128, shards=SMALL_SHARDS), encoder)
+    build_index(BuildOptions(small_corpus, out, chunk_size=128, shards=SMALL_SHARDS, bm25=False), encoder)
     return [shard_folder(out, i) for i in range(SMALL_SHARDS)]
 
 

@@ -53,10 +53,10 @@ def test_waiting_requests_run_together_at_once_and_never_wait_for_the_window(eng
         with ThreadPoolExecutor(max_workers=1) as executor:
             batcher = MicroBatcher(held_until(gate, engine), executor, FOREVER_S, max_batch=8, on_batch=sizes.append)
             # Two arrive together: neither is alone, so they go without waiting for company.
-            first = [asyncio.create_task(batcher.search(demo_queries[q], SearchPlan(3))) for q in names[:2]]
+            first = [asyncio.create_task(batcher.search(demo_queries[q], engine.plan(3))) for q in names[:2]]
             await asyncio.sleep(0.2)
             # Three queue while the model is busy with those two; they go as one batch when it frees.
-            behind = [asyncio.create_task(batcher.search(demo_queries[q], SearchPlan(3))) for q in names[2:]]
+            behind = [asyncio.create_task(batcher.search(demo_queries[q], engine.plan(3))) for q in names[2:]]
             await asyncio.sleep(0.2)
             gate.set()
             results = await asyncio.wait_for(asyncio.gather(*first, *behind), timeout=60)
@@ -75,7 +75,7 @@ def test_one_client_at_a_time_never_waits_for_the_window(engine, demo_queries):
     async def scenario():
         with ThreadPoolExecutor(max_workers=1) as executor:
             batcher = MicroBatcher(engine.run, executor, FOREVER_S, max_batch=8, on_batch=sizes.append)
-            results = [await asyncio.wait_for(batcher.search(demo_queries[q], SearchPlan(3)), timeout=60)
+            results = [await asyncio.wait_for(batcher.search(demo_queries[q], engine.plan(3)), timeout=60)
                        for q in ("q0001", "q0002", "q0003")]
             await batcher.close()
         return results
@@ -91,7 +91,7 @@ def test_after_a_shared_batch_a_lone_request_waits_for_company(engine, demo_quer
     async def scenario():
         with ThreadPoolExecutor(max_workers=1) as executor:
             batcher = MicroBatcher(engine.run, executor, WINDOW_S, max_batch=8, on_batch=sizes.append)
-            together = [batcher.search(demo_queries[q], SearchPlan(3)) for q in ("q0001", "q0002")]
+            together = [batcher.search(demo_queries[q], engine.plan(3)) for q in ("q0001", "q0002")]
             await asyncio.wait_for(asyncio.gather(*together), timeout=60)
             await lone_then_late(batcher, demo_queries)
             await batcher.close()
@@ -125,7 +125,7 @@ def test_after_a_request_queued_behind_a_batch_a_lone_request_waits_for_company(
 
 def test_with_batches_of_one_nothing_ever_waits_for_company(engine, demo_queries):
     def alone(batcher):  # no one could join it
-        return asyncio.wait_for(batcher.search(demo_queries["q0003"], SearchPlan(3)), timeout=60)
+        return asyncio.wait_for(batcher.search(demo_queries["q0003"], engine.plan(3)), timeout=60)
 
     assert batch_sizes_after_one_queued_behind(engine, demo_queries, FOREVER_S, 1, then=alone) == [1, 1, 1]
 
@@ -185,9 +185,9 @@ def test_requests_fuse_only_with_requests_of_the_same_k(engine, demo_queries):
     async def scenario():
         with ThreadPoolExecutor(max_workers=1) as executor:
             batcher = MicroBatcher(held_until(gate, engine), executor, FOREVER_S, max_batch=8, on_batch=sizes.append)
-            first = asyncio.create_task(batcher.search(demo_queries["q0001"], SearchPlan(3)))
+            first = asyncio.create_task(batcher.search(demo_queries["q0001"], engine.plan(3)))
             await asyncio.sleep(0.2)
-            behind = [asyncio.create_task(batcher.search(demo_queries[q], SearchPlan(k)))
+            behind = [asyncio.create_task(batcher.search(demo_queries[q], engine.plan(k)))
                       for q, k in (("q0002", 3), ("q0003", 10), ("q0004", 3))]
             await asyncio.sleep(0.2)
             gate.set()
@@ -206,9 +206,9 @@ def test_closing_answers_the_running_and_the_queued_requests_with_503_rather_tha
     async def scenario():
         with ThreadPoolExecutor(max_workers=1) as executor:
             batcher = MicroBatcher(held_until(gate, engine), executor, FOREVER_S, max_batch=8)
-            running = asyncio.create_task(batcher.search(demo_queries["q0001"], SearchPlan(3)))
+            running = asyncio.create_task(batcher.search(demo_queries["q0001"], engine.plan(3)))
             await asyncio.sleep(0.2)
-            queued = asyncio.create_task(batcher.search(demo_queries["q0002"], SearchPlan(3)))
+            queued = asyncio.create_task(batcher.search(demo_queries["q0002"], engine.plan(3)))
             await asyncio.sleep(0.2)
             await batcher.close()
             answers = await asyncio.wait_for(asyncio.gather(running, queued, return_exceptions=True), timeout=5)

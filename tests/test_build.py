@@ -55,7 +55,7 @@ def test_interrupted_build_resumes_to_the_same_index(tmp_path, encoder):
     corpus = tmp_path / "corpus.tsv"
     corpus.write_text(head(DEMO / "corpus.tsv", 200), encoding="utf-8")
     reference = tmp_path / "reference"
-    build_index(BuildOptions(corpus, reference, chunk_size=20), encoder)
+    build_index(BuildOptions(corpus, reference, chunk_size=20, bm25=False), encoder)
 
     out = tmp_path / "resumed"
     state = tmp_path / ".resumed.partial" / "state.json"
@@ -64,7 +64,7 @@ def test_interrupted_build_resumes_to_the_same_index(tmp_path, encoder):
     assert not out.exists()
     assert 3 <= done < 10
 
-    report = build_index(BuildOptions(corpus, out, chunk_size=20), encoder)
+    report = build_index(BuildOptions(corpus, out, chunk_size=20, bm25=False), encoder)
     assert report.resumed_chunks == done
     assert report.encoded == 200 - 20 * done
     resumed_vectors, resumed_rows = index_contents(out)
@@ -81,11 +81,11 @@ def test_resume_refuses_a_corpus_changed_before_the_resume_point(tmp_path, encod
     corpus = tmp_path / "corpus.tsv"
     corpus.write_text("a\tfirst passage\nb\tsecond passage\nc\tthird\na\tagain\n")
     with pytest.raises(BuildError, match="duplicate"):  # stops after chunk 1 (lines 1-2) is stored
-        build_index(BuildOptions(corpus, tmp_path / "out", chunk_size=2), encoder)
+        build_index(BuildOptions(corpus, tmp_path / "out", chunk_size=2, bm25=False), encoder)
     corpus.write_text("a\tFIRST passage\nb\tsecond passage\nc\tthird\n")
     with pytest.raises(BuildError, match="changed since the interrupted build"):
-        build_index(BuildOptions(corpus, tmp_path / "out", chunk_size=2), encoder)
-    report = build_index(BuildOptions(corpus, tmp_path / "out", chunk_size=2, restart=True), encoder)
+        build_index(BuildOptions(corpus, tmp_path / "out", chunk_size=2, bm25=False), encoder)
+    report = build_index(BuildOptions(corpus, tmp_path / "out", chunk_size=2, restart=True, bm25=False), encoder)
     assert report.passages == 3
 
 
@@ -93,9 +93,9 @@ def test_fixing_a_bad_line_lets_the_build_resume_where_it_stopped(tmp_path, enco
     corpus = tmp_path / "corpus.tsv"
     corpus.write_text("a\tone\nb\ttwo\nc\tthree\nd\n")
     with pytest.raises(BuildError, match="line 4"):
-        build_index(BuildOptions(corpus, tmp_path / "out", chunk_size=2), encoder)
+        build_index(BuildOptions(corpus, tmp_path / "out", chunk_size=2, bm25=False), encoder)
     corpus.write_text("a\tone\nb\ttwo\nc\tthree\nd\tfour\n")
-    report = build_index(BuildOptions(corpus, tmp_path / "out", chunk_size=2), encoder)
+    report = build_index(BuildOptions(corpus, tmp_path / "out", chunk_size=2, bm25=False), encoder)
     assert (report.passages, report.resumed_chunks, report.encoded) == (4, 1, 2)
 
 
@@ -103,8 +103,8 @@ def test_turning_skip_bad_on_resumes_where_a_bad_line_stopped_the_build(tmp_path
     corpus = tmp_path / "corpus.tsv"
     corpus.write_text("a\tone\nb\ttwo\nc\tthree\nd\n")
     with pytest.raises(BuildError, match=r"line 4: .*\(use --skip-bad to skip such lines\)"):
-        build_index(BuildOptions(corpus, tmp_path / "out", chunk_size=2), encoder)
-    report = build_index(BuildOptions(corpus, tmp_path / "out", chunk_size=2, skip_bad=True), encoder)
+        build_index(BuildOptions(corpus, tmp_path / "out", chunk_size=2, bm25=False), encoder)
+    report = build_index(BuildOptions(corpus, tmp_path / "out", chunk_size=2, skip_bad=True, bm25=False), encoder)
     assert (report.passages, report.skipped, report.resumed_chunks, report.encoded) == (3, 1, 1, 1)
 
 
@@ -123,14 +123,14 @@ def test_bad_corpus_line_is_refused_with_its_line_number(tmp_path, encoder, name
     corpus = tmp_path / name
     corpus.write_text(content)
     with pytest.raises(BuildError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        build_index(BuildOptions(corpus, tmp_path / "out"), encoder)
+        build_index(BuildOptions(corpus, tmp_path / "out", bm25=False), encoder)
     assert not (tmp_path / "out").exists()
 
 
 def test_skip_bad_counts_and_skips_bad_lines(tmp_path, encoder):
     corpus = tmp_path / "corpus.tsv"
     corpus.write_text("a\tone\nbroken\nb\ttwo\na\tdup\n\nc\tthree\n")
-    report = build_index(BuildOptions(corpus, tmp_path / "out", skip_bad=True), encoder)
+    report = build_index(BuildOptions(corpus, tmp_path / "out", skip_bad=True, bm25=False), encoder)
     assert (report.passages, report.skipped) == (3, 2)
     manifest = read_manifest(tmp_path / "out")
     assert (manifest.count, manifest.corpus.skipped) == (3, 2)
@@ -141,7 +141,7 @@ def test_skip_bad_counts_and_skips_bad_lines(tmp_path, encoder):
 def test_beir_jsonl_title_and_text_are_indexed_together(tmp_path, encoder):
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text('{"_id": "d1", "title": "Wings", "text": "lift at high speed"}\n{"_id": 7, "text": "x"}\n')
-    build_index(BuildOptions(corpus, tmp_path / "out"), encoder)
+    build_index(BuildOptions(corpus, tmp_path / "out", bm25=False), encoder)
     _, rows = index_contents(tmp_path / "out")
     assert [(r[1], r[2]) for r in rows] == [("d1", "Wings lift at high speed"), ("7", "x")]
 
@@ -150,12 +150,12 @@ def test_existing_output_is_kept_unless_overwrite_and_then_replaced_whole(tmp_pa
     corpus = tmp_path / "corpus.tsv"
     corpus.write_text("a\tone\n")
     out = tmp_path / "out"
-    build_index(BuildOptions(corpus, out), encoder)
+    build_index(BuildOptions(corpus, out, bm25=False), encoder)
     corpus.write_text("a\tone\nb\ttwo\n")
     with pytest.raises(BuildError, match="already exists"):
-        build_index(BuildOptions(corpus, out), encoder)
+        build_index(BuildOptions(corpus, out, bm25=False), encoder)
     assert read_manifest(out).count == 1
-    build_index(BuildOptions(corpus, out, overwrite=True), encoder)
+    build_index(BuildOptions(corpus, out, overwrite=True, bm25=False), encoder)
     assert read_manifest(out, verify_checksums=True).count == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.tsv", "out"]
 
@@ -191,7 +191,7 @@ def test_overwrite_replaces_an_index_but_never_a_folder_that_is_not_one(tmp_path
 def test_an_out_that_is_a_symbolic_link_is_refused_before_any_work(tmp_path, encoder, capsys):
     corpus = tmp_path / "corpus.tsv"
     corpus.write_text("a\tone\n")
-    build_index(BuildOptions(corpus, tmp_path / "v1"), encoder)
+    build_index(BuildOptions(corpus, tmp_path / "v1", bm25=False), encoder)
     (tmp_path / "current").symlink_to(tmp_path / "v1")
     args = ["build", "--corpus", str(corpus), "--out", str(tmp_path / "current"), "--overwrite", "--device", "cpu"]
     assert cli_main(args) == 2

@@ -87,16 +87,16 @@ def test_the_hnsw_file_holds_the_graph_only_the_vectors_are_index_faiss(hnsw_ind
 
 
 def test_exact_answers_equal_todays_flat_search_bit_for_bit(approximate, searcher, queries):
-    assert approximate.answered_by(approximate.request(10, exact=True)) == "exact"
+    assert approximate.answered_by(approximate.request(10, mode="dense", exact=True)) == "exact"
     for mode in ("dense", "hybrid"):
         found = approximate.batch_search(queries, k=50, mode=mode, exact=True)
         assert found == searcher.batch_search(queries, k=50, mode=mode)  # Hit equality: ids, texts, scores
 
 
 def test_approximate_answers_carry_exact_scores_of_the_stored_vectors(approximate, queries, stored_vectors):
-    assert approximate.answered_by(approximate.request(10)) == "approximate:hnsw"
+    assert approximate.answered_by(approximate.request(10, mode="dense")) == "approximate:hnsw"
     vectors = approximate.encode(queries)
-    for vector, ranked in zip(vectors, approximate.rank(queries, vectors, approximate.request(100))):
+    for vector, ranked in zip(vectors, approximate.rank(queries, vectors, approximate.request(100, mode="dense"))):
         rows = [row for row, _ in ranked]
         np.testing.assert_allclose([score for _, score in ranked], stored_vectors[rows] @ vector, rtol=0, atol=1e-6)
         # ordered as the flat search orders: score descending, then row ascending
@@ -105,8 +105,8 @@ def test_approximate_answers_carry_exact_scores_of_the_stored_vectors(approximat
 
 def test_hnsw_with_default_parameters_finds_the_exact_top_10_of_every_demo_query(approximate, queries):
     vectors = approximate.encode(queries)
-    found = approximate.rank(queries, vectors, approximate.request(10))
-    exact = approximate.rank(queries, vectors, approximate.request(10, exact=True))
+    found = approximate.rank(queries, vectors, approximate.request(10, mode="dense"))
+    exact = approximate.rank(queries, vectors, approximate.request(10, mode="dense", exact=True))
     assert [[row for row, _ in ranked] for ranked in found] == [[row for row, _ in ranked] for ranked in exact]
     # a batch's exact scan multiplies through BLAS, a few rows' rescoring does not: the last bit may differ
     np.testing.assert_allclose([[s for _, s in r] for r in found], [[s for _, s in r] for r in exact], atol=1e-6)
@@ -114,7 +114,7 @@ def test_hnsw_with_default_parameters_finds_the_exact_top_10_of_every_demo_query
 
 def test_a_single_query_gets_the_exact_scans_answer_bit_for_bit(approximate, queries):
     for query in queries[:50]:  # under faiss's BLAS threshold both use the same kernel
-        assert approximate.search(query, k=10) == approximate.search(query, k=10, exact=True)
+        assert approximate.search(query, k=10, mode="dense") == approximate.search(query, k=10, mode="dense", exact=True)
 
 
 def test_hybrid_modes_take_their_dense_list_from_the_structure(approximate, queries):
@@ -130,22 +130,22 @@ def test_the_vectors_are_memory_mapped_where_a_structure_is_used_unless_the_call
     assert dense_index.is_mapped(approximate.index)
     assert not dense_index.is_mapped(searcher.index)  # no structure: held, as before
     held = Searcher(hnsw_index, encoder, load=LoadOptions(device="cpu", mmap=False))
-    assert not dense_index.is_mapped(held.index) and held.answered_by(held.request(10)) == "approximate:hnsw"
+    assert not dense_index.is_mapped(held.index) and held.answered_by(held.request(10, mode="dense")) == "approximate:hnsw"
 
 
 def test_candidates_rescored_per_request_are_bounded(approximate, queries):
     for wrong in (0, MAX_CANDIDATES + 1):
         with pytest.raises(ValueError, match=f"candidates must be between 1 and {MAX_CANDIDATES}, got {wrong}"):
-            approximate.search(queries[0], k=10, candidates=wrong)
+            approximate.search(queries[0], k=10, mode="dense", candidates=wrong)
     # fewer than k is raised to k: the list is whole
-    assert len(approximate.search(queries[0], k=20, candidates=5)) == 20
-    assert approximate.search(queries[0], k=10, candidates=300) == approximate.search(queries[0], k=10, exact=True)
+    assert len(approximate.search(queries[0], k=20, mode="dense", candidates=5)) == 20
+    assert approximate.search(queries[0], k=10, mode="dense", candidates=300) == approximate.search(queries[0], k=10, mode="dense", exact=True)
 
 
 def test_an_index_without_structures_behaves_as_before(small_index, searcher, queries):
     assert json.loads((small_index / MANIFEST_FILE).read_text())["candidates"] == []
-    assert searcher.structures == {} and searcher.answered_by(searcher.request(10)) == "exact"
-    assert searcher.batch_search(queries[:10], k=10) == searcher.batch_search(queries[:10], k=10, exact=True)
+    assert searcher.structures == {} and searcher.answered_by(searcher.request(10, mode="dense")) == "exact"
+    assert searcher.batch_search(queries[:10], k=10, mode="dense") == searcher.batch_search(queries[:10], k=10, mode="dense", exact=True)
     with pytest.raises(ValueError, match="structure 'hnsw' is not loaded"):
         searcher.search(queries[0], structure="hnsw")
 
@@ -275,7 +275,7 @@ def test_build_with_ann_publishes_the_index_with_its_structure(small_corpus, tmp
     (card,) = read_manifest(out, verify_checksums=True).candidates
     assert card.params["efSearch"] == 64 and card.depth == 64
     assert sorted(path.name for path in out.iterdir()) == sorted([MANIFEST_FILE, INDEX_FILE, "passages.sqlite",
-                                                                  TEXT_HASHES_FILE, HNSW_FILE])
+                                                                  TEXT_HASHES_FILE, HNSW_FILE, "bm25"])  # by default
 
 
 def test_an_interrupted_hnsw_build_resumes_from_its_checkpoint(small_index, tmp_path, monkeypatch):
@@ -329,13 +329,13 @@ def test_ivf_records_its_lists_and_probes_in_the_card(ivf_index, small_index, tm
 
 def test_ivf_answers_carry_exact_scores_and_more_probes_find_more(ivf_index, encoder, queries, stored_vectors):
     searcher = Searcher(ivf_index, encoder, load=CPU)
-    assert searcher.answered_by(searcher.request(10)) == "approximate:ivf"
+    assert searcher.answered_by(searcher.request(10, mode="dense")) == "approximate:ivf"
     vectors = searcher.encode(queries)
-    narrow = searcher.rank(queries, vectors, searcher.request(10))  # 20 candidates from 2 lists of 8
+    narrow = searcher.rank(queries, vectors, searcher.request(10, mode="dense"))  # 20 candidates from 2 lists of 8
     for vector, ranked in zip(vectors, narrow):
         rows = [row for row, _ in ranked]
         np.testing.assert_allclose([score for _, score in ranked], stored_vectors[rows] @ vector, rtol=0, atol=1e-6)
-    exact = [[row for row, _ in ranked] for ranked in searcher.rank(queries, vectors, searcher.request(10, exact=True))]
+    exact = [[row for row, _ in ranked] for ranked in searcher.rank(queries, vectors, searcher.request(10, mode="dense", exact=True))]
 
     def recall(found):
         return np.mean([len(set(e) & {row for row, _ in f}) / 10 for e, f in zip(exact, found)])
@@ -344,7 +344,7 @@ def test_ivf_answers_carry_exact_scores_and_more_probes_find_more(ivf_index, enc
     structure = searcher.structures["ivf"]
     assert ivf.probes(structure, 10) == 2 and ivf.probes(structure, 80) == 8
     assert recall(narrow) < 1.0
-    assert recall(searcher.rank(queries, vectors, searcher.request(10, candidates=80))) == 1.0
+    assert recall(searcher.rank(queries, vectors, searcher.request(10, mode="dense", candidates=80))) == 1.0
 
 
 def test_a_kinds_flags_are_for_its_kind_only(small_index, tmp_path, capsys):
@@ -379,13 +379,13 @@ def test_pq_answers_carry_exact_scores_and_narrow_ones_miss_what_wider_find(pq_i
                                                                              stored_vectors):
     searcher = Searcher(pq_index, encoder, load=CPU)
     vectors = searcher.encoder.encode_queries(queries)
-    exact = searcher.rank(queries, vectors, searcher.request(10, exact=True))
-    narrow = searcher.rank(queries, vectors, searcher.request(10, candidates=10))
+    exact = searcher.rank(queries, vectors, searcher.request(10, mode="dense", exact=True))
+    narrow = searcher.rank(queries, vectors, searcher.request(10, mode="dense", candidates=10))
     for vector, ranked in zip(vectors, narrow):
         rows = [row for row, _ in ranked]
         np.testing.assert_allclose([score for _, score in ranked], stored_vectors[rows] @ vector, rtol=0, atol=1e-6)
     assert recall.share_found([[row for row, _ in e] for e in exact], [[row for row, _ in n] for n in narrow], 10) < 1
-    wide = searcher.rank(queries, vectors, searcher.request(10, candidates=100))
+    wide = searcher.rank(queries, vectors, searcher.request(10, mode="dense", candidates=100))
     assert [[row for row, _ in ranked] for ranked in wide] == [[row for row, _ in ranked] for ranked in exact]
 
 

@@ -117,6 +117,7 @@ def test_the_exact_rows_equal_the_eval_of_the_same_index_without_structures(stru
     (with_structures, runs), (without, plain_runs) = structured, plain
     assert list(table(without)) == ["dense", "bm25", "hybrid-rrf"]
     assert RECALL_AGAINST_EXACT not in without  # no structure, no column: the table is as before
+    assert "\ndefault: hybrid-zscore, what a search naming no mode runs on this index\n" in without
     for name in ("dense", "bm25", "hybrid-rrf"):
         assert (runs / f"{name}.run").read_text() == (plain_runs / f"{name}.run").read_text()
         measures = {c: v for c, v in table(with_structures)[name].items() if c not in ("ms/query", RECALL_AGAINST_EXACT)}
@@ -130,7 +131,7 @@ def test_a_structure_row_is_what_the_searcher_answers_through_that_structure(str
     texts = [demo_queries[q] for q in QUERIES]
     for kind in ("hnsw", "binary"):
         run = read_run(runs / f"dense@{kind}.run")
-        answered = searcher.batch_search(texts, K, structure=kind)
+        answered = searcher.batch_search(texts, K, mode="dense", structure=kind)
         assert [[docid for docid, _ in run[q]] for q in QUERIES] == [[hit.id for hit in hits] for hits in answered]
 
 

@@ -62,8 +62,8 @@ def test_a_field_name_with_a_control_character_is_a_bad_line_naming_it(tmp_path,
     corpus = write_jsonl(tmp_path / "corpus.jsonl", [{"id": "p1", "text": short(1), "year": 2001},
                                                     {"id": "p2", "text": short(2), name: "x"}])
     with pytest.raises(BuildError, match=r"line 2: field .*control characters \(U\+00"):
-        build_index(BuildOptions(corpus, tmp_path / "stopped"), encoder)
-    report = build_index(BuildOptions(corpus, tmp_path / "skipped", skip_bad=True), encoder)
+        build_index(BuildOptions(corpus, tmp_path / "stopped", bm25=False), encoder)
+    report = build_index(BuildOptions(corpus, tmp_path / "skipped", skip_bad=True, bm25=False), encoder)
     assert (report.passages, report.skipped) == (1, 1)
     assert read_manifest(tmp_path / "skipped").fields == {"year": "number"}
 
@@ -77,17 +77,17 @@ def test_an_index_declares_at_most_max_fields_and_the_line_past_it_is_a_bad_line
     corpus = many_fields_corpus(tmp_path / "corpus.jsonl", 10, 30)  # 300 fields, 30 a line
     with pytest.raises(BuildError, match=rf"line 9: field \"f00269\" would be field {MAX_FIELDS + 14} .* over the "
                                          rf"{MAX_FIELDS} an index may declare \(raise it with --max-fields\)"):
-        build_index(BuildOptions(corpus, tmp_path / "stopped"), encoder)
-    report = build_index(BuildOptions(corpus, tmp_path / "capped", skip_bad=True), encoder)
+        build_index(BuildOptions(corpus, tmp_path / "stopped", bm25=False), encoder)
+    report = build_index(BuildOptions(corpus, tmp_path / "capped", skip_bad=True, bm25=False), encoder)
     assert (report.passages, report.skipped) == (8, 2) and len(read_manifest(tmp_path / "capped").fields) == 240
-    build_index(BuildOptions(corpus, tmp_path / "raised", max_fields=300), encoder)
+    build_index(BuildOptions(corpus, tmp_path / "raised", max_fields=300, bm25=False), encoder)
     assert len(read_manifest(tmp_path / "raised").fields) == 300
 
 
 def test_an_index_of_thousands_of_fields_loads_each_column_whole_and_answers_an_unknown_field_in_a_few_names(
         tmp_path, encoder):
     corpus = many_fields_corpus(tmp_path / "corpus.jsonl", 10, 400)  # 4,000 fields
-    build_index(BuildOptions(corpus, tmp_path / "index", max_fields=5000), encoder)
+    build_index(BuildOptions(corpus, tmp_path / "index", max_fields=5000, bm25=False), encoder)
     searcher = Searcher(tmp_path / "index", encoder, load=CPU)
     assert [hit.id for hit in searcher.search("entry", 10, filter={"f03999": 399})] == ["p9"]
     with pytest.raises(FilterError) as unknown:
@@ -103,7 +103,7 @@ def test_an_index_of_thousands_of_fields_loads_each_column_whole_and_answers_an_
 def test_an_update_whose_added_fields_conflict_with_the_index_fails_before_encoding_naming_both(tmp_path, encoder):
     index = tmp_path / "index"
     build_index(BuildOptions(write_jsonl(tmp_path / "corpus.jsonl", [
-        {"id": f"p{n}", "text": short(n), "year": 2000 + n} for n in range(4)]), index), encoder)
+        {"id": f"p{n}", "text": short(n), "year": 2000 + n} for n in range(4)]), index, bm25=False), encoder)
     add = write_jsonl(tmp_path / "add.jsonl", [{"id": "p9", "text": short(9), "year": 2009},
                                                {"id": "p10", "text": short(10), "year": "2010"}])
     asked: list = []

@@ -227,7 +227,7 @@ def test_filtered_dense_search_is_the_brute_force_ranking_of_the_matching_passag
     rows = matching_rows(spec, fields)
     query_vectors = encoder.encode_texts(QUERIES)
     for k in (K, MAX_K):
-        found = fields_searcher.batch_search(QUERIES, k, filter=spec)
+        found = fields_searcher.batch_search(QUERIES, k, mode="dense", filter=spec)
         for hits, query_vector in zip(found, query_vectors):
             assert_same(hits, brute_dense(vectors, query_vector, rows, k), ids)
 
@@ -246,7 +246,7 @@ def test_filtered_bm25_and_hybrid_search_fuse_the_brute_force_lists_of_the_match
         fused = reciprocal_rank_fusion([[r for r, _ in d], [r for r, _ in b]], K)
         assert [hit.id for hit in hits] == [ids[row] for row, _ in fused]
     for lead in ("dense", "bm25"):
-        mixed = fields_searcher.batch_search(QUERIES, K, mode="hybrid", lead=lead, filter=spec)
+        mixed = fields_searcher.batch_search(QUERIES, K, mode="hybrid", fusion="interleave", lead=lead, filter=spec)
         for hits, d, b in zip(mixed, dense, lexical):
             lists = [[r for r, _ in d[:K]], [r for r, _ in b[:K]]]
             fused = interleave(*(lists if lead == "dense" else lists[::-1]), K)
@@ -350,8 +350,8 @@ def test_bad_lines_name_the_field_and_are_skipped_with_skip_bad(tmp_path, encode
     assert 'field "n": nan is not a finite number' in reasons[8]
     assert found[6].fields == {"year": 2007, "source": "beir"}
     with pytest.raises(BuildError, match=r'line 2: field "year": nested objects'):
-        build_index(BuildOptions(corpus, tmp_path / "stopped"), encoder)
-    report = build_index(BuildOptions(corpus, tmp_path / "skipped", skip_bad=True), encoder)
+        build_index(BuildOptions(corpus, tmp_path / "stopped", bm25=False), encoder)
+    report = build_index(BuildOptions(corpus, tmp_path / "skipped", skip_bad=True, bm25=False), encoder)
     assert (report.passages, report.skipped) == (2, 6)  # line 4: "year" a string after a number on line 1
     assert read_manifest(tmp_path / "skipped").fields == {"source": "string", "tags": "string[]", "year": "number"}
 
@@ -393,11 +393,12 @@ def test_sharded_filtered_search_equals_the_unsharded_filtered_search(fields_sha
     assert sharded.describe()["fields"] == TYPES
     for spec, _ in FILTERS + [({"editor": {"$in": ["e0", "e2"]}}, 0), ({"editor": {"$ne": "e0"}}, 0)]:
         for query in QUERIES[:3]:
-            mine = sharded.search(query, K, filter=spec, fields=["editor", "year"])
-            theirs = fields_engine.search(query, K, filter=spec, fields=["editor", "year"])
+            mine = sharded.search(query, K, filter=spec, fields=["editor", "year"])  # shards: dense by default
+            theirs = fields_engine.search(query, K, mode="dense", filter=spec, fields=["editor", "year"])
             assert mine.hits == theirs.hits, spec
             assert mine.searched == "exact"
-        mine, theirs = sharded.search_batch(QUERIES, K, filter=spec), fields_engine.search_batch(QUERIES, K, filter=spec)
+        mine = sharded.search_batch(QUERIES, K, filter=spec)
+        theirs = fields_engine.search_batch(QUERIES, K, mode="dense", filter=spec)
         assert [result.hits for result in mine] == [result.hits for result in theirs]
     app = create_app(settings_for(fields_shards[0].parent), sharded)
     response = one(app, "POST", "/search", {"query": QUERIES[0], "filter": {"editr": "e0"}})
@@ -428,13 +429,13 @@ def test_a_broad_filter_over_a_hnsw_index_searches_the_graph_with_the_filter_as_
     assert fields_hnsw.answered_by(fields_hnsw.request(K, filter=spec)) == "approximate:hnsw"
     assert fields_hnsw.answered_by(fields_hnsw.request(K, filter={"uid": "3"})) == "exact"
     for query in QUERIES:
-        hits = fields_hnsw.search(query, K, filter=spec, fields=["source"])
+        hits = fields_hnsw.search(query, K, mode="dense", filter=spec, fields=["source"])
         assert len(hits) == K and all(hit.fields["source"] in ("pubmed", "wiki") for hit in hits)
-        exact = fields_searcher.search(query, K, filter=spec)
-        every = {h.id: h.score for h in fields_searcher.search(query, PASSAGES, filter=spec)}
+        exact = fields_searcher.search(query, K, mode="dense", filter=spec)
+        every = {h.id: h.score for h in fields_searcher.search(query, PASSAGES, mode="dense", filter=spec)}
         assert all(every[hit.id] == hit.score for hit in hits)  # every score the exact one
         # Asked to rescore every matching row, the graph's candidates are all of them: the exact answer.
-        assert fields_hnsw.search(query, K, filter=spec, candidates=PASSAGES) == exact
+        assert fields_hnsw.search(query, K, mode="dense", filter=spec, candidates=PASSAGES) == exact
 
 
 def test_eval_filter_scores_the_filtered_runs_and_refuses_a_bad_filter(fields_index, tmp_path, capsys):

@@ -37,7 +37,7 @@ def build_generation(folder: Path, ids: dict[int, str], encoder, reverse: bool =
     numbers = sorted(ids, key=lambda number: (number * 7) % PASSAGES, reverse=reverse)
     corpus = folder.with_suffix(".jsonl")
     corpus.write_text("".join(json.dumps({"id": ids[n], "text": text(n)}) + "\n" for n in numbers), encoding="utf-8")
-    build_index(BuildOptions(corpus, folder, chunk_size=16), encoder)
+    build_index(BuildOptions(corpus, folder, chunk_size=16, bm25=False), encoder)
     return {text(n): ids[n] for n in numbers}
 
 

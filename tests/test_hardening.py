@@ -94,7 +94,7 @@ def test_a_byte_order_mark_is_not_part_of_the_first_id_nor_hides_the_header(tmp_
     jsonl.write_bytes('\ufeff{"_id": "p1", "text": "join two paths"}\n'.encode())
     for corpus, ids in ((tsv, ["p1", "p2"]), (jsonl, ["p1"])):
         out = tmp_path / f"index-{corpus.suffix[1:]}"
-        build_index(BuildOptions(corpus, out), encoder)
+        build_index(BuildOptions(corpus, out, bm25=False), encoder)
         assert [pid for pid, _ in PassageStore(out / "passages.sqlite").get(range(len(ids)))] == ids
 
 
@@ -108,7 +108,7 @@ def test_the_builder_refuses_what_it_cannot_read_with_the_line_and_a_reason(tmp_
     corpus = tmp_path / name
     corpus.write_bytes(content)
     with pytest.raises(BuildError, match=reason):
-        build_index(BuildOptions(corpus, tmp_path / "index"), encoder)
+        build_index(BuildOptions(corpus, tmp_path / "index", bm25=False), encoder)
     code = cli_main(["build", "--corpus", str(corpus), "--out", str(tmp_path / "cli"), "--device", "cpu"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and reason in err[-1] and err[-1].startswith("error: ")
@@ -221,7 +221,7 @@ def test_replacing_an_index_never_leaves_a_moment_with_nothing_at_its_path(tmp_p
 def test_reloading_an_index_of_another_model_keeps_the_query_token_override(small_index, tmp_path):
     model = tiny_bert(tmp_path / "tiny-encoder", num_labels=None)
     (tmp_path / "corpus.tsv").write_text("t1\twing stall at high angle\nt2\tjoin two paths\n")
-    build_index(BuildOptions(tmp_path / "corpus.tsv", tmp_path / "other"), BiEncoder(model, device="cpu"))
+    build_index(BuildOptions(tmp_path / "corpus.tsv", tmp_path / "other", bm25=False), BiEncoder(model, device="cpu"))
     engine = SearchEngine.open(small_index, load=CPU, query_max_tokens=7)
     assert engine.searcher.encoder.spec.query_max_tokens == 7
     engine.install(engine.prepare(tmp_path / "other"))
@@ -235,7 +235,7 @@ def short_query_index(tmp_path_factory, encoder) -> Path:
     folder = tmp_path_factory.mktemp("short-queries")
     (folder / "corpus.tsv").write_text("t1\twing stall at high angle\nt2\tjoin two paths\n")
     limited = BiEncoder(encoder.path, device="cpu", query_max_tokens=20)
-    build_index(BuildOptions(folder / "corpus.tsv", folder / "index"), limited)
+    build_index(BuildOptions(folder / "corpus.tsv", folder / "index", bm25=False), limited)
     assert read_manifest(folder / "index").encoder.query_max_tokens == 20
     return folder / "index"
 

@@ -106,7 +106,7 @@ def test_with_skip_bad_a_passage_over_the_size_limit_is_skipped_and_counted(tmp_
         lines = [json.dumps(dict(zip(("_id", "text"), line.rstrip("\n").split("\t", 1)))) + "\n" for line in lines]
     corpus = corpus_with(tmp_path / name, lines, long_line, at=3)
     out = tmp_path / "out"
-    report = build_index(BuildOptions(corpus, out, skip_bad=True, max_passage_bytes=LIMIT), encoder)
+    report = build_index(BuildOptions(corpus, out, skip_bad=True, max_passage_bytes=LIMIT, bm25=False), encoder)
     assert (report.passages, report.skipped) == (6, 1)
     manifest = read_manifest(out, verify_checksums=True)
     assert (manifest.count, manifest.corpus.skipped) == (6, 1)
@@ -120,10 +120,10 @@ def test_raising_max_passage_bytes_resumes_the_build_a_long_line_stopped(tmp_pat
     corpus = corpus_with(tmp_path / "corpus.tsv", demo_lines(8), long_line, at=6)
     out = tmp_path / "out"
     with pytest.raises(BuildError, match=f"line 6: {len(long_line) - 1} bytes, over the limit of {LIMIT}"):
-        build_index(BuildOptions(corpus, out, chunk_size=2, max_passage_bytes=LIMIT), encoder)
+        build_index(BuildOptions(corpus, out, chunk_size=2, max_passage_bytes=LIMIT, bm25=False), encoder)
     with pytest.raises(BuildError, match="different max_passage_bytes; rerun with --restart"):
-        build_index(BuildOptions(corpus, out, chunk_size=2, max_passage_bytes=LIMIT // 2), encoder)  # lowered: no
-    report = build_index(BuildOptions(corpus, out, chunk_size=2, max_passage_bytes=8 * LIMIT), encoder)
+        build_index(BuildOptions(corpus, out, chunk_size=2, max_passage_bytes=LIMIT // 2, bm25=False), encoder)  # lowered: no
+    report = build_index(BuildOptions(corpus, out, chunk_size=2, max_passage_bytes=8 * LIMIT, bm25=False), encoder)
     assert (report.passages, report.resumed_chunks, report.encoded) == (9, 2, 5)
 
 
@@ -135,7 +135,7 @@ from models.encoder import BiEncoder
 
 encoder = BiEncoder(device="cpu")
 for number, corpus in enumerate(sys.argv[1:]):
-    build_index(BuildOptions(Path(corpus), Path(corpus).with_suffix(f".index{number}"), skip_bad=True), encoder)
+    build_index(BuildOptions(Path(corpus), Path(corpus).with_suffix(f".index{number}"), skip_bad=True, bm25=False), encoder)
     print("peak MiB", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024, flush=True)
 """
 
@@ -193,11 +193,11 @@ def test_a_corpus_appended_to_during_the_build_gives_no_index_and_a_rerun_resume
     with pytest.raises(BuildError, match=rf"^corpus {re.escape(str(corpus))} changed during the build \(its size "
                                          rf"went from \d+ to \d+ bytes\), so no index was written; rebuild: the "
                                          rf"partial build in {re.escape(str(partial))} is kept"):
-        build_index(BuildOptions(corpus, out, chunk_size=4), RewritesCorpusAfterFirstChunk(encoder, append))
+        build_index(BuildOptions(corpus, out, chunk_size=4, bm25=False), RewritesCorpusAfterFirstChunk(encoder, append))
     assert not out.exists()
     assert json.loads((partial / "state.json").read_text())["chunks"]
 
-    report = build_index(BuildOptions(corpus, out, chunk_size=4), encoder)
+    report = build_index(BuildOptions(corpus, out, chunk_size=4, bm25=False), encoder)
     assert report.resumed_chunks >= 1 and report.passages == 16
     manifest = read_manifest(out, verify_checksums=True)
     assert manifest.count == 16
@@ -219,12 +219,12 @@ def test_a_corpus_rewritten_in_place_with_its_size_and_time_kept_is_caught_by_it
     out = tmp_path / "out"
     with pytest.raises(BuildError, match=r"changed during the build \(its bytes differ from those read: "
                                          r"another sha256\)"):
-        build_index(BuildOptions(corpus, out, chunk_size=4),
+        build_index(BuildOptions(corpus, out, chunk_size=4, bm25=False),
                     RewritesCorpusAfterFirstChunk(encoder, rewrite_first_line))
     assert not out.exists() and (tmp_path / ".out.partial").is_dir()
     with pytest.raises(BuildError, match="changed since the interrupted build"):  # its first chunk read other bytes
-        build_index(BuildOptions(corpus, out, chunk_size=4), encoder)
-    build_index(BuildOptions(corpus, out, chunk_size=4, restart=True), encoder)
+        build_index(BuildOptions(corpus, out, chunk_size=4, bm25=False), encoder)
+    build_index(BuildOptions(corpus, out, chunk_size=4, restart=True, bm25=False), encoder)
     assert read_manifest(out).corpus.sha256 == hashlib.sha256(corpus.read_bytes()).hexdigest()
 
 
@@ -254,7 +254,7 @@ def test_a_second_build_into_an_out_being_built_exits_2_naming_the_first_builds_
         assert last_error(capsys) == (
             f"error: {out} is in use by pid {first.pid} (another build); wait for it to end, or give another --out")
         with pytest.raises(out_lock.InUse, match=f"in use by pid {first.pid}"):
-            build_index(BuildOptions(corpus, out, overwrite=True, restart=True), encoder)
+            build_index(BuildOptions(corpus, out, overwrite=True, restart=True, bm25=False), encoder)
         _, errors = first.communicate(timeout=300)
     finally:
         first.kill()
@@ -291,7 +291,7 @@ def test_merge_into_an_out_in_use_exits_2_and_a_killed_holder_leaves_the_out_fre
     assert out_lock.lock_file(out).is_file()
     corpus = tmp_path / "corpus.tsv"
     corpus.write_text("".join(demo_lines(3)), encoding="utf-8")
-    assert build_index(BuildOptions(corpus, out), encoder).passages == 3
+    assert build_index(BuildOptions(corpus, out, bm25=False), encoder).passages == 3
     assert not out_lock.lock_file(out).exists()
 
 
@@ -303,7 +303,7 @@ def test_a_directory_given_as_the_corpus_exits_2_saying_it_is_a_directory(tmp_pa
     assert cli_main(["build", "--corpus", str(folder), "--out", str(tmp_path / "out")]) == 2
     assert last_error(capsys) == f"error: corpus {folder} is a directory, not a file"
     with pytest.raises(BuildError, match="is a directory, not a file"):
-        build_index(BuildOptions(folder, tmp_path / "out"), encoder)
+        build_index(BuildOptions(folder, tmp_path / "out", bm25=False), encoder)
     assert sorted(path.name for path in tmp_path.iterdir()) == ["corpus"]
 
 
@@ -317,7 +317,7 @@ def test_a_fifo_given_as_the_corpus_exits_2_at_once_saying_what_it_is(tmp_path, 
         assert cli_main(["build", "--corpus", str(fifo), "--out", str(tmp_path / "out")]) == 2
         assert last_error(capsys) == f"error: corpus {fifo} is not a regular file (a FIFO)"
         with pytest.raises(BuildError, match=r"is not a regular file \(a FIFO\)"):
-            build_index(BuildOptions(fifo, tmp_path / "out"), encoder)
+            build_index(BuildOptions(fifo, tmp_path / "out", bm25=False), encoder)
     finally:
         while writer.is_alive():  # nothing read the FIFO: let the writer's open return
             os.close(os.open(fifo, os.O_RDONLY | os.O_NONBLOCK))

@@ -115,28 +115,82 @@ def test_hybrid_fuses_the_dense_and_bm25_lists(searcher, demo_queries, fusion, l
 def test_hybrid_and_bm25_are_served_over_http(small_index, engine, demo_queries):
     app = create_app(ServiceSettings(index_dir=small_index, device="cpu"), engine)
     query = demo_queries["q0007"]
-    kinds = {"dense": "cosine", "bm25": "bm25", "hybrid": "interleave", "hybrid-rrf": "rrf", "hybrid-zscore": "zscore"}
-    for body in ({"mode": "dense"}, {"mode": "bm25"}, {"mode": "hybrid"}, {"mode": "hybrid", "fusion": "rrf"},
-                 {"mode": "hybrid", "fusion": "zscore"}):
+    for body, mode, kind in (({"mode": "dense"}, "dense", "cosine"), ({"mode": "bm25"}, "bm25", "bm25"),
+                             ({"mode": "hybrid", "fusion": "interleave"}, "hybrid", "interleave"),
+                             ({"mode": "hybrid", "fusion": "rrf"}, "hybrid", "rrf"),
+                             ({"mode": "hybrid"}, "hybrid", "zscore"),  # the default fusion
+                             ({}, "hybrid", "zscore")):  # the default: the index has BM25
         response = one(app, "POST", "/search", {"query": query, "k": 5, **body})
         assert response.status_code == 200, response.text
-        expected = engine.search(query, 5, **{"fusion": "interleave", "lead": "dense", **body})
-        assert [r["id"] for r in response.json()["results"]] == [h.id for h in expected.hits]
-        # The response says what its scores are (MiniLM normalises, so dense scores are cosines).
-        assert response.json()["score_kind"] == kinds[body["mode"] + (f"-{body['fusion']}" if "fusion" in body else "")]
-    batch = one(app, "POST", "/search/batch", {"queries": [query, "socket"], "k": 3, "mode": "hybrid"})
-    assert batch.status_code == 200 and len(batch.json()["results"]) == 2 and batch.json()["score_kind"] == "interleave"
+        expected = engine.searcher.search(query, 5, **{"mode": mode, "fusion": kind if mode == "hybrid" else None})
+        assert [r["id"] for r in response.json()["results"]] == [h.id for h in expected]
+        # The response says which retrieval ran and what its scores are (MiniLM normalises: dense scores are cosines).
+        assert (response.json()["mode"], response.json()["score_kind"]) == (mode, kind)
+    batch = one(app, "POST", "/search/batch", {"queries": [query, "socket"], "k": 3})
+    assert batch.status_code == 200 and len(batch.json()["results"]) == 2
+    assert (batch.json()["mode"], batch.json()["score_kind"]) == ("hybrid", "zscore")
     bad = one(app, "POST", "/search", {"query": query, "mode": "sparse"})
     assert bad.status_code == 422 and bad.json()["detail"][0]["loc"] == ["body", "mode"]
 
 
-def test_bm25_on_an_index_built_without_it_is_a_clear_400(tmp_path, encoder):
+def test_a_search_naming_no_mode_runs_hybrid_zscore_in_the_python_api_too(searcher, demo_queries):
+    query = demo_queries["q0007"]
+    assert searcher.request(5) == searcher.request(5, mode="hybrid", fusion="zscore")
+    assert [h.id for h in searcher.search(query, 5)] == [h.id for h in searcher.search(query, 5, mode="hybrid",
+                                                                                         fusion="zscore")]
+    assert [h.id for h in searcher.search(query, 5)] != [h.id for h in searcher.search(query, 5, mode="dense")]
+
+
+def test_search_default_mode_and_fusion_change_what_a_request_naming_none_runs(small_index, demo_queries):
+    from tests.test_training import serving
+
+    query = demo_queries["q0007"]
+    for overrides, mode, kind in (({"default_mode": "dense"}, "dense", "cosine"),
+                                  ({"default_fusion": "rrf"}, "hybrid", "rrf"),
+                                  ({"default_mode": "bm25"}, "bm25", "bm25")):
+        with serving(ServiceSettings(index_dir=small_index, device="cpu", **overrides)) as client:
+            answer = client.post("/search", json={"query": query, "k": 5}).json()
+            named = client.post("/search", json={"query": query, "k": 5, "mode": "dense"}).json()
+        assert (answer["mode"], answer["score_kind"]) == (mode, kind)
+        assert (named["mode"], named["score_kind"]) == ("dense", "cosine")  # a request's own mode wins
+
+
+def test_an_index_built_with_no_bm25_answers_dense_by_default_and_bm25_with_a_clear_400(tmp_path, encoder):
     from index_builder.build import BuildOptions, build_index
     from retrieval.searcher import Searcher
 
     (tmp_path / "c.tsv").write_text("a\tone passage\nb\tanother passage\n")
-    build_index(BuildOptions(tmp_path / "c.tsv", tmp_path / "dense-only"), encoder)
+    build_index(BuildOptions(tmp_path / "c.tsv", tmp_path / "dense-only", bm25=False), encoder)
     app = create_app(ServiceSettings(index_dir=tmp_path / "dense-only", device="cpu"),
                      SearchEngine(Searcher(tmp_path / "dense-only", encoder)))
     response = one(app, "POST", "/search", {"query": "passage", "mode": "hybrid"})
-    assert response.status_code == 400 and "built without --bm25" in response.json()["detail"]
+    assert response.status_code == 400 and "built with --no-bm25" in response.json()["detail"]
+    default = one(app, "POST", "/search", {"query": "passage"})
+    assert default.status_code == 200 and (default.json()["mode"], default.json()["score_kind"]) == ("dense", "cosine")
+
+
+def test_build_writes_bm25_unless_no_bm25(tmp_path):
+    from index_builder.cli import build_parser
+
+    parse = build_parser().parse_args
+    assert parse(["build", "--corpus", "c", "--out", "o"]).bm25 is True
+    assert parse(["build", "--corpus", "c", "--out", "o", "--no-bm25"]).bm25 is False
+    assert parse(["update", "--index", "o", "--no-bm25"]).bm25 is False
+    assert parse(["merge", "--shards", "a", "b", "--out", "o"]).bm25 is True
+
+
+def test_a_default_mode_the_index_cannot_serve_keeps_it_from_loading_and_ready_says_why(tmp_path, encoder):
+    import time
+
+    from fastapi.testclient import TestClient
+    from index_builder.build import BuildOptions, build_index
+
+    (tmp_path / "c.tsv").write_text("a\tone passage\nb\tanother passage\n")
+    build_index(BuildOptions(tmp_path / "c.tsv", tmp_path / "dense-only", bm25=False), encoder)
+    settings = ServiceSettings(index_dir=tmp_path / "dense-only", device="cpu", default_mode="hybrid")
+    with TestClient(create_app(settings)) as client:
+        deadline = time.monotonic() + 120
+        while client.get("/ready").json()["status"] == "loading" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        ready = client.get("/ready")
+    assert ready.status_code == 503 and "needs a BM25 index" in ready.json()["detail"]

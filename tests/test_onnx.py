@@ -54,7 +54,7 @@ def test_the_export_is_made_once_and_reused(onnx_encoder, onnx_cache):
 def test_an_int8_index_records_it_and_is_served_with_int8_queries(tmp_path, onnx_cache, demo_queries, demo_qrels):
     corpus = demo_corpus_head(tmp_path, 120)
     int8 = BiEncoder(device="cpu", backend="onnx-int8", onnx_cache=onnx_cache)
-    build_index(BuildOptions(corpus, tmp_path / "int8", chunk_size=64), int8)
+    build_index(BuildOptions(corpus, tmp_path / "int8", chunk_size=64, bm25=False), int8)
     record = read_manifest(tmp_path / "int8").encoder
     assert (record.backend, record.export_sha256) == ("onnx-int8", int8.export_sha256)
     engine = SearchEngine.open(tmp_path / "int8", load=CPU)

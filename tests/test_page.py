@@ -72,8 +72,9 @@ def test_a_query_typed_and_entered_shows_k_results_and_the_latency_bar(browser, 
         search_from_the_keyboard(browser, query, 5)
         items = wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, "#results li") or None)
         assert len(items) == 5
-        expected = [hit.id for hit in engine.searcher.search(query, 5)]
+        expected = [hit.id for hit in engine.searcher.search(query, 5)]  # the default retrieval: hybrid z-score
         assert [item.find_element(By.CLASS_NAME, "hit-id").text for item in items] == expected
+        assert " · hybrid · " in browser.find_element(By.ID, "summary").text  # the mode that ran
         assert [item.find_element(By.CLASS_NAME, "hit-rank").text for item in items] == [f"#{r}" for r in range(1, 6)]
         assert all(item.find_element(By.CLASS_NAME, "hit-text").text for item in items)
         bar = browser.find_element(By.ID, "latency")

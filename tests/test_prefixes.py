@@ -72,7 +72,7 @@ def corpus(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def prompted_index(tmp_path_factory, corpus, prompted) -> Path:
     out = tmp_path_factory.mktemp("indexes") / "e5"
-    build_index(BuildOptions(corpus, out), prompted)
+    build_index(BuildOptions(corpus, out, bm25=False), prompted)
     return out
 
 
@@ -92,7 +92,7 @@ def test_a_document_prompt_is_the_passage_prefix_and_a_missing_one_is_none(tmp_p
 
 def test_the_packaged_model_has_no_prompts_so_its_indexes_are_unchanged(tmp_path, corpus, encoder):
     assert (encoder.spec.query_prefix, encoder.spec.passage_prefix) == ("", "")
-    build_index(BuildOptions(corpus, tmp_path / "index"), encoder)
+    build_index(BuildOptions(corpus, tmp_path / "index", bm25=False), encoder)
     record = read_manifest(tmp_path / "index").encoder
     assert (record.query_prefix, record.passage_prefix) == ("", "")
     index = faiss.read_index(str(tmp_path / "index" / INDEX_FILE))
@@ -180,8 +180,8 @@ def test_a_manifest_written_before_prefixes_loads_with_none(encoder):
 
 def test_merge_refuses_shards_whose_prefixes_differ(tmp_path, corpus, prompted, overridden):
     first, second = tmp_path / "s0", tmp_path / "s1"
-    build_index(BuildOptions(corpus, first, shard=Shard.parse("0/2")), prompted)
-    build_index(BuildOptions(corpus, second, shard=Shard.parse("1/2")), overridden)
+    build_index(BuildOptions(corpus, first, shard=Shard.parse("0/2"), bm25=False), prompted)
+    build_index(BuildOptions(corpus, second, shard=Shard.parse("1/2"), bm25=False), overridden)
     with pytest.raises(BuildError) as error:
         merge_shards([first, second], tmp_path / "merged")
     assert str(error.value) == f"{second}: encoder query_prefix '' differs from {first}'s 'query: '"

@@ -36,7 +36,7 @@ def corpus(tmp_path_factory):
 @pytest.fixture(scope="module")
 def local_index(tmp_path_factory, corpus, encoder):
     out = tmp_path_factory.mktemp("ray-reference") / "local"
-    build_index(BuildOptions(corpus, out, chunk_size=CHUNK), encoder)
+    build_index(BuildOptions(corpus, out, chunk_size=CHUNK, bm25=False), encoder)
     return out
 
 
@@ -85,7 +85,7 @@ def test_a_worker_killed_mid_build_is_restarted_and_no_passage_is_lost_or_double
 
     marker = tmp_path / "crashed"
     with RayEncoder(ACTOR_OPTIONS, workers=2, crash_once=(str(marker), 3)) as encoder:
-        report = build_index(BuildOptions(corpus, tmp_path / "ray", chunk_size=CHUNK), encoder)
+        report = build_index(BuildOptions(corpus, tmp_path / "ray", chunk_size=CHUNK, bm25=False), encoder)
     assert marker.exists(), "no actor was killed"
     assert (report.passages, report.encoded, report.resumed_chunks) == (PASSAGES, PASSAGES, 0)
     assert_same_index(tmp_path / "ray", local_index)
@@ -99,14 +99,14 @@ def test_a_rerun_after_an_interrupted_ray_build_resumes_after_its_last_chunk(
     out, marker = tmp_path / "ray", tmp_path / "crashed"
     with RayEncoder(ACTOR_OPTIONS, workers=2, max_restarts=0, crash_once=(str(marker), 3)) as encoder:
         with pytest.raises(BuildError, match="Ray encoder worker failed.*rerun to resume") as failure:
-            build_index(BuildOptions(corpus, out, chunk_size=CHUNK), encoder)
+            build_index(BuildOptions(corpus, out, chunk_size=CHUNK, bm25=False), encoder)
     assert "\n" not in str(failure.value)  # the CLI's one line, not Ray's traceback
     assert not out.exists()
     # An actor's third batch comes in chunk 1 at the earliest (a chunk is 3 batches over 2 actors).
     done = len(json.loads((tmp_path / ".ray.partial" / "state.json").read_text())["chunks"])
     assert 1 <= done < PASSAGES // CHUNK
     with RayEncoder(ACTOR_OPTIONS, workers=2) as encoder:
-        report = build_index(BuildOptions(corpus, out, chunk_size=CHUNK), encoder)
+        report = build_index(BuildOptions(corpus, out, chunk_size=CHUNK, bm25=False), encoder)
     assert (report.resumed_chunks, report.encoded, report.passages) == (done, PASSAGES - CHUNK * done, PASSAGES)
     assert_same_index(out, local_index)
 

@@ -96,6 +96,13 @@ def test_a_split_that_cannot_hold_out_a_group_is_refused(tmp_path):
     assert not (tmp_path / "split").exists()
 
 
+def finished_training(folder: Path, steps: int = 1) -> None:
+    """`folder` as a training that reached its last step leaves it (its trainer state is what scifact.sh reads)."""
+    checkpoint = folder / f"checkpoint-{steps:07d}"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "trainer_state.json").write_text(json.dumps({"step": steps, "settings": {"max_steps": steps}}))
+
+
 @pytest.mark.parametrize("step, present, missing, writer", [
     ("ensemble", [], "models/generative-mle", "generative"),
     ("ensemble", ["models/generative-mle"], "models/monobert-residual", "monobert-residual"),
@@ -105,10 +112,57 @@ def test_a_split_that_cannot_hold_out_a_group_is_refused(tmp_path):
 ])
 def test_a_step_run_before_the_step_it_reads_exits_2_naming_that_step(tmp_path, step, present, missing, writer):
     for folder in present:
-        (tmp_path / "work" / folder).mkdir(parents=True)
+        finished_training(tmp_path / "work" / folder)
     done = scifact_sh(tmp_path, step, DEVICE="cpu")
     assert done.returncode == 2
-    assert done.stderr.strip() == f"error: no {tmp_path / 'work' / missing}: run the step {writer} first"
+    assert done.stderr.strip() == (f"error: no finished {tmp_path / 'work' / missing}: run the step {writer} first "
+                                   "(it resumes an interrupted training)")
+
+
+def test_a_model_whose_training_stopped_short_of_its_last_step_is_not_taken_for_a_finished_one(tmp_path):
+    finished_training(tmp_path / "work" / "models" / "generative-mle")
+    stopped = tmp_path / "work" / "models" / "monobert-residual" / "checkpoint-0000100"
+    stopped.mkdir(parents=True)
+    (stopped / "trainer_state.json").write_text(json.dumps({"step": 100, "settings": {"max_steps": 300}}))
+    done = scifact_sh(tmp_path, "ensemble", DEVICE="cpu")
+    assert done.returncode == 2 and "no finished" in done.stderr and "monobert-residual first" in done.stderr
+
+
+def test_an_interrupted_training_step_resumes_from_its_newest_checkpoint_when_run_again(recipe, tmp_path):
+    import shutil
+    import signal
+
+    work = tmp_path / "work"
+    for part in ("split", "index", "train-runs"):
+        shutil.copytree(recipe / part, work / part)
+    shutil.copytree(recipe.parent / "data", tmp_path / "data")
+    env = {**os.environ, "SCIFACT": str(tmp_path / "data"), "WORK": str(work), "PYTHON": sys.executable,
+           "DEVICE": "cpu", "STEPS_MONOBERT": "8", "SAVE_EVERY": "2"}
+    models = work / "models" / "monobert"
+    running = subprocess.Popen(["bash", "scripts/scifact.sh", "monobert"], env=env, start_new_session=True,
+                               cwd=Path(__file__).resolve().parents[1], stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 600
+    while not (models / "checkpoint-0000002" / "trainer_state.json").exists() and time.monotonic() < deadline:
+        assert running.poll() is None, "the training ended before it could be interrupted"
+        time.sleep(0.05)
+    os.killpg(running.pid, signal.SIGKILL)  # the session's end, or a machine lost, mid-training
+    running.wait()
+    assert not (models / "checkpoint-0000008").exists()
+    kept = {path.name: (path / "trainer_state.json").read_text() for path in models.glob("checkpoint-*")}
+
+    again = scifact_sh(tmp_path, "monobert", timeout=600, DEVICE="cpu", STEPS_MONOBERT="8", SAVE_EVERY="2")
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "starting from step 0" not in again.stderr
+    final = json.loads((models / "checkpoint-0000008" / "trainer_state.json").read_text())
+    assert final["step"] == 8
+    for name, state in kept.items():  # resumed after them, not recomputed
+        assert (models / name / "trainer_state.json").read_text() == state
+
+    trained = {path.name: (path / "trainer_state.json").read_text() for path in models.glob("checkpoint-*")}
+    finished = scifact_sh(tmp_path, "monobert", timeout=600, DEVICE="cpu", STEPS_MONOBERT="8", SAVE_EVERY="2")
+    assert finished.returncode == 0 and "0 steps (now at step 8)" in finished.stdout  # nothing left to train
+    assert {path.name: (path / "trainer_state.json").read_text() for path in models.glob("checkpoint-*")} == trained
 
 
 @pytest.mark.skipif(gpu_count() > 0 or torch.cuda.is_available(), reason="a GPU is here")

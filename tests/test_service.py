@@ -199,7 +199,7 @@ def test_stats_give_percentiles_per_stage_and_the_index(small_index, engine):
 def index_root(tmp_path, small_index, encoder) -> Path:
     shutil.copytree(small_index, tmp_path / "small")
     (tmp_path / "tiny.tsv").write_text("t1\tThe aircraft wing stalls at a high angle of attack.\nt2\tA hash table maps keys.\n")
-    build_index(BuildOptions(tmp_path / "tiny.tsv", tmp_path / "tiny"), encoder)
+    build_index(BuildOptions(tmp_path / "tiny.tsv", tmp_path / "tiny", bm25=False), encoder)
     shutil.copytree(small_index, tmp_path / "broken")
     (tmp_path / "broken" / "manifest.json").write_text("{not json")
     return tmp_path

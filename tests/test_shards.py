@@ -35,7 +35,7 @@ def contents(directory: Path) -> tuple[np.ndarray, list[tuple]]:
 def build_shards(corpus: Path, folder: Path, encoder, count: int, **options) -> list[Path]:
     shards = [folder / f"shard{i}of{count}" for i in range(count)]
     for i, out in enumerate(shards):
-        build_index(BuildOptions(corpus, out, shard=Shard(i, count), **options), encoder)
+        build_index(BuildOptions(corpus, out, shard=Shard(i, count), **{"bm25": False, **options}), encoder)
     return shards
 
 
@@ -100,7 +100,7 @@ def test_merged_shards_equal_the_unsharded_build_row_for_row(unsharded, shards, 
 def test_blank_lines_do_not_count_and_each_bad_line_is_skipped_by_one_shard(tmp_path, encoder):
     corpus = tmp_path / "corpus.tsv"
     corpus.write_text("id\ttext\na\tone\n\n\nb\ttwo\nbroken\n\nc\tthree\nd\tfour\n")
-    whole = build_index(BuildOptions(corpus, tmp_path / "whole", skip_bad=True), encoder)
+    whole = build_index(BuildOptions(corpus, tmp_path / "whole", skip_bad=True, bm25=False), encoder)
     shards = build_shards(corpus, tmp_path, encoder, 2, skip_bad=True)
     # records (header and blank lines aside): a, b, broken, c, d -> shard 0: a, broken, d; shard 1: b, c
     assert [[row[1] for row in contents(s)[1]] for s in shards] == [["a", "d"], ["b", "c"]]
@@ -113,7 +113,7 @@ def test_blank_lines_do_not_count_and_each_bad_line_is_skipped_by_one_shard(tmp_
 def test_an_interrupted_shard_build_resumes_with_the_same_share(tmp_path, encoder):
     corpus = tmp_path / "corpus.tsv"
     corpus.write_text("a\tone\nb\ttwo\nc\tthree\nd\tfour\ne\tfive\nf\n")  # f: no tab, and it falls to shard 1
-    options = BuildOptions(corpus, tmp_path / "shard", chunk_size=1, shard=Shard(1, 2))
+    options = BuildOptions(corpus, tmp_path / "shard", chunk_size=1, shard=Shard(1, 2), bm25=False)
     with pytest.raises(BuildError, match="line 6"):
         build_index(options, encoder)
     corpus.write_text("a\tone\nb\ttwo\nc\tthree\nd\tfour\ne\tfive\nf\tsix\n")
@@ -138,7 +138,7 @@ def test_merge_refuses_a_missing_shard(shards, tmp_path, capsys):
 
 def test_merge_refuses_shards_of_different_n(shards, tmp_path, capsys, encoder, demo_head):
     other = tmp_path / "other"
-    build_index(BuildOptions(demo_head, other, shard=Shard(1, 2)), encoder)
+    build_index(BuildOptions(demo_head, other, shard=Shard(1, 2), bm25=False), encoder)
     message = merge_error(capsys, "--shards", *map(str, shards), str(other), "--out", str(tmp_path / "m"))
     assert message == f"error: {other} is shard 1/2 but {shards[0]} is shard 0/{N}: N differs"
 
@@ -175,9 +175,9 @@ def test_merge_refuses_shards_of_different_corpus_files(tmp_path, encoder, capsy
     old.write_text("a\tone\nb\ttwo\n")
     new.write_text("a\tone\nb\ttwo, revised\n")
     first = tmp_path / "shard0of2"
-    build_index(BuildOptions(old, first, shard=Shard(0, 2)), encoder)
+    build_index(BuildOptions(old, first, shard=Shard(0, 2), bm25=False), encoder)
     second = tmp_path / "shard1of2"
-    build_index(BuildOptions(new, second, shard=Shard(1, 2)), encoder)
+    build_index(BuildOptions(new, second, shard=Shard(1, 2), bm25=False), encoder)
     message = merge_error(capsys, "--shards", str(first), str(second), "--out", str(tmp_path / "m"))
     assert message == (f"error: {second}: corpus sha256 {read_manifest(second).corpus.sha256!r} differs from "
                        f"{first}'s {read_manifest(first).corpus.sha256!r}")
@@ -249,7 +249,7 @@ def test_shards_n_counts_bad_lines_in_their_shard_and_sees_duplicates_across_sha
     corpus.write_text("id\ttext\na\tone\n\n\nb\ttwo\nbroken\n\nc\tthree\nd\tfour\na\tagain\n")
     # records: a, b, broken, c, d, a (shard 0's id again) -> shard 0: a, broken, d; shard 1: b, c, duplicate a
     # (separate --shard 1/2 jobs would keep it, and `merge` would refuse their shards)
-    report = build_index(BuildOptions(corpus, tmp_path / "out", skip_bad=True, chunk_size=2, shards=2), encoder)
+    report = build_index(BuildOptions(corpus, tmp_path / "out", skip_bad=True, chunk_size=2, shards=2, bm25=False), encoder)
     assert (report.passages, report.skipped, report.shards) == (4, 2, 2)
     assert report.summary().startswith(f"built {tmp_path / 'out'}: 4 passages in 2 shards ")
     folders = [shard_folder(tmp_path / "out", i) for i in range(2)]
@@ -262,7 +262,7 @@ def test_shards_n_counts_bad_lines_in_their_shard_and_sees_duplicates_across_sha
 def test_an_interrupted_shards_n_build_resumes_without_losing_or_doubling_a_passage(tmp_path, encoder):
     corpus = tmp_path / "corpus.tsv"
     corpus.write_text("a\tone\nb\ttwo\nc\tthree\nd\tfour\ne\tfive\nf\n")  # f: no tab
-    options = BuildOptions(corpus, tmp_path / "out", chunk_size=2, shards=2)
+    options = BuildOptions(corpus, tmp_path / "out", chunk_size=2, shards=2, bm25=False)
     with pytest.raises(BuildError, match="line 6"):
         build_index(options, encoder)
     corpus.write_text("a\tone\nb\ttwo\nc\tthree\nd\tfour\ne\tfive\nf\tsix\n")
@@ -289,9 +289,9 @@ def test_an_interrupted_shards_n_build_is_not_resumed_as_another_build_naming_wh
     corpus = tmp_path / "corpus.tsv"
     corpus.write_text("a\tone\nb\ttwo\nc\n")  # c: no tab
     with pytest.raises(BuildError, match="line 3"):
-        build_index(BuildOptions(corpus, tmp_path / "out", chunk_size=1, shards=2), encoder)
+        build_index(BuildOptions(corpus, tmp_path / "out", chunk_size=1, shards=2, bm25=False), encoder)
     with pytest.raises(BuildError, match="interrupted build with a different shards; rerun with --restart"):
-        build_index(BuildOptions(corpus, tmp_path / "out", chunk_size=1), encoder)
+        build_index(BuildOptions(corpus, tmp_path / "out", chunk_size=1, bm25=False), encoder)
 
 
 @pytest.mark.parametrize("flags, reason", [

@@ -130,7 +130,7 @@ def test_biencoder_cli_learns_and_its_checkpoint_loads(tmp_path, demo_split, dem
     # The checkpoint serves: index the held-out queries' passages with it, then search over HTTP.
     corpus = tmp_path / "corpus.tsv"
     corpus.write_text("".join(f"{pid}\t{demo.passages[pid]}\n" for pid in sorted(set(sum(candidates.values(), [])))))
-    build_index(BuildOptions(corpus, tmp_path / "index"), trained_encoder)
+    build_index(BuildOptions(corpus, tmp_path / "index", bm25=False), trained_encoder)
     with serving(ServiceSettings(index_dir=tmp_path / "index", device="cpu")) as client:
         assert client.get("/ready").json()["index"]["model"] == checkpoint.name
         qid = demo_split["held_out"][0]

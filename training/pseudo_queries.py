@@ -20,6 +20,7 @@ with `--corpus CORPUS`.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 import time
@@ -52,10 +53,13 @@ def write_pseudo_queries(corpus: Path, out: Path, min_words: int = 4) -> tuple[i
 
 
 def write_files(out: Path, files: dict[str, list[str]]) -> None:
-    """Each file of `out` named in `files`, its lines joined."""
+    """Each file of `out` named in `files`, its lines joined, each renamed into place whole (scifact.sh skips
+    the step that writes them once qrels.txt is there)."""
     out.mkdir(parents=True, exist_ok=True)
     for name, rows in files.items():
-        (out / name).write_text("".join(rows), encoding="utf-8")
+        partial = out / f".{name}.partial"
+        partial.write_text("".join(rows), encoding="utf-8")
+        os.replace(partial, out / name)
 
 
 SENTENCE_END = re.compile(r"(?<=[a-z0-9%)\]])\.(?=\s|[A-Z(]|$)")  # not after a capital: "S. aureus"

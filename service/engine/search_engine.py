@@ -18,7 +18,7 @@ from retrieval.fields import UnknownField
 from retrieval.filters import FilterError, conjunction
 from retrieval.index_format import INDEX_FILE, PASSAGES_FILE, Manifest, read_manifest
 from retrieval.load_options import LoadOptions
-from retrieval.request import Retrieval
+from retrieval.request import Defaults, Retrieval
 from retrieval.rerank import BLEND, rerank
 from retrieval.searcher import EncoderMismatch, Hit, Searcher, encoder_for
 from service.errors import NotServable, OverLimit
@@ -54,6 +54,7 @@ class SearchResult:
     shards: dict[str, list[str]] | None = None
     searched: str = "exact"  # or "approximate:KIND" (Searcher.answered_by)
     generation: str = ""  # the index generation that answered (index_format.generation_id), all of it from one
+    mode: str = "dense"  # the retrieval that ran (retrieval.request.Retrieval.mode)
 
 
 @dataclass(frozen=True)
@@ -161,8 +162,9 @@ class Run:
             total=1000 * (reranked - self.started),
             started_at=self.started,
         )
+        mode = plan.retrieval.mode if plan.retrieval is not None else "dense"
         return [SearchResult(query, found, score_kind, timings, len(self.queries), self.shards, self.searched,
-                             self.generation)
+                             self.generation, mode=mode)
                 for query, found in zip(self.queries, hits)]
 
     def complete(self) -> list[SearchResult]:
@@ -188,15 +190,17 @@ class SearchEngine:
     def open(
         cls, index_dir: Path, *, load: LoadOptions = LoadOptions(), query_max_tokens: int | None = None,
         rerankers: Sequence[Path] = (), backend: Backend | None = None, rerank_backend: Backend | None = None,
+        defaults: Defaults = Defaults(),
     ) -> "SearchEngine":
-        """`load`: how the index is loaded (retrieval.load_options; its device is the models' too);
+        """`load`: how the index is loaded (retrieval.load_options; its device is the models' too); `defaults`:
+        what a request naming no mode or fusion runs (retrieval.request.Defaults);
         `rerankers`: reranker folders (see models.reranker), at most one of each kind; `backend`: the query
         encoder's (default: the one the index was built with); `rerank_backend`: a monoBERT reranker's
         (default: the query encoder's)."""
         manifest = read_manifest(index_dir)  # the Searcher verifies, from the bytes it loads
         encoder = encoder_for(manifest, load.device, query_max_tokens, backend)
         loaded = load_rerankers(rerankers, load.device, rerank_backend or encoder.backend)
-        return cls(Searcher(index_dir, encoder, load), loaded, query_max_tokens, backend)
+        return cls(Searcher(index_dir, encoder, load, defaults), loaded, query_max_tokens, backend)
 
     @property
     def searcher(self) -> Searcher:
@@ -334,11 +338,11 @@ class SearchEngine:
                 self.query_max_tokens is not None or spec.query_max_tokens == record.query_max_tokens)
             if same_limits and current.encoder.backend == (self.backend or record.backend):
                 try:
-                    return Searcher(index_dir, current.encoder, current.load)
+                    return Searcher(index_dir, current.encoder, current.load, current.defaults)
                 except EncoderMismatch:  # the new index was built with another model: load that one
                     pass
             encoder = encoder_for(manifest, device, self.query_max_tokens, self.backend)
-            return Searcher(index_dir, encoder, current.load)
+            return Searcher(index_dir, encoder, current.load, current.defaults)
         except Exception as error:  # noqa: BLE001 - whatever failed, the old index must keep serving
             raise ReloadError(f"{index_dir}: {error}") from error
 

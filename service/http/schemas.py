@@ -33,6 +33,10 @@ SCORE_KIND_DESCRIPTION = (
 )
 
 
+MODE_DESCRIPTION = ("the retrieval that ran: the request's mode, or where it named none the default "
+                    "(SEARCH_DEFAULT_MODE: hybrid where the index has BM25, dense otherwise)")
+
+
 SEARCHED_DESCRIPTION = ("how the dense list was found: exact (every vector scanned; also bm25 mode) or "
                         "approximate:KIND (a candidate structure's candidates, each scored exactly)")
 
@@ -51,9 +55,11 @@ class RetrievalOptions(BaseModel):
     # an unknown key (`"fliter"`) a 422 naming it, not an unfiltered answer.
     model_config = ConfigDict(strict=True, extra="forbid")
 
-    mode: Mode = Field("dense", description="dense (bi-encoder), bm25 (exact match) or hybrid (both, fused)")
-    fusion: Fusion = Field("interleave", description="hybrid only: interleave (paper 000 eq. 6), rrf, or zscore "
-                          "(the mean of each passage's standardised dense and BM25 scores)")
+    mode: Mode | None = Field(None, description="dense (bi-encoder), bm25 (exact match) or hybrid (both, fused); "
+                              "default SEARCH_DEFAULT_MODE: hybrid where the index has BM25, dense otherwise")
+    fusion: Fusion | None = Field(None, description="hybrid only: zscore (the mean of each passage's standardised "
+                                  "dense and BM25 scores), rrf, or interleave (paper 000 eq. 6); default "
+                                  "SEARCH_DEFAULT_FUSION: zscore")
     lead: Literal["dense", "bm25"] = Field("dense", description="hybrid interleave only: which list goes first")
     exact: bool = Field(False, description="scan every vector even where the index carries a candidate structure "
                                            "(an approximate answer's scores are exact either way)")
@@ -157,6 +163,7 @@ class Latency(BaseModel):
 class SearchResponse(BaseModel):
     query: str
     results: list[SearchHit]
+    mode: Mode = Field(description=MODE_DESCRIPTION)
     score_kind: ScoreKind = Field(description=SCORE_KIND_DESCRIPTION)
     latency_ms: Latency
     search: str = Field(description=SEARCHED_DESCRIPTION)
@@ -170,6 +177,7 @@ class BatchItem(BaseModel):
 
 class BatchSearchResponse(BaseModel):
     results: list[BatchItem]
+    mode: Mode = Field(description=MODE_DESCRIPTION)
     score_kind: ScoreKind = Field(description=SCORE_KIND_DESCRIPTION)
     latency_ms: Latency
     search: str = Field(description=SEARCHED_DESCRIPTION)

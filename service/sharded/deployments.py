@@ -92,7 +92,7 @@ class SearchIngress:
         engine = ShardedEngine.over(self.clients, device=settings.device, query_max_tokens=settings.query_max_tokens,
                                     rerankers=settings.rerankers, backend=settings.backend,
                                     rerank_backend=settings.rerank_backend,
-                                    timeout_s=settings.shard_timeout_s)
+                                    timeout_s=settings.shard_timeout_s, defaults=settings.defaults)
         log.info("ready: %s", engine.describe())
         return create_app(settings, engine)
 

@@ -23,7 +23,7 @@ from retrieval.dense import check_candidates
 from retrieval.fields import chosen_fields, merged_types
 from retrieval.filters import Filter, parse_filter
 from retrieval.index_format import INDEX_FILE, PASSAGES_FILE, Manifest, generation_id
-from retrieval.request import MAX_K, Fusion, Lead, Mode, Retrieval
+from retrieval.request import MAX_K, Defaults, Fusion, Lead, Mode, Retrieval
 from retrieval.searcher import Hit, HitWithFields, check_encoder, dense_score_kind, encoder_for, validate_k
 from retrieval.sharding import ShardHit, ShardIndex, build_identity, check_shard_set, merge_top_k
 from service.engine.search_engine import Fetch, ReloadError, SearchEngine, SearchPlan, load_rerankers
@@ -100,8 +100,9 @@ class ShardedSearcher:
     dense retrieval only, since BM25's statistics (document frequencies, average length) are corpus-wide
     and a shard's own would score differently from the whole index's."""
 
-    def __init__(self, clients: Sequence[ShardClient], encoder, timeout_s: float) -> None:
-        self.encoder, self.timeout_s = encoder, timeout_s
+    def __init__(self, clients: Sequence[ShardClient], encoder, timeout_s: float,
+                 defaults: Defaults = Defaults()) -> None:
+        self.encoder, self.timeout_s, self.defaults = encoder, timeout_s, defaults
         described = [client.describe() for client in clients]
         manifests = [Manifest.model_validate(d["manifest"]) for d in described]
         found = check_shard_set(
@@ -127,14 +128,16 @@ class ShardedSearcher:
         self.cards = [{"shard": shard, **record.model_dump()} for shard, manifest in zip(self.shards, self.manifests)
                       for record in manifest.candidates if record.kind in kinds]
 
-    def request(self, k: int = 10, *, mode: Mode = "dense", fusion: Fusion = "interleave", lead: Lead = "dense",
+    def request(self, k: int = 10, *, mode: Mode | None = None, fusion: Fusion | None = None, lead: Lead = "dense",
                 exact: bool = False, candidates: int | None = None, structure: str | None = None, filter=None,
                 fields=None, fusion_depth: int = MAX_K) -> Retrieval:
         """A search over the shards, checked as Searcher.request checks one (the fields of every shard together;
-        `structure`: none, or the kind every shard carries)."""
+        `structure`: none, or the kind every shard carries). A search naming no mode is dense here: shards
+        serve no BM25 (see `check`), unless `defaults` names another mode, which `check` refuses."""
         validate_k(k)
         check_candidates(candidates)
-        retrieval = Retrieval(k, mode, fusion, lead, bool(exact), candidates, structure, self.parse_filter(filter),
+        retrieval = Retrieval(k, mode or self.defaults.mode_for(False), fusion or self.defaults.fusion, lead,
+                              bool(exact), candidates, structure, self.parse_filter(filter),
                               chosen_fields(fields, self.field_types), fusion_depth)
         self.check(retrieval)
         return retrieval
@@ -234,12 +237,13 @@ class ShardedEngine(SearchEngine):
     @classmethod
     def over(cls, clients: Sequence[ShardClient], *, device: str = "auto", query_max_tokens: int | None = None,
              rerankers: Sequence[Path] = (), backend: Backend | None = None,
-             rerank_backend: Backend | None = None, timeout_s: float = 10.0) -> "ShardedEngine":
+             rerank_backend: Backend | None = None, timeout_s: float = 10.0,
+             defaults: Defaults = Defaults()) -> "ShardedEngine":
         """The engine over `clients`, all N shards of one build in any order (ValueError otherwise), with
         the encoder their manifests name, loaded here; `timeout_s`: how long a search waits for a shard."""
         first = Manifest.model_validate(clients[0].describe()["manifest"])
         encoder = encoder_for(first, device, query_max_tokens, backend)
-        searcher = ShardedSearcher(clients, encoder, timeout_s)
+        searcher = ShardedSearcher(clients, encoder, timeout_s, defaults)
         loaded = load_rerankers(rerankers, device, rerank_backend or encoder.backend)
         return cls(searcher, loaded, query_max_tokens, backend)
 

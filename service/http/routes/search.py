@@ -54,7 +54,8 @@ def router(runtime: Runtime, access: Access) -> APIRouter:
         result = await unless_gone(http, runtime.search(request.query, planned, tokens))
         if result is None:
             return Response(status_code=GONE)
-        return json_answer({"query": request.query, "results": result.hits, "score_kind": result.score_kind,
+        return json_answer({"query": request.query, "results": result.hits, "mode": result.mode,
+                            "score_kind": result.score_kind,
                             "latency_ms": result.timings.as_dict(), "search": result.searched, **_shards(result)},
                            result.generation)
 
@@ -71,7 +72,7 @@ def router(runtime: Runtime, access: Access) -> APIRouter:
                                      request.filter is not None or scope is not None)
         results = await runtime.search_batch(request.queries, planned, tokens)
         return json_answer({"results": [{"query": r.query, "results": r.hits} for r in results],
-                            "score_kind": results[0].score_kind, "latency_ms": results[0].timings.as_dict(),
+                            "mode": results[0].mode, "score_kind": results[0].score_kind, "latency_ms": results[0].timings.as_dict(),
                             "search": results[0].searched, **_shards(results[0])}, results[0].generation)
 
     return routes

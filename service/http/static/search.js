@@ -41,7 +41,7 @@ async function describeIndex() {
     }
     const index = body.index;
     $("index").textContent = `${index.count.toLocaleString()} passages · ${index.model} · ${index.similarity} · ${index.backend}`;
-    for (const option of $("mode").options) option.disabled = option.value !== "dense" && !index.bm25;
+    for (const option of $("mode").options) option.disabled = option.value !== "dense" && option.value && !index.bm25;
     const kinds = Object.keys(index.rerankers);
     $("reranker").replaceChildren(...kinds.map((kind) => new Option(kind, kind)));
     $("rerank-label").hidden = $("reranker-label").hidden = kinds.length === 0;
@@ -120,7 +120,8 @@ function drawResults(body) {
     return item;
   });
   $("results").replaceChildren(...items);
-  $("summary").textContent = `${body.results.length} results in ${body.latency_ms.total.toFixed(1)} ms`;
+  // The mode that ran: the one asked, or the service's default (hybrid where the index has BM25).
+  $("summary").textContent = `${body.results.length} results · ${body.mode} · ${body.latency_ms.total.toFixed(1)} ms`;
   // Said where the index carries a structure, the only case where a search could be answered otherwise.
   $("searched").textContent = describeSearch(body.search || "exact");
   $("searched").hidden = cards.length === 0;
@@ -130,7 +131,8 @@ function drawResults(body) {
 
 async function search(event) {
   event.preventDefault();
-  const request = { query: $("query").value, k: Number($("k").value), mode: $("mode").value };
+  const request = { query: $("query").value, k: Number($("k").value) };
+  if ($("mode").value) request.mode = $("mode").value;  // none: the service's default
   if ($("rerank").checked && !$("rerank-label").hidden) {
     request.rerank = true;
     request.reranker = $("reranker").value;
