@@ -165,7 +165,8 @@ def flags_table(parser: argparse.ArgumentParser) -> list[str]:
         lines += ["", "| Flag | Default | Description |", "|---|---|---|"]
         for action in actions:
             help_text = formatter._expand_help(action) if action.help else ""
-            lines.append(f"| `{cell(formatter._format_action_invocation(action))}` "
+            invocation = formatter._format_action_invocation(action)  # "--bm25, --no-bm25": each in its own code
+            lines.append(f"| {', '.join(f'`{cell(part)}`' for part in invocation.split(', '))} "
                          f"| {flag_default(action, required_together)} | {cell(portable(help_text))} |")
     return lines
 
