@@ -100,7 +100,7 @@ def merged_shards(tmp_path_factory, small_shards) -> Path:
     """`small_shards` merged (index_builder merge): one flat index over the very vectors the shards hold.
     (An unsharded build encodes the passages in other batches, so its vectors differ in the last bits.)"""
     out = tmp_path_factory.mktemp("merged") / "merged"
-    merge_shards(small_shards, out)
+    merge_shards(small_shards, out, bm25=False)  # dense only, as the shards serve
     return out
 
 

@@ -156,7 +156,7 @@ def test_the_retrieval_weight_setting_is_the_default_a_request_overrides(small_i
     assert one(app, "POST", "/search", {**request, "retrieval_weight": 0}).json()["score_kind"] == "probability"
     batch = one(app, "POST", "/search/batch", {"queries": ["paths"], "k": 3, "rerank": True, "depth": 10}).json()
     assert batch["score_kind"] == "blend"
-    assert one(app, "POST", "/search", {"query": "paths", "k": 3}).json()["score_kind"] == "cosine"  # not reranked
+    assert one(app, "POST", "/search", {"query": "paths", "k": 3}).json()["score_kind"] == "zscore"  # not reranked: the default
 
 
 def test_a_negative_retrieval_weight_is_a_422_naming_it(rerank_app):

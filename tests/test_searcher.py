@@ -38,7 +38,7 @@ def test_flat_index_equals_numpy_brute_force(searcher, small_index, demo_queries
     queries = [demo_queries[f"q{n:04d}"] for n in range(1, 11)]
     vectors = searcher.encoder.encode_queries(queries)
     scores = vectors @ passages.T
-    for query_scores, hits in zip(scores, searcher.batch_search(queries, k=50)):
+    for query_scores, hits in zip(scores, searcher.batch_search(queries, k=50, mode="dense")):
         order = np.argsort(-query_scores, kind="stable")[:50]
         np.testing.assert_allclose([h.score for h in hits], query_scores[order], atol=1e-5)
         # Equal scores may swap places; compare ids where the next score is clearly lower.

@@ -74,7 +74,7 @@ def test_a_search_is_one_server_span_with_queue_encode_retrieve_under_it(app, sp
     for stage in stages:
         assert stage.context.trace_id == server.context.trace_id
         assert server.start_time <= stage.start_time <= stage.end_time <= server.end_time
-        assert dict(stage.attributes) == {"search.k": 7, "search.mode": "dense", "search.batch_size": 1}
+        assert dict(stage.attributes) == {"search.k": 7, "search.mode": "hybrid", "search.batch_size": 1}  # the default
     assert server.attributes["search.k"] == 7  # the request's span carries them too, to find it by
     queue, encode, retrieve = stages
     assert queue.end_time == encode.start_time and encode.end_time == retrieve.start_time

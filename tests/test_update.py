@@ -175,7 +175,7 @@ def test_a_deletion_alone_loads_no_encoder_and_a_bad_diff_is_refused(tmp_path, b
 def test_a_format_1_index_without_content_hashes_is_updated_from_its_stored_texts_into_format_2(
         tmp_path, encoder, base_index, base_corpus):
     index = as_format_1(copy_of(base_index, tmp_path))
-    report = build_update(BuildOptions(base_corpus, index, chunk_size=8, bm25=False), encoder)
+    report = build_update(BuildOptions(base_corpus, index, chunk_size=8), encoder)
     assert (report.kept, report.encoded, report.dropped) == (BASE, 0, 0)
     manifest = read_manifest(index, verify_checksums=True)
     assert manifest.format_version == 2 and TEXT_HASHES_FILE in manifest.files
@@ -225,7 +225,7 @@ def test_a_killed_update_leaves_the_old_index_whole_and_serving_and_a_rerun_resu
     hits = Searcher(index, encoder, load=CPU).search(passage(17)["title"] + " " + passage(17)["text"], k=1)
     assert hits[0].id == "p17"
 
-    report = build_update(BuildOptions(corpus, index, chunk_size=2, bm25=False), encoder)
+    report = build_update(BuildOptions(corpus, index, chunk_size=2), encoder)
     assert report.resumed_chunks == done < len(records) // 2
     assert (report.passages, report.dropped) == (len(records), 0)
     assert report.encoded == len(records) - 2 * done  # only what the killed run had not committed
@@ -252,7 +252,7 @@ def test_a_watching_service_swaps_to_each_new_generation_under_16_clients_withou
     staged = copy_of(base_index, tmp_path / "staged")  # the next generation, made as a builder makes it
     new = passage(400)
     build_update(BuildOptions(write_corpus(tmp_path / "next.jsonl", [passage(i) for i in range(BASE)] + [new]),
-                              staged, chunk_size=8, bm25=False), encoder)
+                              staged, chunk_size=8), encoder)
     engine = SearchEngine(Searcher(index, encoder, load=CPU))
     query = new["title"] + " " + new["text"]
     statuses: list = []
