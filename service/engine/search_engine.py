@@ -162,9 +162,8 @@ class Run:
             total=1000 * (reranked - self.started),
             started_at=self.started,
         )
-        mode = plan.retrieval.mode if plan.retrieval is not None else "dense"
         return [SearchResult(query, found, score_kind, timings, len(self.queries), self.shards, self.searched,
-                             self.generation, mode=mode)
+                             self.generation, mode=plan.mode)
                 for query, found in zip(self.queries, hits)]
 
     def complete(self) -> list[SearchResult]:
