@@ -37,7 +37,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from index_builder.evaluate import as_run, metrics  # noqa: E402
+from retrieval.evaluation import as_run, metrics  # noqa: E402
 from retrieval import dense_index  # noqa: E402
 from retrieval.load_options import LoadOptions  # noqa: E402
 from retrieval.readers import read_qrels, read_queries  # noqa: E402

@@ -17,16 +17,13 @@ from index_builder.evaluate import (
     Ensemble,
     Remembered,
     consistency_factor,
-    default_row,
     eval_rows,
     format_table,
-    metrics,
     recall_against_exact,
     rerank_runs,
-    retrieve,
-    run_queries,
 )
 from models.reranker import load_reranker
+from retrieval.evaluation import metrics, mode_name, retrieve, run_queries
 from retrieval.index_format import read_manifest
 from retrieval.load_options import LoadOptions
 from retrieval.readers import Run, read_qrels, read_queries, read_run, write_run
@@ -154,7 +151,7 @@ def evaluate_index(options: EvalOptions) -> EvalReport:
                        exact_row and f"{exact_row}+{name}{_blended(weight)}")
     say(format_table(table))
     default = searcher.request(options.k)  # what a search naming no mode runs on this index
-    say(f"default: {default_row(default.mode, default.fusion)}, what a search naming no mode runs on this index")
+    say(f"default: {mode_name(default.mode, default.fusion)}, what a search naming no mode runs on this index")
     if approximate:
         _describe_structures(searcher, structures, options.k, say)
     comparisons = {"bm25": runs["bm25"]} if "dense" in runs and "bm25" in runs else {}

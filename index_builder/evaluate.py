@@ -1,29 +1,22 @@
-"""Offline evaluation: query and qrels files in, a TREC run file and trec_eval metrics out.
-
-Metrics are computed by ir-measures (pytrec_eval underneath), never by code of
-our own; only the consistency factor of paper 000 (eq. 5), which no library
-offers, and an approximate row's recall against the exact row, are written here.
-The files are read by `retrieval.readers`.
-"""
+"""Offline evaluation: the rows `eval` compares, reranked runs, and the measures no library offers: the
+consistency factor of paper 000 (eq. 5) and an approximate row's recall against the exact row. The runs and
+their ir-measures scores are retrieval.evaluation's; the files are read by `retrieval.readers`."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-import ir_measures
 import numpy as np
-from ir_measures import AP, RR, R, nDCG
 from tqdm import tqdm
 
 from models.reranker import Reranker
 from retrieval.candidates import recall
 from retrieval.fusion import FUSION_RULES, standardised
-from retrieval.readers import Qrels, Run
-from retrieval.rerank import rescored
-from retrieval.searcher import Hit, Searcher
+from retrieval.readers import Run
+from retrieval.rerank import reranked_list
+from retrieval.searcher import Hit
 
-MEASURES = {"MRR@10": RR @ 10, "nDCG@10": nDCG @ 10, "Recall@100": R @ 100, "Recall@1000": R @ 1000, "MAP": AP}
 CONSISTENCY_DEPTHS = (10, 100, 1000)
 
 
@@ -41,9 +34,6 @@ def _eval_modes() -> dict[str, dict]:
 EVAL_MODES = _eval_modes()  # what `eval --modes` can compare; interleaving in both orders (paper 000 eq. 6)
 
 
-def default_row(mode: str, fusion: str) -> str:
-    """The EVAL_MODES row of what a search naming no mode runs (retrieval.request.Defaults)."""
-    return f"hybrid-{fusion}" if mode == "hybrid" else mode
 APPROXIMATE = "@"  # MODE@KIND: the mode's row answered through the candidate structure KIND
 RECALL_AGAINST_EXACT = "R@10 vs exact"  # the table's column: recall_against_exact at depth 10
 
@@ -75,27 +65,6 @@ def eval_rows(modes: Sequence[str], structures: Sequence[str]) -> list[EvalRow]:
         EvalRow(mode, kind) for kind in structures if EVAL_MODES[mode]["mode"] != "bm25"]]
 
 
-def retrieve(searcher: Searcher, queries: Mapping[str, str], k: int, batch_size: int = 64,
-             **retrieval) -> dict[str, list[Hit]]:
-    """Each query's top k hits, with their texts; `retrieval`: the Searcher's mode, fusion and lead."""
-    hits: dict[str, list[Hit]] = {}
-    ids = list(queries)
-    request = searcher.request(k, **retrieval)  # checked once, for every batch
-    for start in range(0, len(ids), batch_size):
-        part = ids[start : start + batch_size]
-        hits.update(zip(part, searcher.run([queries[q] for q in part], request)))
-    return hits
-
-
-def as_run(hits: Mapping[str, list[Hit]]) -> Run:
-    return {qid: [(hit.id, hit.score) for hit in found] for qid, found in hits.items()}
-
-
-def run_queries(searcher: Searcher, queries: Mapping[str, str], k: int, batch_size: int = 64, **retrieval) -> Run:
-    """`retrieval`: the Searcher's mode, fusion and lead (see EVAL_MODES)."""
-    return as_run(retrieve(searcher, queries, k, batch_size, **retrieval))
-
-
 def rerank_runs(reranker: Reranker, queries: Mapping[str, str], retrieved: Mapping[str, list[Hit]], depth: int,
                 k: int, weights: Sequence[float] = (0.0,), label: str = "reranking") -> dict[float, Run]:
     """For each retrieval weight (retrieval.rerank.rescored; 0: the reranker's score alone), each retrieved
@@ -106,14 +75,9 @@ def rerank_runs(reranker: Reranker, queries: Mapping[str, str], retrieved: Mappi
     by score)."""
     runs: dict[float, Run] = {weight: {} for weight in weights}
     for qid, hits in tqdm(retrieved.items(), desc=label, unit=" queries", leave=False):
-        head = hits[:depth]
-        scores = reranker.score(queries[qid], [hit.text for hit in head])
-        scored = min(len(head), k)
+        scores = reranker.score(queries[qid], [hit.text for hit in hits[:depth]])
         for weight, run in runs.items():
-            ranked = rescored(hits, scores, k, weight)
-            top = [(hit.id, hit.score) for hit in ranked[:scored]]
-            floor = min((score for _, score in top), default=0.0)
-            run[qid] = top + [(hit.id, floor - i) for i, hit in enumerate(ranked[scored:], start=1)]
+            run[qid] = reranked_list(hits, scores, k, weight)
     return runs
 
 
@@ -144,22 +108,6 @@ class Ensemble:
     def score(self, query: str, passages: Sequence[str]) -> np.ndarray:
         return np.mean([standardised(np.asarray(member.score(query, passages), dtype=np.float64))
                         for member in self.members], axis=0).astype(np.float32)
-
-
-def metrics(qrels: Qrels, run: Run) -> dict[str, float]:
-    """The issue's measures, averaged over the run's queries that have judgements (trec_eval's
-    convention); a query of the run with no hits counts 0. Judged queries the run does not hold are left
-    out: ir-measures alone would count each as 0, so evaluating a subset of a qrels file's queries would
-    read lower than it is. Each list is scored in its own order, not by its scores: trec_eval sorts by
-    score and breaks exact ties by passage id, which would rank RRF's many ties otherwise than we answer."""
-    qrels = {qid: judged for qid, judged in qrels.items() if qid in run}
-    scored = [
-        ir_measures.ScoredDoc(qid, docid, float(-rank))
-        for qid, ranked in run.items()
-        for rank, (docid, _) in enumerate(ranked)
-    ]
-    values = ir_measures.calc_aggregate(list(MEASURES.values()), qrels, scored)
-    return {name: values[measure] for name, measure in MEASURES.items()}
 
 
 def consistency_factor(run: Run, reference: Run, depth: int, reference_depth: int = 1000) -> float:

@@ -50,3 +50,14 @@ def reordered(hits: list[Hit], scores: Sequence[float], k: int, retrieval_weight
                 rerank_score=float(scores[i]))
         for rank, i in enumerate(order, start=1)
     ]
+
+
+def reranked_list(hits: list[Hit], scores: Sequence[float], k: int, weight: float) -> list[tuple[str, float]]:
+    """One list of a reranked run: `hits`' first len(`scores`) ordered as the service orders them
+    (`rescored`), the rest of the top `k` after them in retrieval order, each tail hit's
+    score put below every reranked score."""
+    ranked = rescored(hits, scores, k, weight)
+    scored = min(len(scores), k)
+    top = [(hit.id, hit.score) for hit in ranked[:scored]]
+    floor = min((score for _, score in top), default=0.0)
+    return top + [(hit.id, floor - i) for i, hit in enumerate(ranked[scored:], start=1)]

@@ -12,7 +12,8 @@ from index_builder.build import BuildOptions, build_index
 from index_builder.cli import main as cli_main
 from index_builder.convert_cranfield import convert_cranfield, read_smart
 from index_builder.eval_command import EvalOptions, evaluate_index
-from index_builder.evaluate import consistency_factor, format_table, metrics, run_queries
+from index_builder.evaluate import consistency_factor, format_table
+from retrieval.evaluation import metrics, run_queries
 from models.cross_encoder import CrossEncoder
 from models.encoder import BiEncoder
 from retrieval.readers import InputFileError, read_qrels, read_queries, read_run, write_run
