@@ -28,9 +28,10 @@ class Defaults:
     mode: Mode | None = None
     fusion: Fusion = "zscore"
 
-    def mode_for(self, has_bm25: bool) -> Mode:
-        """The mode a search naming none runs on an index with (or without) BM25."""
-        return self.mode or ("hybrid" if has_bm25 else "dense")
+    def resolve(self, mode: Mode | None, fusion: Fusion | None, has_bm25: bool) -> tuple[Mode, Fusion]:
+        """The mode and fusion a search runs that names `mode` and `fusion` (None: this default) on an index
+        with (or without) BM25."""
+        return mode or self.mode or ("hybrid" if has_bm25 else "dense"), fusion or self.fusion
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,7 @@ class Retrieval:
     filter: Filter | None = None
     fields: tuple[str, ...] | None = None
     fusion_depth: int = MAX_K
+    defaulted: bool = False  # `mode` is the searcher's default, not named: another generation resolves it afresh
 
     @property
     def reads_dense(self) -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import heapq
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Sequence
 
@@ -204,14 +204,23 @@ class Searcher:
         this searcher's `defaults`. `filter`: as JSON gives it, or parsed; `fields`: names, or True for all the
         index's fields."""
         validate_k(k)
-        mode = mode or self.defaults.mode_for(self.bm25 is not None)
-        fusion = fusion or self.defaults.fusion
+        defaulted = mode is None
+        mode, fusion = self.defaults.resolve(mode, fusion, self.bm25 is not None)
         if mode not in MODES or fusion not in FUSIONS or lead not in LEADS:
             raise ValueError(f"mode must be one of {MODES}, fusion one of {FUSIONS}, lead dense or bm25")
         self._servable(mode, structure)
         check_candidates(candidates)
         return Retrieval(k, mode, fusion, lead, bool(exact), candidates, structure, self.parse_filter(filter),
-                         chosen_fields(fields, self.field_types), fusion_depth)
+                         chosen_fields(fields, self.field_types), fusion_depth, defaulted)
+
+    def rebased(self, retrieval: Retrieval) -> Retrieval:
+        """`retrieval`, made against this index or one it has replaced since, as this index runs it: a mode
+        left to the default is this index's default (hybrid where it has BM25, dense otherwise); then
+        `check`ed."""
+        if retrieval.defaulted:
+            retrieval = replace(retrieval, mode=self.defaults.resolve(None, retrieval.fusion, self.bm25 is not None)[0])
+        self.check(retrieval)
+        return retrieval
 
     def check(self, retrieval: Retrieval) -> None:
         """ValueError (as `request`'s) unless this index can serve `retrieval`, made against it or against an

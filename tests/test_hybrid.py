@@ -8,14 +8,18 @@ import warnings
 import bm25s
 import pytest
 
+from index_builder.build import BuildOptions, build_index
 from retrieval.bm25_index import Bm25Index, build_bm25, new_tokenizer
 from retrieval.fusion import interleave, reciprocal_rank_fusion, standardised_score_fusion
 from retrieval.index_format import read_manifest
 from retrieval.passage_store import PassageStore
+from retrieval.searcher import Searcher
 from service.engine.search_engine import SearchEngine
+from service.errors import NotServable
 from service.http.app import create_app
 from service.settings import ServiceSettings
-from tests.test_service import one
+from tests.conftest import CPU
+from tests.test_service import one, started
 
 
 def test_interleave_gives_the_paper_example():
@@ -136,7 +140,9 @@ def test_hybrid_and_bm25_are_served_over_http(small_index, engine, demo_queries)
 
 def test_a_search_naming_no_mode_runs_hybrid_zscore_in_the_python_api_too(searcher, demo_queries):
     query = demo_queries["q0007"]
-    assert searcher.request(5) == searcher.request(5, mode="hybrid", fusion="zscore")
+    default, named = searcher.request(5), searcher.request(5, mode="hybrid", fusion="zscore")
+    assert (default.mode, default.fusion) == (named.mode, named.fusion) == ("hybrid", "zscore")
+    assert default.defaulted and not named.defaulted  # only the default is resolved afresh by another generation
     assert [h.id for h in searcher.search(query, 5)] == [h.id for h in searcher.search(query, 5, mode="hybrid",
                                                                                          fusion="zscore")]
     assert [h.id for h in searcher.search(query, 5)] != [h.id for h in searcher.search(query, 5, mode="dense")]
@@ -157,9 +163,6 @@ def test_search_default_mode_and_fusion_change_what_a_request_naming_none_runs(s
 
 
 def test_an_index_built_with_no_bm25_answers_dense_by_default_and_bm25_with_a_clear_400(tmp_path, encoder):
-    from index_builder.build import BuildOptions, build_index
-    from retrieval.searcher import Searcher
-
     (tmp_path / "c.tsv").write_text("a\tone passage\nb\tanother passage\n")
     build_index(BuildOptions(tmp_path / "c.tsv", tmp_path / "dense-only", bm25=False), encoder)
     app = create_app(ServiceSettings(index_dir=tmp_path / "dense-only", device="cpu"),
@@ -168,6 +171,23 @@ def test_an_index_built_with_no_bm25_answers_dense_by_default_and_bm25_with_a_cl
     assert response.status_code == 400 and "built with --no-bm25" in response.json()["detail"]
     default = one(app, "POST", "/search", {"query": "passage"})
     assert default.status_code == 200 and (default.json()["mode"], default.json()["score_kind"]) == ("dense", "cosine")
+
+
+def test_a_search_naming_no_mode_runs_the_default_of_the_generation_that_answers_it(small_index, tmp_path, encoder):
+    # A plan is made against the served index; a reload may swap in another before it runs.
+    (tmp_path / "c.tsv").write_text("a\tone passage\nb\tanother passage\n")
+    build_index(BuildOptions(tmp_path / "c.tsv", tmp_path / "dense-only", bm25=False), encoder)
+    with_bm25, dense_only = Searcher(small_index, encoder, load=CPU), Searcher(tmp_path / "dense-only", encoder, load=CPU)
+    engine = SearchEngine(with_bm25)
+    defaulted, named = engine.plan(2), engine.plan(2, mode="hybrid")
+    engine.serve(dense_only)
+    answer = engine.run(["passage"], defaulted)[0]
+    assert (answer.mode, [hit.id for hit in answer.hits]) == ("dense", [h.id for h in dense_only.search("passage", 2)])
+    with pytest.raises(NotServable, match="built with --no-bm25"):
+        engine.run(["passage"], named)  # a mode the request named is not changed under it
+    back = engine.plan(2)
+    engine.serve(with_bm25)
+    assert engine.run(["passage"], back)[0].mode == "hybrid"
 
 
 def test_build_writes_bm25_unless_no_bm25(tmp_path):
@@ -181,17 +201,9 @@ def test_build_writes_bm25_unless_no_bm25(tmp_path):
 
 
 def test_a_default_mode_the_index_cannot_serve_keeps_it_from_loading_and_ready_says_why(tmp_path, encoder):
-    import time
-
-    from fastapi.testclient import TestClient
-    from index_builder.build import BuildOptions, build_index
-
     (tmp_path / "c.tsv").write_text("a\tone passage\nb\tanother passage\n")
     build_index(BuildOptions(tmp_path / "c.tsv", tmp_path / "dense-only", bm25=False), encoder)
     settings = ServiceSettings(index_dir=tmp_path / "dense-only", device="cpu", default_mode="hybrid")
-    with TestClient(create_app(settings)) as client:
-        deadline = time.monotonic() + 120
-        while client.get("/ready").json()["status"] == "loading" and time.monotonic() < deadline:
-            time.sleep(0.05)
+    with started(settings) as client:
         ready = client.get("/ready")
     assert ready.status_code == 503 and "needs a BM25 index" in ready.json()["detail"]

@@ -290,7 +290,8 @@ class SearchEngine:
         searcher = self._searcher  # the run's one generation, whatever is swapped in meanwhile
         # The plan was checked against the index served when it was made; a reload may have come since.
         with refusals():
-            searcher.check(plan.retrieval)
+            retrieval = searcher.rebased(plan.retrieval)
+        plan = plan if retrieval == plan.retrieval else replace(plan, retrieval=retrieval)
         started = time.perf_counter()
         vectors = searcher.encode(queries, tokens) if plan.retrieval.reads_dense else None
         encoded = time.perf_counter()

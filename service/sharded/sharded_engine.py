@@ -136,9 +136,9 @@ class ShardedSearcher:
         serve no BM25 (see `check`), unless `defaults` names another mode, which `check` refuses."""
         validate_k(k)
         check_candidates(candidates)
-        retrieval = Retrieval(k, mode or self.defaults.mode_for(False), fusion or self.defaults.fusion, lead,
-                              bool(exact), candidates, structure, self.parse_filter(filter),
-                              chosen_fields(fields, self.field_types), fusion_depth)
+        retrieval = Retrieval(k, *self.defaults.resolve(mode, fusion, False), lead, bool(exact), candidates,
+                              structure, self.parse_filter(filter), chosen_fields(fields, self.field_types),
+                              fusion_depth)
         self.check(retrieval)
         return retrieval
 
