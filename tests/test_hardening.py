@@ -18,7 +18,6 @@ import faiss
 import httpx
 import numpy as np
 import pytest
-from fastapi.testclient import TestClient
 from pydantic import ValidationError
 
 from index_builder.build import BuildError, BuildOptions, build_index
@@ -35,7 +34,7 @@ from service.http.app import create_app
 from service.settings import ServiceSettings
 from tests.conftest import CPU
 from tests.test_cross_encoder import tiny_bert
-from tests.test_service import call, one, settings_for
+from tests.test_service import call, one, settings_for, started
 
 LONE_SURROGATE = "join two paths \ud800"  # valid JSON ("\\ud800"), but no text a tokenizer can read
 
@@ -171,11 +170,7 @@ def test_missing_passage_rows_are_refused_at_load_and_reported_by_ready(small_in
     reseal(index)
     with pytest.raises(IndexFormatError, match="passages.sqlite 290 rows"):
         Searcher(index, encoder, load=CPU)
-    app = create_app(settings_for(index))
-    with TestClient(app) as client:
-        deadline = time.monotonic() + 60
-        while client.get("/ready").json()["status"] == "loading" and time.monotonic() < deadline:
-            time.sleep(0.2)
+    with started(settings_for(index)) as client:
         ready = client.get("/ready")
     assert ready.status_code == 503 and ready.json()["status"] == "failed"
     assert "manifest counts 300 passages, index.faiss holds 300 vectors and passages.sqlite 290 rows" in (

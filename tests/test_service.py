@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 import weakref
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -32,6 +33,17 @@ KEY = "s3cret-key"
 
 def settings_for(index_dir: Path, **overrides) -> ServiceSettings:
     return ServiceSettings(index_dir=index_dir, device="cpu", **overrides)
+
+
+@contextmanager
+def started(settings: ServiceSettings):
+    """The real app, its index loaded in the background as in production; yields once loading has ended, in
+    success or failure (/ready says which)."""
+    with TestClient(create_app(settings)) as client:
+        deadline = time.monotonic() + 120
+        while client.get("/ready").json()["status"] == "loading" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        yield client
 
 
 def call(app, *requests: tuple, headers: dict | None = None) -> list[httpx.Response]:
@@ -270,10 +282,8 @@ def test_a_failed_reload_keeps_the_old_index_serving(index_root, encoder, name, 
 
 
 def test_an_index_that_fails_to_load_leaves_health_up_and_ready_503(tmp_path):
-    with TestClient(create_app(settings_for(tmp_path / "nowhere"))) as client:
-        deadline = time.monotonic() + 60
-        while (ready := client.get("/ready")).json()["status"] == "loading" and time.monotonic() < deadline:
-            time.sleep(0.05)
+    with started(settings_for(tmp_path / "nowhere")) as client:
+        ready = client.get("/ready")
         assert ready.status_code == 503 and ready.json()["status"] == "failed"
         assert "no manifest.json" in ready.json()["detail"]
         assert client.get("/health").status_code == 200

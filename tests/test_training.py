@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -18,7 +17,6 @@ import ir_measures
 import numpy as np
 import pytest
 import torch
-from fastapi.testclient import TestClient
 from safetensors.torch import load_file
 
 from index_builder.build import BuildOptions, build_index
@@ -27,10 +25,10 @@ from models.encoder import BiEncoder, default_model_path
 from models.reranker import load_reranker
 from retrieval.fusion import standardised
 from retrieval.readers import read_run
-from service.http.app import create_app
 from service.settings import ServiceSettings
 from tests.conftest import DEMO, head
 from tests.test_cross_encoder import tiny_bert
+from tests.test_service import started
 from training.data import Collection, TrainingDataError, load_judged, load_triples, prior_groups
 from training.train_biencoder import BiEncoderTrainee, in_batch_positives
 from training.train_biencoder import main as train_biencoder
@@ -94,10 +92,7 @@ def biencoder_scorer(encoder: BiEncoder):
 @contextmanager
 def serving(settings: ServiceSettings):
     """The real app, loading its index (and reranker) in the background as in production; yields once ready."""
-    with TestClient(create_app(settings)) as client:
-        deadline = time.monotonic() + 120
-        while client.get("/ready").json()["status"] == "loading" and time.monotonic() < deadline:
-            time.sleep(0.05)
+    with started(settings) as client:
         assert client.get("/ready").status_code == 200, client.get("/ready").json()
         yield client
 
