@@ -1,0 +1,124 @@
+"""`python -m training.recipe` on a collection of the user's own (the demo's first 300 passages and the 60
+queries judged on them): it holds out a grouped part that reports once, chooses its pipeline on a validation
+part of the rest, and writes the service settings that serve exactly the pipeline it measured."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from models.reranker import load_reranker
+from retrieval.readers import read_qrels, read_queries, relevant
+from retrieval.rerank import reranked_list
+from retrieval.searcher import Hit
+from service.settings import ServiceSettings
+from tests.conftest import DEMO, SMALL_CORPUS_LINES, head
+from tests.test_training import serving
+from training.recipe import K, Pipeline, main
+
+QUERIES = 60  # q0001..q0060: their relevant passages are within the first 300 corpus lines
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def recipe_args(folder: Path, *extra: str) -> list[str]:
+    return ["--corpus", str(folder / "corpus.tsv"), "--queries", str(folder / "queries.tsv"),
+            "--qrels", str(folder / "qrels.txt"), "--out", str(folder / "out"), "--steps", "2", "--save-every", "1",
+            "--depths", "2", "4", "--weights", "0", "1", "--timing-queries", "5", "--budget-ms", "100000", "--device", "cpu", *extra]
+
+
+@pytest.fixture(scope="module")
+def recipe_out(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("own-collection")
+    (folder / "corpus.tsv").write_text(head(DEMO / "corpus.tsv", SMALL_CORPUS_LINES))
+    (folder / "queries.tsv").write_text(head(DEMO / "queries.tsv", QUERIES))
+    (folder / "qrels.txt").write_text(head(DEMO / "qrels.txt", QUERIES))
+    done = subprocess.run([sys.executable, "-m", "training.recipe", *recipe_args(folder)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (folder / "out" / "stdout.txt").write_text(done.stdout)
+    return folder / "out"
+
+
+def part(folder: Path, side: str) -> dict[str, set[str]]:
+    return {qid: docids for qid, docids in relevant(read_qrels(folder / f"qrels-{side}.txt")).items()
+            if qid in read_queries(folder / f"queries-{side}.tsv")}
+
+
+def test_three_parts_share_no_query_and_no_relevant_passage(recipe_out):
+    held_out, train = part(recipe_out / "split", "dev"), part(recipe_out / "split" / "validation", "train")
+    validation = part(recipe_out / "split" / "validation", "dev")
+    parts = [held_out, train, validation]
+    assert sum(map(len, parts)) == QUERIES and all(parts)
+    for one in range(3):
+        for other in range(one + 1, 3):
+            assert not parts[one].keys() & parts[other].keys()
+            assert not set().union(*parts[one].values()) & set().union(*parts[other].values())
+
+
+def test_every_checkpoint_depth_weight_and_backend_is_scored_on_validation_and_the_best_chosen(recipe_out):
+    summary = json.loads((recipe_out / "recipe.json").read_text())
+    rows = summary["validation"]
+    reranked = [(Path(r["checkpoint"]).name, r["backend"], r["depth"], r["weight"]) for r in rows if r["checkpoint"]]
+    torch_rows = {(c, d, w) for c, b, d, w in reranked if b == "torch"}
+    assert torch_rows == {(c, d, w) for c in ("checkpoint-0000001", "checkpoint-0000002") for d in (2, 4) for w in (0, 1)}
+    assert {(d, w) for _, b, d, w in reranked if b == "onnx-int8"} == {(d, w) for d in (2, 4) for w in (0, 1)}
+    assert rows[0]["checkpoint"] is None  # the default retrieval competes too
+    best = max(row["mean"] for row in rows)
+    chosen = summary["held_out"]["chosen"]
+    assert chosen["validation"] == best and chosen["ms"] == min(r["ms"] for r in rows if r["mean"] == best)
+    fast = summary["held_out"]["fast"]
+    assert fast["ms"] <= summary["budget_ms"]
+    assert fast["validation"] == max(r["mean"] for r in rows if r["ms"] <= summary["budget_ms"])
+    held_out = summary["held_out"]["default"]
+    assert held_out["checkpoint"] is None and held_out["difference"] == 0 and held_out["held_out"] == chosen["default"]
+    assert summary["queries"]["held_out"] == len(read_queries(recipe_out / "split" / "queries-dev.tsv"))
+
+
+def test_it_prints_the_held_out_table_and_the_settings_to_serve(recipe_out):
+    printed = (recipe_out / "stdout.txt").read_text()
+    assert "held-out: " in printed and "reported once" in printed
+    serve = next(line for line in printed.splitlines() if line.startswith("serve: "))
+    assert f"SEARCH_INDEX_DIR={(recipe_out / 'index').resolve()}" in serve and "ms/query p50 on validation" in serve
+    assert printed.splitlines()[-1].startswith("recipe: 2 checkpoints x 2 depths x 2 weights chosen on ")
+    env = (recipe_out / "serve.env").read_text()
+    assert "SEARCH_INDEX_DIR=" in env and "SEARCH_RERANKERS=" in env
+
+
+def test_the_service_started_from_its_settings_ranks_as_the_recipe_measured(recipe_out, monkeypatch):
+    # The best reranked row on validation, served: whether or not it was chosen, the service must rank as the
+    # recipe scored it, so the figures printed are the service's.
+    summary = json.loads((recipe_out / "recipe.json").read_text())
+    row = max((r for r in summary["validation"] if r["checkpoint"] and r["backend"] == "torch" and r["weight"]),
+              key=lambda r: r["mean"])
+    pipeline = Pipeline(Path(row["checkpoint"]), row["backend"], row["depth"], row["weight"])
+    for name, value in pipeline.settings(recipe_out / "index").items():
+        monkeypatch.setenv(name, value)
+    settings = ServiceSettings(device="cpu")
+    assert (settings.rerank_depth, settings.rerank_retrieval_weight) == (pipeline.depth, pipeline.weight)
+    query = next(iter(read_queries(recipe_out / "split" / "queries-dev.tsv").values()))
+    with serving(settings) as client:
+        plain = client.post("/search", json={"query": query, "k": K}).json()
+        answer = client.post("/search", json={"query": query, "k": K, "rerank": True}).json()
+    assert plain["mode"] == "hybrid" and answer["score_kind"] == "blend"
+    hits = [Hit(hit["id"], hit["text"], hit["score"], hit["rank"]) for hit in plain["results"]]
+    reranker = load_reranker(pipeline.checkpoint, device="cpu")
+    scores = reranker.score(query, [hit.text for hit in hits[:pipeline.depth]])
+    expected = reranked_list(hits, scores, K, pipeline.weight)
+    assert [hit["id"] for hit in answer["results"]] == [docid for docid, _ in expected]
+
+
+def test_a_rerun_asking_other_settings_of_the_same_folder_is_refused(recipe_out, capsys):
+    folder = recipe_out.parent
+    assert main(recipe_args(folder, "--seed", "14")) == 2
+    assert capsys.readouterr().err.strip() == (f"error: {recipe_out} was made with other seed "
+                                               f"({recipe_out / 'recipe-settings.json'}): give another --out")
+
+
+def test_a_missing_input_file_exits_2_naming_it(tmp_path, capsys):
+    assert main(["--corpus", str(tmp_path / "none.tsv"), "--queries", str(tmp_path), "--qrels", str(tmp_path),
+                 "--out", str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err.strip() == f"error: --corpus {tmp_path / 'none.tsv'}: no such file"

@@ -1,0 +1,383 @@
+"""The reranking recipe on a user's own judged collection, from its files to a pipeline to serve:
+
+    python -m training.recipe --corpus C --queries Q --qrels R --out DIR [--index INDEX]
+
+1. Splits the judged queries (training.split: grouped by relevant passage, so that no held-out query has a
+   relevant passage a training query has) into a held-out part (`--dev-share`), which reports once, and a
+   training part, split again the same way into the queries the reranker trains on and a validation part
+   (`--validation-share`), which chooses: DIR/split, DIR/split/validation.
+2. Takes each query's top max(`--depths`) by the index's default retrieval (hybrid with z-score fusion where
+   the index has BM25): INDEX, or the packaged encoder's index of C built into DIR/index.
+3. Trains the residual monoBERT from the packaged MiniLM on the training queries' lists (training.
+   train_cross_encoder --objective residual: each logit plus 0.5 x the first stage's z-score), a checkpoint
+   every `--save-every` steps: DIR/model. A rerun resumes an interrupted training.
+4. Chooses on validation by nDCG@10: every checkpoint at every depth and retrieval weight on torch, then the
+   best checkpoint on each other backend; ties go to the faster. Each pipeline's ms/query (first stage and
+   rerank, one query at a time, p50) is measured on validation queries. The chosen pipeline is the best one
+   (the default retrieval alone where no reranking beats it); the fast one the best within `--budget-ms`.
+5. Reports once on held-out: the default retrieval, the chosen pipeline with and without blending, and the
+   fast one, each difference from the default with a paired bootstrap 95% interval over queries.
+6. Writes DIR/serve.env and DIR/serve-fast.env (the service's settings for each pipeline: `set -a; .
+   DIR/serve.env; set +a; python -m service`) and DIR/recipe.json (every figure above).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping, Sequence
+
+from tqdm import tqdm
+
+from models.backends import BACKENDS
+from models.checkpoint import resolve_device
+from models.reranker import Reranker, load_reranker
+from retrieval.evaluation import Difference, as_run, mode_name, paired_bootstrap, per_query, retrieve
+from retrieval.index_format import read_manifest
+from retrieval.load_options import LoadOptions
+from retrieval.readers import InputFileError, Qrels, read_qrels, read_queries, write_run
+from retrieval.rerank import reranked_list
+from retrieval.searcher import Hit, Searcher, encoder_for
+from training import train_cross_encoder
+from training.data import TrainingDataError
+from training.split import write_split
+from training.trainer import checkpoints
+
+MEASURE = "nDCG@10"
+K = 10  # the list a pipeline answers and the measure reads
+PRIOR_WEIGHT = 0.5  # the first stage's weight in the residual training (scripts/scifact.sh's)
+SETTINGS_FILE = "recipe-settings.json"
+
+
+class RecipeError(ValueError):
+    """Bad input or a step that failed: the CLI's exit 2."""
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """The default retrieval, then (with a checkpoint) its top `depth` reranked on `backend`, ordered by
+    z(reranker) + `weight` x z(first stage) (retrieval.rerank.rescored; 0: the reranker's score alone)."""
+
+    checkpoint: Path | None = None
+    backend: str = "torch"
+    depth: int = 0
+    weight: float = 0.0
+
+    @property
+    def name(self) -> str:
+        if self.checkpoint is None:
+            return "default retrieval"
+        return f"{self.checkpoint.name} {self.backend} depth {self.depth} weight {self.weight:g}"
+
+    def settings(self, index: Path) -> dict[str, str]:
+        """The service's environment that serves this pipeline (requests ask `"rerank": true`)."""
+        if self.checkpoint is None:
+            return {"SEARCH_INDEX_DIR": str(index.resolve()), "SEARCH_RERANKERS": "[]"}
+        return {"SEARCH_INDEX_DIR": str(index.resolve()),
+                "SEARCH_RERANKERS": json.dumps([str(self.checkpoint.resolve())]),
+                "SEARCH_RERANK_DEPTH": str(self.depth), "SEARCH_RERANK_RETRIEVAL_WEIGHT": f"{self.weight:g}",
+                "SEARCH_RERANK_BACKEND": self.backend}
+
+    def as_json(self) -> dict:
+        return {"checkpoint": str(self.checkpoint) if self.checkpoint else None, "backend": self.backend,
+                "depth": self.depth, "weight": self.weight}
+
+
+@dataclass
+class Part:
+    """One part of the split: its queries, their judgements and each query's default-retrieval list."""
+
+    queries: dict[str, str]
+    qrels: Qrels
+    lists: dict[str, list[Hit]]
+
+    def scored(self, pipeline: Pipeline, scores: Mapping[str, Sequence[float]] | None) -> dict[str, float]:
+        """Each query's nDCG@10 under `pipeline`; `scores`: its reranker's scores of each list's head."""
+        if pipeline.checkpoint is None:
+            run = as_run({qid: hits[:K] for qid, hits in self.lists.items()})
+        else:
+            run = {qid: reranked_list(hits, scores[qid][:pipeline.depth], K, pipeline.weight)
+                   for qid, hits in self.lists.items()}
+        return per_query(self.qrels, run, MEASURE)
+
+
+@dataclass
+class Row:
+    pipeline: Pipeline
+    values: dict[str, float]  # per query
+    ms: float  # p50 per query, first stage and rerank, on validation queries
+
+    @property
+    def mean(self) -> float:
+        return sum(self.values.values()) / len(self.values)
+
+
+def reranker_scores(reranker: Reranker, part: Part, depth: int, label: str) -> dict[str, list[float]]:
+    """`reranker`'s score of each list's top `depth` (one pass serves every smaller depth)."""
+    return {qid: [float(s) for s in reranker.score(part.queries[qid], [hit.text for hit in hits[:depth]])]
+            for qid, hits in tqdm(part.lists.items(), desc=label, unit=" queries")}
+
+
+def timed_ms(searcher: Searcher, rerankers: Mapping[str, Reranker], part: Part, depths: Sequence[int],
+             queries: int) -> tuple[float, dict[tuple[str, int], float]]:
+    """p50 ms a query, one query at a time as a search arrives: the default retrieval alone, and with each
+    backend's reranker at each depth (the first stage's time of a query plus its rerank's)."""
+    sample = list(part.queries.items())[:queries]
+    request = searcher.request(max(max(depths), K))
+    searcher.run([sample[0][1]], request)  # warm: the first call pays one-off costs
+    first, lists = {}, {}
+    for qid, text in sample:
+        started = time.perf_counter()
+        lists[qid] = searcher.run([text], request)[0]
+        first[qid] = (time.perf_counter() - started) * 1000
+    times = {}
+    for backend, reranker in rerankers.items():
+        reranker.score(sample[0][1], [hit.text for hit in lists[sample[0][0]][:max(depths)]])
+        for depth in depths:
+            total = []
+            for qid, text in sample:
+                started = time.perf_counter()
+                reranker.score(text, [hit.text for hit in lists[qid][:depth]])
+                total.append(first[qid] + (time.perf_counter() - started) * 1000)
+            times[(backend, depth)] = statistics.median(total)
+    return statistics.median(first.values()), times
+
+
+def chosen(rows: Sequence[Row], budget_ms: float | None = None) -> Row | None:
+    """The best row by mean nDCG@10 (within `budget_ms` where given; None where none is); a tie goes to the
+    faster, then to the earlier in `rows` (the default retrieval first, smaller depths and weights first)."""
+    fitting = [row for row in rows if budget_ms is None or row.ms <= budget_ms]
+    return max(fitting, key=lambda row: (round(row.mean, 10), -row.ms), default=None)
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _check_settings(out: Path, settings: dict) -> None:
+    """A rerun in DIR must ask what DIR was made for: its model resumes on DIR's split."""
+    file = out / SETTINGS_FILE
+    if file.is_file():
+        saved = json.loads(file.read_text())
+        changed = sorted(key for key in settings.keys() | saved.keys() if settings.get(key) != saved.get(key))
+        if changed:
+            raise RecipeError(f"{out} was made with other {', '.join(changed)} ({file}): give another --out")
+    out.mkdir(parents=True, exist_ok=True)
+    file.write_text(json.dumps(settings, indent=1) + "\n")
+
+
+def _env_file(path: Path, pipeline: Pipeline, index: Path, about: str) -> None:
+    lines = [f"# {about}", f"# serve: set -a; . {path}; set +a; python -m service (requests ask \"rerank\": true)"]
+    lines += [f"{name}='{value}'" for name, value in pipeline.settings(index).items()]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def run_recipe(args: argparse.Namespace) -> dict:
+    started = time.perf_counter()
+    out, depths, weights = args.out, sorted(set(args.depths)), sorted(set(args.weights))
+    _check_arguments(args, depths, weights)
+    split, inner = out / "split", out / "split" / "validation"
+    outer = write_split(args.queries, args.qrels, split, args.dev_share, args.seed)
+    counts = write_split(split / "queries-train.tsv", split / "qrels-train.txt", inner, args.validation_share,
+                         args.seed)
+    print(f"split {outer['train'] + outer['dev']} judged queries, grouped by relevant passage: {counts['train']} "
+          f"train, {counts['dev']} validation, {outer['dev']} held out", file=sys.stderr)
+
+    index = args.index or out / "index"
+    if args.index is None:
+        built = subprocess.run([sys.executable, "-m", "index_builder", "build", "--corpus", str(args.corpus),
+                                "--out", str(index), "--if-missing", "--device", args.device]).returncode
+        if built:
+            raise RecipeError(f"building the index of {args.corpus} into {index} failed (exit {built})")
+    searcher = Searcher(index, encoder_for(read_manifest(index), args.device), load=LoadOptions(device=args.device))
+    request = searcher.request(max(max(depths), K))
+    first_stage = mode_name(request.mode, request.fusion)
+    print(f"first stage: {index}'s default retrieval ({first_stage}), top {request.k}", file=sys.stderr)
+
+    def part(folder: Path, side: str) -> Part:
+        queries = read_queries(folder / f"queries-{side}.tsv")
+        return Part(queries, read_qrels(folder / f"qrels-{side}.txt"), retrieve(searcher, queries, request.k))
+
+    fit, validation, held_out = part(inner, "train"), part(inner, "dev"), part(split, "dev")
+    saved = _train(args, fit, inner, first_stage)
+    rows = _validation_rows(args, searcher, saved, validation, depths, weights)
+    best, fast = chosen(rows), chosen(rows, args.budget_ms)
+    # With and without blending: the chosen pipeline on the other side of weight 0, its best on validation.
+    counterpart = chosen([row for row in rows if best.pipeline.checkpoint is not None and (
+        row.pipeline.checkpoint, row.pipeline.backend, row.pipeline.depth) == (
+        best.pipeline.checkpoint, best.pipeline.backend, best.pipeline.depth)
+        and (row.pipeline.weight == 0) != (best.pipeline.weight == 0)])
+    blending = "chosen, without blending" if best.pipeline.weight else "chosen, with blending"
+    reported = {"default": rows[0], "chosen": best, **({blending: counterpart} if counterpart else {}),
+                **({"fast": fast} if fast else {})}
+    report = _held_out(args, reported, held_out, max(depths))
+
+    summary = _summary(args, first_stage, counts, outer, len(saved), rows, report, index)
+    (out / "recipe.json").write_text(json.dumps(summary, indent=1) + "\n")
+    print(_table(report, len(held_out.queries), validation, first_stage))
+    for label, row, file in (("serve", best, "serve.env"), ("serve fast", fast, "serve-fast.env")):
+        (out / file).unlink(missing_ok=True)
+        if row is None:
+            print(f"{label}: no pipeline answered within {args.budget_ms:g} ms/query (p50) on this machine")
+            continue
+        _env_file(out / file, row.pipeline, index, f"{label}: {row.pipeline.name}")
+        settings = " ".join(f"{name}='{value}'" if name == "SEARCH_RERANKERS" else f"{name}={value}"
+                            for name, value in row.pipeline.settings(index).items())
+        print(f"{label}: {settings}  ({row.ms:.1f} ms/query p50 on validation; {out / file})")
+    print(f"recipe: {len(saved)} checkpoints x {len(depths)} depths x {len(weights)} weights chosen on "
+          f"{len(validation.queries)} validation queries, reported on {len(held_out.queries)} held-out queries in "
+          f"{(time.perf_counter() - started) / 60:.1f} min")
+    return summary
+
+
+def _check_arguments(args: argparse.Namespace, depths: list[int], weights: list[float]) -> None:
+    if args.steps < 1 or args.save_every < 1:
+        raise RecipeError(f"--steps and --save-every must be >= 1, got {args.steps} and {args.save_every}")
+    if any(depth < 1 or depth > 1000 for depth in depths):
+        raise RecipeError(f"--depths must be from 1 to 1000, got {depths}")
+    if any(not 0 <= weight <= 100 for weight in weights):
+        raise RecipeError(f"--weights must be from 0 to 100, got {weights}")
+    for flag in ("corpus", "queries", "qrels"):
+        if not getattr(args, flag).is_file():
+            raise RecipeError(f"--{flag} {getattr(args, flag)}: no such file")
+    _check_settings(args.out, {
+        "corpus": str(args.corpus.resolve()), "queries_sha256": _sha256(args.queries),
+        "qrels_sha256": _sha256(args.qrels), "index": str(args.index.resolve()) if args.index else None,
+        "dev_share": args.dev_share, "validation_share": args.validation_share, "seed": args.seed,
+        "steps": args.steps, "save_every": args.save_every, "max_depth": max(depths)})
+
+
+def _train(args: argparse.Namespace, fit: Part, inner: Path, first_stage: str) -> list[Path]:
+    """The residual monoBERT trained (or its interrupted training resumed) on `fit`'s lists; its checkpoints."""
+    (args.out / "runs").mkdir(exist_ok=True)
+    prior = args.out / "runs" / "train.run"
+    write_run(prior, as_run(fit.lists), tag=first_stage)
+    model = args.out / "model"
+    trained = train_cross_encoder.main([
+        "--corpus", str(args.corpus), "--queries", str(inner / "queries-train.tsv"),
+        "--qrels", str(inner / "qrels-train.txt"), "--objective", "residual", "--prior-run", str(prior),
+        "--prior-weight", str(PRIOR_WEIGHT), "--negatives", "3", "--batch-size", "4", "--lr", "3e-5",
+        "--max-steps", str(args.steps), "--max-tokens", "256", "--save-every", str(args.save_every),
+        "--keep-checkpoints", "0", "--seed", str(args.seed), "--device", args.device, "--resume",
+        "--output", str(model)])
+    if trained:
+        raise RecipeError(f"training the reranker into {model} failed (exit {trained})")
+    return checkpoints(model)
+
+
+def _validation_rows(args: argparse.Namespace, searcher: Searcher, saved: Sequence[Path], validation: Part,
+                     depths: list[int], weights: list[float]) -> list[Row]:
+    """The default retrieval's row, then every checkpoint's at every depth and weight on torch, then the best
+    checkpoint's on each other backend, each with its ms/query."""
+    rerankers: dict[str, Reranker] = {}
+    candidates: list[tuple[Pipeline, dict[str, float]]] = [(Pipeline(), validation.scored(Pipeline(), None))]
+    best_checkpoint, best_mean = None, float("-inf")
+    for checkpoint in saved:
+        reranker = load_reranker(checkpoint, device=args.device, backend="torch")
+        scores = reranker_scores(reranker, validation, max(depths), f"validation, {checkpoint.name}")
+        for pipeline in (Pipeline(checkpoint, "torch", d, w) for d in depths for w in weights):
+            values = validation.scored(pipeline, scores)
+            candidates.append((pipeline, values))
+            if sum(values.values()) / len(values) > best_mean:
+                best_checkpoint, best_mean, rerankers["torch"] = checkpoint, sum(values.values()) / len(values), reranker
+    backends = args.backends if resolve_device(args.device).type == "cpu" else ["torch"]  # ONNX runs on the CPU
+    for backend in [b for b in backends if b != "torch"]:
+        rerankers[backend] = load_reranker(best_checkpoint, device=args.device, backend=backend)
+        scores = reranker_scores(rerankers[backend], validation, max(depths), f"validation, {backend}")
+        candidates += [(pipeline, validation.scored(pipeline, scores)) for pipeline in
+                       (Pipeline(best_checkpoint, backend, d, w) for d in depths for w in weights)]
+    if "torch" not in backends:  # torch chose the checkpoint; its rows do not compete
+        candidates = [(p, v) for p, v in candidates if p.backend != "torch" or p.checkpoint is None]
+        del rerankers["torch"]
+    first_ms, times = timed_ms(searcher, rerankers, validation, depths, args.timing_queries)
+    return [Row(p, v, first_ms if p.checkpoint is None else times[(p.backend, p.depth)]) for p, v in candidates]
+
+
+def _held_out(args: argparse.Namespace, reported: Mapping[str, Row], held_out: Part,
+              depth: int) -> dict[str, tuple[Row, Difference]]:
+    """Each reported pipeline scored once on `held_out`, against the default retrieval; each reranker
+    (checkpoint and backend) reads each list once."""
+    scores: dict[tuple[Path, str], dict[str, list[float]]] = {}
+    for row in reported.values():
+        key = (row.pipeline.checkpoint, row.pipeline.backend)
+        if row.pipeline.checkpoint is not None and key not in scores:
+            reranker = load_reranker(row.pipeline.checkpoint, device=args.device, backend=row.pipeline.backend)
+            scores[key] = reranker_scores(reranker, held_out, depth, f"held-out, {row.pipeline.backend}")
+    base = held_out.scored(Pipeline(), None)
+    return {label: (row, paired_bootstrap(base, held_out.scored(
+        row.pipeline, scores.get((row.pipeline.checkpoint, row.pipeline.backend))), seed=args.seed))
+        for label, row in reported.items()}
+
+
+def _table(report: Mapping[str, tuple[Row, Difference]], queries: int, validation: Part, first_stage: str) -> str:
+    lines = [f"held-out: {queries} queries, reported once ({MEASURE}; differences from the default retrieval, "
+             f"{first_stage}, with paired bootstrap 95% intervals; chosen on {len(validation.queries)} validation "
+             f"queries)",
+             f"{'':<24}{'pipeline':<44}{'validation':>11}{'held-out':>10}  {'difference':<58}{'ms/query':>9}"]
+    for label, (row, difference) in report.items():
+        verdict = "" if row.pipeline.checkpoint is None else ("  real" if difference.real else "  not shown")
+        change = "" if row.pipeline.checkpoint is None else f"{difference}{verdict}"
+        lines.append(f"{label:<24}{row.pipeline.name:<44}{row.mean:>11.4f}{difference.other:>10.4f}  "
+                     f"{change:<58}{row.ms:>9.1f}")
+    return "\n".join(lines)
+
+
+def _summary(args, first_stage: str, counts: dict, outer: dict, checkpoints_seen: int, rows: Sequence[Row],
+             report: Mapping[str, tuple[Row, Difference]], index: Path) -> dict:
+    return {
+        "date": time.strftime("%Y-%m-%d"), "first_stage": first_stage, "index": str(index),
+        "queries": {"train": counts["train"], "validation": counts["dev"], "held_out": outer["dev"]},
+        "checkpoints": checkpoints_seen, "measure": MEASURE, "budget_ms": args.budget_ms,
+        "validation": [{**row.pipeline.as_json(), "mean": row.mean, "ms": row.ms} for row in rows],
+        "held_out": {label: {**row.pipeline.as_json(), "validation": row.mean, "ms": row.ms,
+                             "held_out": difference.other, "default": difference.base, "difference": difference.mean,
+                             "interval": [difference.low, difference.high], "real": difference.real,
+                             "settings": row.pipeline.settings(index)}
+                     for label, (row, difference) in report.items()},
+    }
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m training.recipe", description=__doc__.split("\n\n")[0],
+                                     epilog=__doc__.split("\n\n", 2)[2], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--corpus", type=Path, required=True, help="passages: TSV id<TAB>text or BEIR JSONL")
+    parser.add_argument("--queries", type=Path, required=True, help="TSV qid<TAB>text or BEIR JSONL")
+    parser.add_argument("--qrels", type=Path, required=True, help="TREC qrels or BEIR TSV")
+    parser.add_argument("--out", type=Path, required=True, help="folder for the split, runs, model and results")
+    parser.add_argument("--index", type=Path, help="an index of --corpus (default: build DIR/index with BM25)")
+    parser.add_argument("--dev-share", type=float, default=0.2, help="share of the queries held out (default 0.2)")
+    parser.add_argument("--validation-share", type=float, default=0.2,
+                        help="share of the rest that chooses the pipeline (default 0.2)")
+    parser.add_argument("--seed", type=int, default=13, help="seed of the splits, the training and the bootstrap")
+    parser.add_argument("--steps", type=int, default=300, help="training steps of 4 queries (default 300)")
+    parser.add_argument("--save-every", type=int, default=100, help="steps between the checkpoints compared (100)")
+    parser.add_argument("--depths", type=int, nargs="+", default=[4, 10, 20], help="rerank depths compared")
+    parser.add_argument("--weights", type=float, nargs="+", default=[0, 0.5, 1, 2, 3],
+                        help="first-stage weights in the blend compared (0: the reranker alone)")
+    parser.add_argument("--backends", nargs="+", choices=BACKENDS, default=["torch", "onnx-int8"],
+                        help="the reranker's backends compared (default torch onnx-int8)")
+    parser.add_argument("--budget-ms", type=float, default=150.0, help="ms/query of the fast pipeline (150)")
+    parser.add_argument("--timing-queries", type=int, default=50, help="validation queries timed (default 50)")
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1 ...")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        run_recipe(args)
+    except (RecipeError, InputFileError, TrainingDataError, OSError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
