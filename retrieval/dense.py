@@ -17,6 +17,7 @@ from retrieval.index_format import INDEX_FILE, PASSAGES_FILE, IndexFormatError, 
 from retrieval.load_options import LoadOptions
 from retrieval.passage_store import PassageStore
 from retrieval.pinned import PinnedFolder
+from retrieval.threads import faiss_threads, search_threads
 
 Ranked = list[list[tuple[int, float]]]  # (row, score) per query, best first
 
@@ -109,10 +110,12 @@ class DenseIndex:
         keeps (None: all), through `structure`'s `depth` candidates (None: the exact scan; see
         retrieval.candidates.structures and retrieval.filtered_search for when a restricted search uses it)."""
         k = min(k, self.count)
-        if restriction is not None:
-            scores, rows = filtered_search.search(self.index, vectors, k, restriction, structure, depth, self.scan)
-        elif structure is None or k == 0:
-            scores, rows = dense_index.search(self.index, vectors, k)
-        else:
-            scores, rows = structures.search(structure, self.index, vectors, k, depth)
+        rows_read = self.count if restriction is None else restriction.count
+        with faiss_threads(search_threads(len(vectors), rows_read, structure.kind if structure else None)):
+            if restriction is not None:
+                scores, rows = filtered_search.search(self.index, vectors, k, restriction, structure, depth, self.scan)
+            elif structure is None or k == 0:
+                scores, rows = dense_index.search(self.index, vectors, k)
+            else:
+                scores, rows = structures.search(structure, self.index, vectors, k, depth)
         return [[(int(r), float(s)) for r, s in zip(row, score) if r >= 0] for row, score in zip(rows, scores)]
