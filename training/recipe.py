@@ -320,11 +320,11 @@ def _table(report: Mapping[str, tuple[Row, Difference]], queries: int, validatio
     lines = [f"held-out: {queries} queries, reported once ({MEASURE}; differences from the default retrieval, "
              f"{first_stage}, with paired bootstrap 95% intervals; chosen on {len(validation.queries)} validation "
              f"queries)",
-             f"{'':<24}{'pipeline':<44}{'validation':>11}{'held-out':>10}  {'difference':<58}{'ms/query':>9}"]
+             f"{'':<26}{'pipeline':<44}{'validation':>11}{'held-out':>10}  {'difference':<58}{'ms/query':>9}"]
     for label, (row, difference) in report.items():
         verdict = "" if row.pipeline.checkpoint is None else ("  real" if difference.real else "  not shown")
         change = "" if row.pipeline.checkpoint is None else f"{difference}{verdict}"
-        lines.append(f"{label:<24}{row.pipeline.name:<44}{row.mean:>11.4f}{difference.other:>10.4f}  "
+        lines.append(f"{label:<26}{row.pipeline.name:<44}{row.mean:>11.4f}{difference.other:>10.4f}  "
                      f"{change:<58}{row.ms:>9.1f}")
     return "\n".join(lines)
 
