@@ -7,9 +7,9 @@ N x 384 clustered vectors (bench/candidates.py's), each structure at its default
 each host state (quiet, then loaded: one spinning process per core), kind and batch size, the searches run
 through retrieval.candidates.structures.search (the flat scan through dense_index.search) with FAISS forced
 to one thread, to every core, and as retrieval.threads chooses per call ("auto"); the three interleaved round
-by round. Printed: ms per batch, p50 over the rounds, and which threads won. The crossover (the largest batch
-one thread still wins) is what each candidate kind's `one_thread_queries` and retrieval/threads.py's
-ONE_THREAD_PRODUCTS hold.
+by round, each going first in turn (the first search of a round's vectors pays their cache misses). Printed:
+ms per batch, p50 over the rounds, and which threads won. The crossover (the largest batch one thread still
+wins) is what retrieval/threads.py's rule holds.
 """
 import argparse
 import multiprocessing
@@ -64,13 +64,14 @@ def main() -> None:
             process.start()
         for kind in args.kinds:
             for batch in args.batches:
-                auto = search_threads(batch, flat.ntotal, None if kind == "flat" else kind)
+                auto = search_threads(batch, flat.ntotal)
                 settings = {"1 thread": 1, f"{CORES} threads": CORES, f"auto ({auto})": auto}
                 times: dict[str, list[float]] = {name: [] for name in settings}
                 search = searcher(kind)
                 for round_ in range(args.rounds):
                     vectors = queries[(round_ * batch) % (len(queries) - batch):][:batch]
-                    for name, threads in settings.items():
+                    order = list(settings.items())
+                    for name, threads in order[round_ % 3:] + order[:round_ % 3]:  # each goes first in turn
                         with faiss_threads(threads):
                             started = time.perf_counter()
                             search(vectors)

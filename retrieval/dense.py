@@ -111,7 +111,7 @@ class DenseIndex:
         retrieval.candidates.structures and retrieval.filtered_search for when a restricted search uses it)."""
         k = min(k, self.count)
         rows_read = self.count if restriction is None else restriction.count
-        with faiss_threads(search_threads(len(vectors), rows_read, structure.kind if structure else None)):
+        with faiss_threads(search_threads(len(vectors), rows_read)):
             if restriction is not None:
                 scores, rows = filtered_search.search(self.index, vectors, k, restriction, structure, depth, self.scan)
             elif structure is None or k == 0:

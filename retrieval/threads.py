@@ -1,9 +1,9 @@
-"""How many OpenMP threads one FAISS search runs on, chosen per call: a single query or a small batch runs on
-one, since on a busy host waiting for a second thread to be scheduled costs more than the work it takes
-over; a batch big enough to share runs on every core. OpenMP's thread count is the calling thread's own, so
-concurrent searches on other threads (the service's model thread, a shard's actor) each choose theirs. The
-crossovers (each candidate kind's `one_thread_queries`, ONE_THREAD_PRODUCTS) are bench/threads.py's
-(docs/benchmarks.md#threads-faiss-threads-per-search)."""
+"""How many OpenMP threads one FAISS search runs on, chosen per call: a single query (or a batch too small to
+share) runs on one, since a second thread does not speed one query up and, on a busy host, waiting for it to be
+scheduled costs several times the work (bench/threads.py, docs/benchmarks.md#threads-faiss-threads-per-search:
+at 200k vectors a batch of two already gains from a second core, through every structure and the flat scan).
+OpenMP's thread count is the calling thread's own, so concurrent searches on other threads (the service's model
+thread, a shard's actor) each choose theirs."""
 
 from __future__ import annotations
 
@@ -12,20 +12,16 @@ from typing import Iterator
 
 import faiss
 
-from retrieval.candidates.registry import KINDS
-
-# A flat scan (and a structure's exact rescoring) of fewer query x row products than this runs on one thread.
-ONE_THREAD_PRODUCTS = 4_000_000
+# A search of fewer query x row products than this runs on one thread whatever its batch (a few milliseconds
+# of a flat scan on one core; a structure reads fewer rows than its index holds).
+ONE_THREAD_PRODUCTS = 1_000_000
 
 CORES = faiss.omp_get_max_threads()  # read at import: the process's own setting (OMP_NUM_THREADS)
 
 
-def search_threads(queries: int, rows: int, kind: str | None = None) -> int:
-    """The threads a search of `queries` vectors over `rows` rows takes, through structure `kind` (None: the
-    flat scan)."""
-    if kind is None:
-        return 1 if queries * rows < ONE_THREAD_PRODUCTS else CORES
-    return 1 if queries <= KINDS[kind].one_thread_queries else CORES
+def search_threads(queries: int, rows: int) -> int:
+    """The threads a search of `queries` vectors over an index of `rows` rows takes, flat or through a structure."""
+    return 1 if queries == 1 or queries * rows < ONE_THREAD_PRODUCTS else CORES
 
 
 @contextmanager

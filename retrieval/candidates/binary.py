@@ -10,7 +10,6 @@ from retrieval.candidates.kind import Kind
 
 class Binary(Kind):
     name = "binary"
-    one_thread_queries = 2
     summary = "the vectors' sign bits (d/8 bytes a passage), scanned by Hamming distance"
     # What recall@10 0.98 needed on 200k clustered 384-d vectors with neighbours as far apart as real ones:
     # sign bits rank coarsely.

@@ -17,7 +17,6 @@ from retrieval.candidates.kind import BLOCK, Kind, Param, Structure, write_index
 
 class Hnsw(Kind):
     name = "hnsw"
-    one_thread_queries = 16
     summary = "a HNSW graph over index.faiss's own vectors (the file holds the links only)"
     params = {
         "M": Param(32, "--m", "links per node"),

@@ -12,7 +12,6 @@ TRAIN_ROWS = 1 << 18  # vectors the quantizer's ranges are trained on
 
 class Int8(Kind):
     name = "int8"
-    one_thread_queries = 2
     summary = "the vectors quantized to 8 bits a dimension (d bytes a passage), scanned"
     depth = 256  # what recall@10 0.98 needed on 200k clustered 384-d vectors: 8-bit codes rank closely
     index_type = faiss.IndexScalarQuantizer

@@ -63,7 +63,6 @@ def probes(structure: Structure, depth: int) -> int:
 
 class Ivf(Kind):
     name = "ivf"
-    one_thread_queries = 4
     summary = "k-means lists of the vectors' 8-bit codes (d bytes a passage), a query scanning the nearest nprobe"
     params = LIST_PARAMS
     depth = 128

@@ -48,8 +48,6 @@ class Kind:
     binary: ClassVar[bool] = False  # a faiss.IndexBinary: written and read by the binary functions
     skips_storage: ClassVar[bool] = False  # written without its vectors (IO_FLAG_SKIP_STORAGE): index.faiss's
     checkpoint_seconds: ClassVar[float | None] = None  # a build saves its state this often (`save`) to resume
-    # The most queries one search proposes candidates for on one FAISS thread (retrieval.threads; bench/threads.py).
-    one_thread_queries: ClassVar[int] = 1
 
     def chosen(self, params: dict[str, int], total: int, dimension: int) -> dict[str, int]:
         """`params` with those left 0 (chosen at build) set for `total` passages of `dimension`."""

@@ -16,7 +16,6 @@ TRAIN_ROWS = 1 << 16  # at least this many vectors train the codebooks (faiss sa
 
 class Pq(Kind):
     name = "pq"
-    one_thread_queries = 4
     summary = "ivf's k-means lists holding product-quantized codes (d/8 bytes a passage by default)"
     params = {
         **ivf.LIST_PARAMS,
