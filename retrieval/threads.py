@@ -26,9 +26,10 @@ def search_threads(queries: int, rows: int) -> int:
 
 @contextmanager
 def faiss_threads(threads: int) -> Iterator[None]:
-    """FAISS's searches on this thread run on `threads` OpenMP threads inside the block."""
+    """FAISS's searches on this thread run on `threads` OpenMP threads inside the block (never more than the
+    thread's count outside it: a caller that set fewer keeps its cap)."""
     before = faiss.omp_get_max_threads()
-    faiss.omp_set_num_threads(max(1, min(threads, CORES)))
+    faiss.omp_set_num_threads(max(1, min(threads, before)))
     try:
         yield
     finally:

@@ -36,3 +36,13 @@ def test_the_thread_count_is_the_calling_threads_own_and_restored_after_the_bloc
     with pytest.raises(RuntimeError), faiss_threads(1):
         raise RuntimeError("a failed search")
     assert faiss.omp_get_max_threads() == before
+
+
+def test_a_caller_that_set_fewer_threads_keeps_its_cap():
+    before = faiss.omp_get_max_threads()
+    faiss.omp_set_num_threads(1)
+    try:
+        with faiss_threads(CORES):
+            assert faiss.omp_get_max_threads() == 1
+    finally:
+        faiss.omp_set_num_threads(before)
