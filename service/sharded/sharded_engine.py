@@ -142,6 +142,12 @@ class ShardedSearcher:
         self.check(retrieval)
         return retrieval
 
+    def rebased(self, retrieval: Retrieval) -> Retrieval:
+        """Searcher.rebased over the shards: `retrieval` checked, its mode unchanged (shards serve no BM25 in any
+        generation, so a default resolves alike in every one)."""
+        self.check(retrieval)
+        return retrieval
+
     def check(self, retrieval: Retrieval) -> None:
         if retrieval.mode != "dense":
             raise ValueError(
