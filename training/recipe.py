@@ -285,8 +285,9 @@ def _validation_rows(args: argparse.Namespace, searcher: Searcher, saved: Sequen
         for pipeline in (Pipeline(checkpoint, "torch", d, w) for d in depths for w in weights):
             values = validation.scored(pipeline, scores)
             candidates.append((pipeline, values))
-            if sum(values.values()) / len(values) > best_mean:
-                best_checkpoint, best_mean, rerankers["torch"] = checkpoint, sum(values.values()) / len(values), reranker
+            mean = sum(values.values()) / len(values)
+            if mean > best_mean:
+                best_checkpoint, best_mean, rerankers["torch"] = checkpoint, mean, reranker
     backends = args.backends if resolve_device(args.device).type == "cpu" else ["torch"]  # ONNX runs on the CPU
     for backend in [b for b in backends if b != "torch"]:
         rerankers[backend] = load_reranker(best_checkpoint, device=args.device, backend=backend)
