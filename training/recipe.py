@@ -207,7 +207,8 @@ def run_recipe(args: argparse.Namespace) -> dict:
 
     fit, validation, held_out = part(inner, "train"), part(inner, "dev"), part(split, "dev")
     saved = _train(args, fit, inner, first_stage)
-    rows = _validation_rows(args, searcher, saved, validation, depths, weights)
+    loaded: dict[tuple[Path, str], Reranker] = {}  # (checkpoint, backend): kept from validation for held-out
+    rows = _validation_rows(args, searcher, saved, validation, depths, weights, loaded)
     best, fast = chosen(rows), chosen(rows, args.budget_ms)
     # With and without blending: the chosen pipeline on the other side of weight 0, its best on validation.
     counterpart = chosen([row for row in rows if best.pipeline.checkpoint is not None and (
@@ -217,7 +218,7 @@ def run_recipe(args: argparse.Namespace) -> dict:
     blending = "chosen, without blending" if best.pipeline.weight else "chosen, with blending"
     reported = {"default": rows[0], "chosen": best, **({blending: counterpart} if counterpart else {}),
                 **({"fast": fast} if fast else {})}
-    report = _held_out(args, reported, held_out, max(depths))
+    report = _held_out(args, reported, held_out, max(depths), loaded)
 
     summary = _summary(args, first_stage, counts, outer, len(saved), rows, report, index)
     (out / "recipe.json").write_text(json.dumps(summary, indent=1) + "\n")
@@ -273,9 +274,9 @@ def _train(args: argparse.Namespace, fit: Part, inner: Path, first_stage: str) -
 
 
 def _validation_rows(args: argparse.Namespace, searcher: Searcher, saved: Sequence[Path], validation: Part,
-                     depths: list[int], weights: list[float]) -> list[Row]:
+                     depths: list[int], weights: list[float], loaded: dict[tuple[Path, str], Reranker]) -> list[Row]:
     """The default retrieval's row, then every checkpoint's at every depth and weight on torch, then the best
-    checkpoint's on each other backend, each with its ms/query."""
+    checkpoint's on each other backend, each with its ms/query; the rerankers timed are left in `loaded`."""
     rerankers: dict[str, Reranker] = {}
     candidates: list[tuple[Pipeline, dict[str, float]]] = [(Pipeline(), validation.scored(Pipeline(), None))]
     best_checkpoint, best_mean = None, float("-inf")
@@ -298,18 +299,20 @@ def _validation_rows(args: argparse.Namespace, searcher: Searcher, saved: Sequen
         candidates = [(p, v) for p, v in candidates if p.backend != "torch" or p.checkpoint is None]
         del rerankers["torch"]
     first_ms, times = timed_ms(searcher, rerankers, validation, depths, args.timing_queries)
+    loaded.update({(best_checkpoint, backend): reranker for backend, reranker in rerankers.items()})
     return [Row(p, v, first_ms if p.checkpoint is None else times[(p.backend, p.depth)]) for p, v in candidates]
 
 
-def _held_out(args: argparse.Namespace, reported: Mapping[str, Row], held_out: Part,
-              depth: int) -> dict[str, tuple[Row, Difference]]:
+def _held_out(args: argparse.Namespace, reported: Mapping[str, Row], held_out: Part, depth: int,
+              loaded: Mapping[tuple[Path, str], Reranker]) -> dict[str, tuple[Row, Difference]]:
     """Each reported pipeline scored once on `held_out`, against the default retrieval; each reranker
-    (checkpoint and backend) reads each list once."""
+    (checkpoint and backend; from `loaded` where validation left it) reads each list once."""
     scores: dict[tuple[Path, str], dict[str, list[float]]] = {}
     for row in reported.values():
         key = (row.pipeline.checkpoint, row.pipeline.backend)
         if row.pipeline.checkpoint is not None and key not in scores:
-            reranker = load_reranker(row.pipeline.checkpoint, device=args.device, backend=row.pipeline.backend)
+            reranker = loaded.get(key) or load_reranker(row.pipeline.checkpoint, device=args.device,
+                                                        backend=row.pipeline.backend)
             scores[key] = reranker_scores(reranker, held_out, depth, f"held-out, {row.pipeline.backend}")
     base = held_out.scored(Pipeline(), None)
     return {label: (row, paired_bootstrap(base, held_out.scored(
