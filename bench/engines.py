@@ -1,10 +1,11 @@
 """This project's retrieval against the embedded engines a user would pick instead, on the same vectors and
 queries, in one run:
 
-    python bench/engines.py [--size 200000] [--systems flat hnsw ivf pq usearch lancedb chroma milvus]
+    python bench/engines.py [--size 200000 | --vectors INDEX] [--systems flat hnsw ivf pq usearch lancedb chroma milvus]
 
 Vectors: --size clustered unit vectors written through the index writer with a `bucket` field drawn uniformly
-from 0..999 on every passage (bench/filters.py's build). Queries: stored vectors plus noise. Each system is built one after another from the same
+from 0..999 on every passage (bench/filters.py's build). Queries: stored vectors plus noise. With --vectors, an
+encoded index's own vectors (WordNet's glosses: bench/wordnet.py), --queries of them held out as the queries. Each system is built one after another from the same
 vectors (its build seconds, and the process's resident memory it added once built and opened: an estimate,
 in one process), then the systems answer interleaved round by round: single queries (p50, p99), batches of
 64 (queries/s), recall@10 against the exact inner-product top 10, and filtered searches keeping 1% and 10% of
@@ -45,6 +46,7 @@ from index_builder.ann import AnnOptions, add_structures  # noqa: E402
 from index_builder.build import encoder_record  # noqa: E402
 from models.encoder import BiEncoder  # noqa: E402
 from retrieval import dense_index  # noqa: E402
+from retrieval.index_format import read_manifest  # noqa: E402
 from retrieval.load_options import LoadOptions  # noqa: E402
 from retrieval.searcher import Searcher  # noqa: E402
 
@@ -279,22 +281,36 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=400)
     parser.add_argument("--sigma", type=float, default=0.05)
     parser.add_argument("--work", type=Path)
+    parser.add_argument("--vectors", type=Path, metavar="INDEX",
+                        help="an index's real embeddings instead of clustered ones (--size unused), --queries of them "
+                        "held out as the queries (runs/wordnet/index: bench/wordnet.py)")
     args = parser.parse_args()
 
     encoder = BiEncoder(device="cpu")  # the record the Searcher checks
     root = Path(tempfile.mkdtemp(prefix="engines-", dir=args.work))
     try:
         index = root / "index"
-        built = build_with_fields(index, args.size, encoder.spec.dimension, encoder_record(encoder), args.sigma)
-        label = f"{args.size:,} x {encoder.spec.dimension} clustered vectors (sigma {args.sigma})"
+        rng = np.random.default_rng(7)
+        if args.vectors is not None:  # real embeddings: some held out as the queries, the rest the collection
+            given = dense_index.load_index(args.vectors / "index.faiss", "cpu")
+            given = given.reconstruct_n(0, given.ntotal)
+            held_out = np.zeros(len(given), dtype=bool)
+            held_out[rng.choice(len(given), size=args.queries, replace=False)] = True
+            queries, collection = given[held_out], np.ascontiguousarray(given[~held_out])
+            built = build_with_fields(index, len(collection), collection.shape[1], read_manifest(args.vectors).encoder,
+                                      0.0, vectors=collection)
+            label = f"{len(collection):,} x {collection.shape[1]} vectors of {args.vectors}"
+        else:
+            built = build_with_fields(index, args.size, encoder.spec.dimension, encoder_record(encoder), args.sigma)
+            label = f"{args.size:,} x {encoder.spec.dimension} clustered vectors (sigma {args.sigma})"
         flat = dense_index.load_index(index / "index.faiss", "cpu")
         vectors = flat.reconstruct_n(0, flat.ntotal)
         searcher = Searcher(index, encoder, load=LoadOptions(device="cpu"))
         buckets = np.asarray(searcher.restrictions.columns.columns["bucket"].data)
-        rng = np.random.default_rng(7)
-        queries = vectors[rng.integers(0, len(vectors), size=args.queries)]
-        queries = (queries + 0.05 * rng.standard_normal(queries.shape, dtype=np.float32)).astype(np.float32)
-        queries /= np.linalg.norm(queries, axis=1, keepdims=True)
+        if args.vectors is None:  # stored vectors moved by noise
+            queries = vectors[rng.integers(0, len(vectors), size=args.queries)]
+            queries = (queries + 0.05 * rng.standard_normal(queries.shape, dtype=np.float32)).astype(np.float32)
+            queries /= np.linalg.norm(queries, axis=1, keepdims=True)
         exact = dense_index.search(flat, queries, K)[1]
         exact_filtered = {}
         for share, limit in SHARES.items():

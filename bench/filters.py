@@ -53,8 +53,9 @@ SOURCES = ("pubmed", "arxiv", "wiki", "news")
 TENANTS = 1000
 
 
-def build(out: Path, size: int, dimension: int, record: EncoderRecord, sigma: float) -> float:
-    """The index with fields at `out`; seconds taken."""
+def build(out: Path, size: int, dimension: int, record: EncoderRecord, sigma: float,
+          vectors: np.ndarray | None = None) -> float:
+    """The index with fields at `out` (`vectors`, `size` of them, where given; else clustered ones); seconds taken."""
     started = time.perf_counter()
     rng = np.random.default_rng(size)
     centres = unit_vectors(np.random.default_rng(1), 3000, dimension)
@@ -74,7 +75,8 @@ def build(out: Path, size: int, dimension: int, record: EncoderRecord, sigma: fl
 
     def parts():
         for first in tqdm(range(0, size, CHUNK), desc="vectors", unit=" chunks", file=sys.stderr):
-            yield clustered_vectors(rng, centres, min(CHUNK, size - first), sigma)
+            yield vectors[first:first + CHUNK] if vectors is not None else \
+                clustered_vectors(rng, centres, min(CHUNK, size - first), sigma)
 
     count = index_writer.write_vectors(work, parts(), dimension)
     corpus = CorpusRecord(path=f"synthetic:{size}x{dimension}", format="jsonl", passages=count, skipped=0, sha256=None)
