@@ -94,13 +94,17 @@ def name_value(text: str) -> tuple[str, str]:
 class Server(Process):
     """`python -m service` on a loopback port, stopped on exit."""
 
-    def __init__(self, index: Path, device: str, environ: dict[str, str] | None = None, **env: str) -> None:
-        """`env`: SEARCH_* settings by their lower-case names; `environ`: other variables, as named."""
+    def __init__(self, index: Path, device: str, environ: dict[str, str] | None = None, checkout: Path = ROOT,
+                 **env: str) -> None:
+        """`env`: SEARCH_* settings by their lower-case names; `environ`: other variables, as named; `checkout`:
+        whose code serves (another checkout, with this one's virtual environment)."""
         [port] = unclaimed_ports(1)
         variables = {**os.environ, **(environ or {}), "SEARCH_INDEX_DIR": str(index), "SEARCH_PORT": str(port),
                      "SEARCH_DEVICE": device}
+        if checkout != ROOT:
+            variables["PYTHONPATH"] = str(checkout)
         variables.update({f"SEARCH_{k.upper()}": v for k, v in env.items()})
-        super().__init__([sys.executable, "-m", "service"], variables, port)
+        super().__init__([sys.executable, "-m", "service"], variables, port, cwd=checkout)
 
 
 class Connection(asyncio.Protocol):

@@ -199,10 +199,11 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--query-max-tokens", type=_positive, help="override the index's query token limit")
     evaluate.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     evaluate.add_argument("--backend", choices=BACKENDS,
-                          help="encode the queries with this backend (default: the one the index was built with)")
+                          help="encode the queries with this backend (default: the service's: the index's own, or "
+                          "onnx for a torch-built index on the CPU where its vectors equal torch's)")
     evaluate.add_argument("--rerank-backend", choices=BACKENDS,
                           help="with --rerank: run a monoBERT reranker on this backend, e.g. onnx-int8 beside torch "
-                          "queries (default: the queries' backend)")
+                          "queries (default: --backend where given, else the index's own)")
 
     update = commands.add_parser("update", help="apply added, replaced and deleted passages to an index")
     update.add_argument("--index", type=Path, required=True, help="index directory (replaced atomically)")

@@ -40,6 +40,15 @@ def default_model_path() -> Path:
 
 
 InputType = Literal["query", "passage"]
+# Queries of every length a search sends, from a word to past the usual token limits: what `BiEncoder.drift`
+# compares backends on.
+PROBE_QUERIES = (
+    "covid",
+    "what is dense passage retrieval?",
+    "Does the boundary layer on a flat plate at hypersonic speed become turbulent before the shock wave?",
+    " ".join(["How do inner-product searches over normalised sentence embeddings rank passages that share "
+              "few words with the question but answer it, and which of them come first?"] * 12),
+)
 
 
 @dataclass(frozen=True)
@@ -203,14 +212,33 @@ class BiEncoder:
         if uncut is not None:
             for limit in (self.spec.query_max_tokens, self.spec.passage_max_tokens):
                 self._single_text_tokenizers[limit] = single_text_tokenizer(self.tokenizer, limit)
+        self.use_backend(backend, onnx_cache)
+
+    def use_backend(self, backend: Backend, onnx_cache: Path | None = None) -> None:
+        """Run the transformer on `backend` from now on (the torch weights stay loaded, for `drift`). Not
+        while it encodes: a loader calls this before the encoder is shared."""
         check_backend(backend, self.device)
-        self.backend = backend
-        self._transformer = self._torch_transformer
-        self.export_sha256: str | None = None  # the ONNX file's, recorded by an index built with it
+        transformer, export_sha256 = self._torch_transformer, None
         if backend != "torch":
             onnx_file = exported(self.model, self.spec.weights_sha256, backend, "last_hidden_state", onnx_cache)
-            self._transformer = OnnxTransformer(onnx_file)
-            self.export_sha256 = file_sha256(onnx_file)
+            transformer, export_sha256 = OnnxTransformer(onnx_file), file_sha256(onnx_file)
+        self.backend, self._transformer = backend, transformer
+        self.export_sha256: str | None = export_sha256  # the ONNX file's, recorded by an index built with it
+
+    def drift(self, queries: Sequence[str] = PROBE_QUERIES) -> float:
+        """How far this backend's query vectors lie from torch's on `queries`: the largest distance
+        between the two vectors of a query, over the norm of torch's (0.0 on torch itself)."""
+        if self.backend == "torch":
+            return 0.0
+        ours = self.encode_queries(queries)
+        backend = self._transformer
+        try:
+            self._transformer = self._torch_transformer
+            torch_vectors = self.encode_queries(queries)
+        finally:
+            self._transformer = backend
+        distances = np.linalg.norm(ours - torch_vectors, axis=1) / np.maximum(np.linalg.norm(torch_vectors, axis=1), 1e-12)
+        return float(distances.max())
 
     def _torch_transformer(self, input_ids, attention_mask, token_type_ids) -> torch.Tensor:
         return self.model(input_ids=input_ids, attention_mask=attention_mask,

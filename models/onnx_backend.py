@@ -53,11 +53,15 @@ def _export(model: torch.nn.Module, output: str, file: Path) -> None:
     axes[output] = {0: "batch"} if output == "logits" else {0: "batch", 1: "tokens"}
     # The tracer warns of shape-dependent branches in the attention code; with the mask always given
     # they take one side for every shape (tests compare outputs across batch shapes).
+    # The exporter restores the wrapper's mode when it is done, and with it the model's: a new Module is in
+    # training mode, which would leave dropout on in the torch model the caller keeps.
+    training = model.training
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        torch.onnx.export(_Outputs(model.float().eval(), output), (example, mask, torch.zeros_like(example)),
+        torch.onnx.export(_Outputs(model.float(), output).eval(), (example, mask, torch.zeros_like(example)),
                           str(file), input_names=list(INPUTS), output_names=[output], dynamic_axes=axes,
                           opset_version=17, dynamo=False)
+    model.train(training)
 
 
 def exported(model: torch.nn.Module, weights_sha256: str, backend: Backend, output: str,

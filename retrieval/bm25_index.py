@@ -87,13 +87,18 @@ class Bm25Index:
         """As `search`, among the rows `mask` keeps (retrieval.filtered_search; None: all): every passage's score
         computed as `search` computes it, the others' dropped, the first k by score and then row (so equal scores
         are ordered alike however many rows the mask keeps)."""
+        return [list(zip(rows.tolist(), scores.tolist())) for rows, scores in self.search_arrays(queries, k, mask)]
+
+    def search_arrays(self, queries: Sequence[str], k: int,
+                      mask: np.ndarray | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
+        """`search_among`'s answer as arrays: (rows, scores) per query."""
         tokens = self.tokenizer.tokenize(list(queries), update_vocab=False, return_as="ids", show_progress=False)
         known = self.retriever.unique_token_ids_set
         results = []
         for ids in tokens:
             ids = [token for token in ids if token in known]
             if not ids or k <= 0:
-                results.append([])
+                results.append((np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.float32)))
                 continue
             scores = self.scores(ids)
             if mask is not None:
@@ -103,7 +108,7 @@ class Bm25Index:
                 kth = np.partition(scores[rows], len(rows) - k)[len(rows) - k]
                 rows = rows[scores[rows] >= kth]
             rows = rows[np.lexsort((rows, -scores[rows]))][:k]
-            results.append([(int(row), float(scores[row])) for row in rows])
+            results.append((rows.astype(np.int64), scores[rows]))
         return results
 
     def scores(self, ids: list[int]) -> np.ndarray:

@@ -22,6 +22,11 @@ from retrieval.threads import faiss_threads, search_threads
 Ranked = list[list[tuple[int, float]]]  # (row, score) per query, best first
 
 
+def ranked(scores: np.ndarray, rows: np.ndarray) -> Ranked:
+    """FAISS's (scores, rows) as (row, score) lists, the -1 rows past the last hit dropped."""
+    return [[(r, s) for r, s in zip(row, score) if r >= 0] for row, score in zip(rows.tolist(), scores.tolist())]
+
+
 def structures_served(device: str) -> bool:
     """Whether an index searched on `device` loads its candidate structures: on the CPU only, since a GPU
     scans every vector faster than a CPU structure proposes candidates. A GPU asked for that neither faiss
@@ -109,13 +114,16 @@ class DenseIndex:
         """The best min(k, rows) rows per query vector with their exact scores: among the rows `restriction`
         keeps (None: all), through `structure`'s `depth` candidates (None: the exact scan; see
         retrieval.candidates.structures and retrieval.filtered_search for when a restricted search uses it)."""
+        return ranked(*self.search_arrays(vectors, k, restriction, structure, depth))
+
+    def search_arrays(self, vectors: np.ndarray, k: int, restriction: filtered_search.Restriction | None = None,
+                      structure: Structure | None = None, depth: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """`search`'s answer as FAISS gives it: (scores, rows), a line per query vector, row -1 past the last hit."""
         k = min(k, self.count)
         rows_read = self.count if restriction is None else restriction.count
         with faiss_threads(search_threads(len(vectors), rows_read)):
             if restriction is not None:
-                scores, rows = filtered_search.search(self.index, vectors, k, restriction, structure, depth, self.scan)
-            elif structure is None or k == 0:
-                scores, rows = dense_index.search(self.index, vectors, k)
-            else:
-                scores, rows = structures.search(structure, self.index, vectors, k, depth)
-        return [[(int(r), float(s)) for r, s in zip(row, score) if r >= 0] for row, score in zip(rows, scores)]
+                return filtered_search.search(self.index, vectors, k, restriction, structure, depth, self.scan)
+            if structure is None or k == 0:
+                return dense_index.search(self.index, vectors, k)
+            return structures.search(structure, self.index, vectors, k, depth)

@@ -33,11 +33,14 @@ class ServiceSettings(BaseSettings):
     device: str = Field("auto", description="Where the encoder and FAISS run: auto, cpu, cuda or cuda:N.")
     backend: Backend | None = Field(
         None, description="The query encoder's backend: torch, or ONNX Runtime on the CPU (onnx; onnx-int8: int8 "
-        "weights), exported once into $XDG_CACHE_HOME/dense-search/onnx; unset: the one the index was built with.",
+        "weights), exported once into $XDG_CACHE_HOME/dense-search/onnx; unset: the one the index was built with, "
+        "except that a torch-built index on the CPU encodes queries on onnx where its vectors equal torch's on probe "
+        "queries checked at load (an instance with writes keeps the index's own, for the passages it encodes).",
     )
     rerank_backend: Backend | None = Field(
         None, description="The monoBERT reranker's backend (torch, onnx or onnx-int8), apart from the query "
-        "encoder's: int8 reranking beside full-precision queries; unset: the query encoder's.",
+        "encoder's: int8 reranking beside full-precision queries; unset: SEARCH_BACKEND where set, else the one the "
+        "index was built with.",
     )
     query_max_tokens: int | None = Field(
         None, ge=1, description="Query token limit in place of the index's own; unset: the index's.",

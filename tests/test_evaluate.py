@@ -18,7 +18,7 @@ from models.cross_encoder import CrossEncoder
 from models.encoder import BiEncoder
 from retrieval.readers import InputFileError, read_qrels, read_queries, read_run, write_run
 from retrieval.searcher import Searcher
-from tests.conftest import CRANFIELD
+from tests.conftest import CPU, CRANFIELD
 from tests.test_cross_encoder import tiny_bert
 
 needs_cranfield = pytest.mark.skipif(not CRANFIELD.is_dir(), reason="../shared/data/cranfield is absent")
@@ -166,7 +166,7 @@ def test_eval_adds_a_row_per_retrieval_weight_ordered_by_the_blend_a_request_get
         assert [docid for docid, _ in sorted(blended[qid], key=lambda pair: -pair[1])] == expected, qid
 
 
-def test_eval_ensemble_row_orders_by_the_mean_of_the_rerankers_standardised_scores(small_index, searcher, demo_queries,
+def test_eval_ensemble_row_orders_by_the_mean_of_the_rerankers_standardised_scores(small_index, demo_queries,
                                                                                    tmp_path, capsys):
     folders = [tiny_bert(tmp_path / "wide", num_labels=1), tiny_bert(tmp_path / "narrow", num_labels=1, hidden=32)]
     queries = {q: demo_queries[q] for q in ("q0001", "q0002", "q0003")}
@@ -180,6 +180,7 @@ def test_eval_ensemble_row_orders_by_the_mean_of_the_rerankers_standardised_scor
     assert "\ndense+ensemble " in printed and "\ndense+ensemble~w2 " in printed
     assert "2 rerankers at depth 20" in printed
     members = [CrossEncoder(folder, device="cpu") for folder in folders]
+    searcher = Searcher(small_index, load=CPU)  # its queries encoded as eval's are: the default backend
     alone, blended = (read_run(tmp_path / "runs" / f"dense+ensemble{suffix}.run") for suffix in ("", "~w2"))
 
     def z(values):

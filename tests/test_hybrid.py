@@ -6,11 +6,12 @@ from __future__ import annotations
 import warnings
 
 import bm25s
+import numpy as np
 import pytest
 
 from index_builder.build import BuildOptions, build_index
 from retrieval.bm25_index import Bm25Index, build_bm25, new_tokenizer
-from retrieval.fusion import interleave, reciprocal_rank_fusion, standardised_score_fusion
+from retrieval.fusion import interleave, reciprocal_rank_fusion, standardised_row_fusion, standardised_score_fusion
 from retrieval.index_format import read_manifest
 from retrieval.passage_store import PassageStore
 from retrieval.searcher import Searcher
@@ -97,6 +98,22 @@ def test_zscore_fusion_is_the_mean_of_standardised_scores_a_missing_key_at_its_l
     assert reciprocal_rank_fusion([["a", "c", "b"], ["d", "c", "a"]], 10)[0][0] == "a"
     assert len(standardised_score_fusion([dense, lexical], depth=2)) == 2
     assert standardised_score_fusion([[("a", 1.0)], []], depth=5) == [("a", 0.0)]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_zscore_fusion_over_row_arrays_gives_the_reference_answer_to_the_bit(seed):
+    rng = np.random.default_rng(seed)
+    rows = rng.permutation(60)
+    sizes = rng.integers(0, 40, size=2) if seed % 10 else (0, rng.integers(1, 40))
+    dense_rows, lexical_rows = rows[:sizes[0]], rng.permutation(rows[20:20 + sizes[1]])  # overlapping, or not
+    # float32 scores as FAISS and bm25s give them, some tied (the first-met key first among equals)
+    dense_scores = np.sort(rng.choice([0.5, 0.25, *rng.random(5)], size=len(dense_rows)).astype(np.float32))[::-1]
+    lexical_scores = np.sort(rng.integers(1, 6, size=len(lexical_rows)).astype(np.float32))[::-1]
+    depth = int(rng.integers(1, 80)) if seed % 3 else 1000  # cutting among the fused, or keeping them all
+    reference = standardised_score_fusion(
+        [list(zip(dense_rows.tolist(), dense_scores.tolist())), list(zip(lexical_rows.tolist(), lexical_scores.tolist()))],
+        depth)
+    assert standardised_row_fusion((dense_rows, dense_scores), (lexical_rows, lexical_scores), depth) == reference
 
 
 @pytest.mark.parametrize("fusion,lead", [("interleave", "dense"), ("interleave", "bm25"), ("rrf", "dense"),

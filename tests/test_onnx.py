@@ -1,17 +1,23 @@
 """The ONNX Runtime backend: the same embeddings and scores as torch (fp32), the same top-10, an int8
-index that says it is int8 and is served as such, and refusals where it cannot run."""
+index that says it is int8 and is served as such, refusals where it cannot run, and ONNX fp32 as the
+default query backend of a torch-built index where its vectors are torch's, torch where they are not."""
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
+import onnx
 import pytest
+from onnx import numpy_helper
 
 from index_builder.build import BuildOptions, build_index
 from models.cross_encoder import CrossEncoder
-from models.encoder import BiEncoder
+from models.encoder import PROBE_QUERIES, BiEncoder
+from models.onnx_backend import default_cache, exported
 from models.reranker import load_reranker
 from retrieval.index_format import read_manifest
-from retrieval.searcher import Searcher
+from retrieval.searcher import Searcher, encoder_for
 from service.engine.search_engine import SearchEngine
 from tests.conftest import CPU, demo_corpus_head
 from tests.test_cross_encoder import PASSAGES, QUERY, tiny_bert
@@ -83,7 +89,8 @@ def test_onnx_cross_encoder_scores_equal_torchs(tmp_path, onnx_cache):
 def test_a_monobert_may_run_int8_beside_full_precision_queries(tmp_path, monkeypatch, small_index, onnx_cache):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     folder = tiny_bert(tmp_path / "tiny-monobert")
-    engine = SearchEngine.open(small_index, load=CPU, rerankers=[folder], rerank_backend="onnx-int8")
+    engine = SearchEngine.open(small_index, load=CPU, rerankers=[folder], rerank_backend="onnx-int8",
+                               backend="torch")
     assert engine.searcher.encoder.backend == "torch"
     assert engine.rerankers["monobert"].backend == "onnx-int8"
     int8 = engine.rerankers["monobert"].score(QUERY, PASSAGES)
@@ -91,10 +98,61 @@ def test_a_monobert_may_run_int8_beside_full_precision_queries(tmp_path, monkeyp
     # int8 weights: near the fp32 scores, not equal to them.
     np.testing.assert_allclose(int8, fp32, atol=1e-3)
     assert not np.allclose(int8, fp32, atol=1e-6)
-    # Unset, the reranker runs on the queries' backend, as before.
-    assert SearchEngine.open(small_index, load=CPU, rerankers=[folder]).rerankers["monobert"].backend == "torch"
+    # Unset, the reranker runs on the backend asked of the queries, else on the index's own (the default
+    # query backend's probe vouches for the query encoder only).
+    assert SearchEngine.open(small_index, load=CPU, rerankers=[folder],
+                             backend="onnx").rerankers["monobert"].backend == "onnx"
+    unset = SearchEngine.open(small_index, load=CPU, rerankers=[folder])
+    assert (unset.searcher.encoder.backend, unset.rerankers["monobert"].backend) == ("onnx", "torch")
 
 
 def test_a_backend_that_cannot_run_is_refused_naming_it():
     with pytest.raises(ValueError, match="backend must be one of torch, onnx, onnx-int8"):
         BiEncoder(device="cpu", backend="tensorrt")
+
+
+def test_exporting_leaves_the_torch_weights_answering_as_before(encoder, tmp_path):
+    torch_encoder = BiEncoder(device="cpu")
+    before = torch_encoder.encode_queries(PROBE_QUERIES)
+    torch_encoder.use_backend("onnx", tmp_path)  # exported now, into an empty cache
+    torch_encoder.use_backend("torch")
+    np.testing.assert_array_equal(torch_encoder.encode_queries(PROBE_QUERIES), before)
+
+
+def test_a_torch_built_index_encodes_queries_on_onnx_by_default_and_finds_what_torch_finds(
+        small_index, searcher, demo_queries):
+    engine = SearchEngine.open(small_index, load=CPU)
+    encoder = engine.searcher.encoder
+    assert (read_manifest(small_index).encoder.backend, encoder.backend) == ("torch", "onnx")
+    assert 0.0 < encoder.drift() < 1e-4
+    queries = list(demo_queries.values())[:20]
+    for query in queries:
+        expected, found = searcher.search(query, 10, mode="dense"), engine.search(query, 10, mode="dense")
+        assert [hit.id for hit in found.hits] == [hit.id for hit in expected]
+    # Asked for, or where the instance encodes written passages, the index's own backend.
+    assert SearchEngine.open(small_index, load=CPU, backend="torch").searcher.encoder.backend == "torch"
+    assert SearchEngine.open(small_index, load=CPU, encodes_passages=True).searcher.encoder.backend == "torch"
+
+
+def test_an_export_that_drifts_from_torch_leaves_queries_on_torch_saying_so(small_index, tmp_path, monkeypatch,
+                                                                            caplog):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    manifest = read_manifest(small_index)
+    # A faulty export in the cache: the real one with one weight matrix scaled by 5%.
+    file = exported(BiEncoder(device="cpu").model, manifest.encoder.weights_sha256, "onnx", "last_hidden_state")
+    assert file.is_relative_to(default_cache())
+    model = onnx.load(file)
+    weight = max(model.graph.initializer, key=lambda tensor: np.prod(tensor.dims))
+    weight.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(weight) * 1.05, weight.name))
+    onnx.save(model, file)
+    with caplog.at_level(logging.WARNING, logger="retrieval"):
+        encoder = encoder_for(manifest, "cpu")
+    assert encoder.backend == "torch"
+    assert any("queries encoded with torch" in record.getMessage() and "from torch's" in record.getMessage()
+               for record in caplog.records)
+    # An export that does not load at all: the same.
+    file.write_bytes(b"not an onnx file")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="retrieval"):
+        assert encoder_for(manifest, "cpu").backend == "torch"
+    assert any("the ONNX export failed" in record.getMessage() for record in caplog.records)

@@ -88,8 +88,8 @@ def sharded(small_shards) -> ShardedEngine:
 
 
 @pytest.fixture(scope="module")
-def whole(merged_shards, encoder) -> SearchEngine:
-    return SearchEngine(Searcher(merged_shards, encoder, load=CPU))
+def whole(merged_shards) -> SearchEngine:
+    return SearchEngine.open(merged_shards, load=CPU)  # its queries encoded as the sharded engine's: the default
 
 
 @pytest.mark.parametrize("k", [10, 1000])
@@ -238,14 +238,14 @@ def test_a_slow_shard_delays_only_the_requests_that_wait_for_it_not_the_queue_be
 
 
 def test_a_served_sharded_search_reranks_on_the_model_thread_after_the_shards_answer(
-        small_shards, small_index, merged_shards, encoder, tmp_path):
+        small_shards, small_index, merged_shards, tmp_path):
     """Reranking comes back to the model thread once the (slow) shards answered: the same ranking and
     scores as the merged index reranked by the same model, and its time reported as rerank."""
     monobert = tiny_bert(tmp_path / "monobert")
     clients = [LocalShard(ShardIndex(folder, load=CPU), f"shard-{i}") for i, folder in enumerate(small_shards)]
     clients[1] = Slow(clients[1])
     sharded = ShardedEngine.over(clients, device="cpu", rerankers=[monobert])
-    whole = SearchEngine(Searcher(merged_shards, encoder, load=CPU), sharded.rerankers)
+    whole = SearchEngine(Searcher(merged_shards, load=CPU), sharded.rerankers)  # queries encoded as the sharded
     app = create_app(settings_for(small_index, rerankers=[monobert]), sharded)
     response = one(app, "POST", "/search", {"query": "join two paths", "k": 5, "rerank": True, "depth": 10})
     assert response.status_code == 200, response.text

@@ -28,7 +28,6 @@ ray = pytest.importorskip("ray", reason="sharded serving needs ray[serve] (pip i
 serve = pytest.importorskip("ray.serve", reason="sharded serving needs ray[serve] (pip install 'ray[serve]')")
 
 from bench.ports import unclaimed_ports  # noqa: E402
-from retrieval.searcher import Searcher  # noqa: E402
 from retrieval.sharding import ShardIndex  # noqa: E402
 from service.engine.allocator import JEMALLOC_CONF, find_jemalloc  # noqa: E402
 from service.engine.monitoring import Monitor  # noqa: E402
@@ -55,9 +54,10 @@ CAP = 4  # SEARCH_MAX_CONCURRENT_REQUESTS: above the kill test's three clients a
 
 
 @pytest.fixture(scope="module")
-def whole(merged_shards, encoder) -> SearchEngine:
-    """One flat index over the very passages (and vectors) the shards hold."""
-    return SearchEngine(Searcher(merged_shards, encoder, load=CPU))
+def whole(merged_shards) -> SearchEngine:
+    """One flat index over the very passages (and vectors) the shards hold, its queries encoded as the
+    ingress encodes them (the default backend)."""
+    return SearchEngine.open(merged_shards, load=CPU)
 
 
 @pytest.fixture(scope="module")

@@ -159,7 +159,7 @@ class Runtime:
             engine = SearchEngine.open(
                 settings.index_dir, load=settings.load, query_max_tokens=settings.query_max_tokens,
                 rerankers=settings.rerankers, backend=settings.backend, rerank_backend=settings.rerank_backend,
-                defaults=settings.defaults,
+                defaults=settings.defaults, encodes_passages=settings.writes,
             )
             engine.warm_up()
             self._open_writes(engine)

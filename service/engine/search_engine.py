@@ -20,7 +20,7 @@ from retrieval.index_format import INDEX_FILE, PASSAGES_FILE, Manifest, read_man
 from retrieval.load_options import LoadOptions
 from retrieval.request import Defaults, Retrieval
 from retrieval.rerank import BLEND, rerank
-from retrieval.searcher import EncoderMismatch, Hit, Searcher, encoder_for
+from retrieval.searcher import EncoderMismatch, Hit, Searcher, encoder_for, own_backend
 from service.errors import NotServable, OverLimit
 
 STAGES = ("queue", "encode", "retrieve", "rerank", "total")
@@ -189,16 +189,19 @@ class SearchEngine:
     def open(
         cls, index_dir: Path, *, load: LoadOptions = LoadOptions(), query_max_tokens: int | None = None,
         rerankers: Sequence[Path] = (), backend: Backend | None = None, rerank_backend: Backend | None = None,
-        defaults: Defaults = Defaults(),
+        defaults: Defaults = Defaults(), encodes_passages: bool = False,
     ) -> "SearchEngine":
         """`load`: how the index is loaded (retrieval.load_options; its device is the models' too); `defaults`:
         what a request naming no mode or fusion runs (retrieval.request.Defaults);
         `rerankers`: reranker folders (see models.reranker), at most one of each kind; `backend`: the query
-        encoder's (default: the one the index was built with); `rerank_backend`: a monoBERT reranker's
-        (default: the query encoder's)."""
+        encoder's (default: retrieval.searcher.encoder_for's; the index's own where the engine
+        `encodes_passages` for writes, so written passages are encoded as the others were);
+        `rerank_backend`: a monoBERT reranker's (default: `backend` where given, else the index's own)."""
         manifest = read_manifest(index_dir)  # the Searcher verifies, from the bytes it loads
+        if encodes_passages and backend is None:
+            backend = own_backend(manifest, load.device)
         encoder = encoder_for(manifest, load.device, query_max_tokens, backend)
-        loaded = load_rerankers(rerankers, load.device, rerank_backend or encoder.backend)
+        loaded = load_rerankers(rerankers, load.device, rerank_backend or backend or own_backend(manifest, load.device))
         return cls(Searcher(index_dir, encoder, load, defaults), loaded, query_max_tokens, backend)
 
     @property
@@ -336,7 +339,10 @@ class SearchEngine:
             # The token limits are the new index's own (SEARCH_QUERY_MAX_TOKENS still overriding the query's).
             same_limits = spec.passage_max_tokens == record.passage_max_tokens and (
                 self.query_max_tokens is not None or spec.query_max_tokens == record.query_max_tokens)
-            if same_limits and current.encoder.backend == (self.backend or record.backend):
+            # With no backend asked, an index built on the same backend gets the same default.
+            same_backend = (current.encoder.backend == self.backend if self.backend is not None
+                            else current.manifest.encoder.backend == record.backend)
+            if same_limits and same_backend:
                 try:
                     return Searcher(index_dir, current.encoder, current.load, current.defaults)
                 except EncoderMismatch:  # the new index was built with another model: load that one
