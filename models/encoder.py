@@ -227,7 +227,8 @@ class BiEncoder:
 
     def drift(self, queries: Sequence[str] = PROBE_QUERIES) -> float:
         """How far this backend's query vectors lie from torch's on `queries`: the largest distance
-        between the two vectors of a query, over the norm of torch's (0.0 on torch itself)."""
+        between the two vectors of a query, over the norm of torch's (0.0 on torch itself). It runs torch
+        in the backend's place meanwhile: as `use_backend`, not while the encoder is shared."""
         if self.backend == "torch":
             return 0.0
         ours = self.encode_queries(queries)

@@ -82,7 +82,7 @@ def encoder_for(manifest: Manifest, device: str = "auto", query_max_tokens: int 
     limit and the backend may be changed). `backend` None: the index's own where it can run (an
     ONNX-built index searched on a GPU uses torch), except that a torch-built index searched on the CPU
     encodes its queries with ONNX fp32, a forward pass about twice as fast, where the export gives
-    torch's vectors on the probe queries (`query_backend`)."""
+    torch's vectors on the probe queries (`prefer_onnx_queries`)."""
     record = manifest.encoder
     encoder = BiEncoder(
         record.path,
@@ -96,7 +96,7 @@ def encoder_for(manifest: Manifest, device: str = "auto", query_max_tokens: int 
         passage_prefix=record.passage_prefix,
     )
     if backend is None and record.backend == "torch" and encoder.device.type == "cpu":
-        query_backend(encoder)
+        prefer_onnx_queries(encoder)
     return encoder
 
 
@@ -106,7 +106,7 @@ def own_backend(manifest: Manifest, device: str = "auto") -> Backend:
     return manifest.encoder.backend if resolve_device(device).type == "cpu" else "torch"
 
 
-def query_backend(encoder: BiEncoder) -> None:
+def prefer_onnx_queries(encoder: BiEncoder) -> None:
     """Switch `encoder` (on torch, on the CPU) to ONNX fp32 where its query vectors lie within
     DRIFT_TOLERANCE of torch's on the probe queries; else leave it on torch, saying why in a log line."""
     try:
