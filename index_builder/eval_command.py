@@ -27,7 +27,7 @@ from retrieval.evaluation import metrics, mode_name, retrieve, run_queries
 from retrieval.index_format import read_manifest
 from retrieval.load_options import LoadOptions
 from retrieval.readers import Run, read_qrels, read_queries, read_run, write_run
-from retrieval.searcher import MAX_K, Searcher, encoder_for, own_backend
+from retrieval.searcher import MAX_K, Searcher, encoder_for, reranker_backend
 
 
 def _row_name(folder: Path) -> str:
@@ -102,8 +102,8 @@ def evaluate_index(options: EvalOptions) -> EvalReport:
     report = EvalReport()
     runs, table, say = report.runs, report.table, report.lines.append
     only = _eval_filter(searcher, options.filter, say)  # {"filter": the parsed filter}, or {}
-    rerankers = {name: load_reranker(folder, device=options.device, backend=options.rerank_backend
-                                  or options.backend or own_backend(manifest, options.device))
+    rerank_backend = reranker_backend(manifest, options.device, options.backend, options.rerank_backend)
+    rerankers = {name: load_reranker(folder, device=options.device, backend=rerank_backend)
                  for name, folder in zip(names, options.rerank or [])}
     if options.ensemble:  # last: it reads the scores its members' rows kept
         rerankers = {name: Remembered(reranker) for name, reranker in rerankers.items()}

@@ -106,6 +106,13 @@ def own_backend(manifest: Manifest, device: str = "auto") -> Backend:
     return manifest.encoder.backend if resolve_device(device).type == "cpu" else "torch"
 
 
+def reranker_backend(manifest: Manifest, device: str = "auto", backend: Backend | None = None,
+                     rerank_backend: Backend | None = None) -> Backend:
+    """A reranker's backend: `rerank_backend` where asked, else the queries' `backend` where asked, else the
+    index's own (the default query backend's probe vouches for the query encoder only)."""
+    return rerank_backend or backend or own_backend(manifest, device)
+
+
 def prefer_onnx_queries(encoder: BiEncoder) -> None:
     """Switch `encoder` (on torch, on the CPU) to ONNX fp32 where its query vectors lie within
     DRIFT_TOLERANCE of torch's on the probe queries; else leave it on torch, saying why in a log line."""

@@ -20,7 +20,7 @@ from retrieval.index_format import INDEX_FILE, PASSAGES_FILE, Manifest, read_man
 from retrieval.load_options import LoadOptions
 from retrieval.request import Defaults, Retrieval
 from retrieval.rerank import BLEND, rerank
-from retrieval.searcher import EncoderMismatch, Hit, Searcher, encoder_for, own_backend
+from retrieval.searcher import EncoderMismatch, Hit, Searcher, encoder_for, own_backend, reranker_backend
 from service.errors import NotServable, OverLimit
 
 STAGES = ("queue", "encode", "retrieve", "rerank", "total")
@@ -201,7 +201,8 @@ class SearchEngine:
         if encodes_passages and backend is None:
             backend = own_backend(manifest, load.device)
         encoder = encoder_for(manifest, load.device, query_max_tokens, backend)
-        loaded = load_rerankers(rerankers, load.device, rerank_backend or backend or own_backend(manifest, load.device))
+        loaded = load_rerankers(rerankers, load.device,
+                                reranker_backend(manifest, load.device, backend, rerank_backend))
         return cls(Searcher(index_dir, encoder, load, defaults), loaded, query_max_tokens, backend)
 
     @property

@@ -24,7 +24,8 @@ from retrieval.fields import chosen_fields, merged_types
 from retrieval.filters import Filter, parse_filter
 from retrieval.index_format import INDEX_FILE, PASSAGES_FILE, Manifest, generation_id
 from retrieval.request import MAX_K, Defaults, Fusion, Lead, Mode, Retrieval
-from retrieval.searcher import Hit, HitWithFields, check_encoder, dense_score_kind, encoder_for, own_backend, validate_k
+from retrieval.searcher import (Hit, HitWithFields, check_encoder, dense_score_kind, encoder_for, reranker_backend,
+                                validate_k)
 from retrieval.sharding import ShardHit, ShardIndex, build_identity, check_shard_set, merge_top_k
 from service.engine.search_engine import Fetch, ReloadError, SearchEngine, SearchPlan, load_rerankers
 from service.errors import ShardsUnavailable
@@ -250,7 +251,7 @@ class ShardedEngine(SearchEngine):
         first = Manifest.model_validate(clients[0].describe()["manifest"])
         encoder = encoder_for(first, device, query_max_tokens, backend)
         searcher = ShardedSearcher(clients, encoder, timeout_s, defaults)
-        loaded = load_rerankers(rerankers, device, rerank_backend or backend or own_backend(first, device))
+        loaded = load_rerankers(rerankers, device, reranker_backend(first, device, backend, rerank_backend))
         return cls(searcher, loaded, query_max_tokens, backend)
 
     # A search waits for the shards' answers (Run.wait): the served engine waits off the model thread,
