@@ -58,6 +58,12 @@ def standardised_score_fusion(
     return sorted(fused.items(), key=lambda item: -item[1])[:depth]
 
 
+def as_pairs(ranking: RowScores) -> list[tuple[int, float]]:
+    """One (rows, scores) list as (row, score) pairs, best first."""
+    rows, scores = ranking
+    return list(zip(rows.tolist(), scores.tolist()))
+
+
 def standardised_row_fusion(dense: RowScores, lexical: RowScores, depth: int) -> list[tuple[int, float]]:
     """`standardised_score_fusion([dense, lexical], depth)` over two lists of distinct rows given as (rows, scores)
     arrays, the same answer to the bit, without a Python step per passage: the hybrid search's hot path, where

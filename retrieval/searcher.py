@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import heapq
 import logging
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -16,10 +15,10 @@ from models.checkpoint import resolve_device
 from models.encoder import BiEncoder, Tokens
 from retrieval import filtered_search
 from retrieval.candidates.kind import Structure
-from retrieval.dense import Ranked, check_candidates, pick_structure
+from retrieval.dense import check_candidates, pick_structure
 from retrieval.fields import chosen_fields
 from retrieval.filters import Filter, parse_filter
-from retrieval.fusion import FUSION_RULES
+from retrieval.fusion import FUSION_RULES, RowScores, as_pairs
 from retrieval.generation import load_generation
 from retrieval.index_format import Manifest
 from retrieval.load_options import LoadOptions
@@ -322,16 +321,13 @@ class Searcher:
             "bm25": lambda depth: self._bm25(queries, depth, restriction, written),
         }
         if retrieval.mode in retrievers:
-            return retrievers[retrieval.mode](k)
+            return [as_pairs(found) for found in retrievers[retrieval.mode](k)]
         rule = FUSION_RULES[retrieval.fusion]  # hybrid: the two composed
         depth = max(k, min(retrieval.fusion_depth, MAX_K)) if rule.deep else k
-        if rule.fuse_rows is not None and not self.segment.changes:  # both lists as arrays to the end
-            scores, rows = self.dense.search_arrays(vectors, depth, restriction, chosen, retrieval.candidates)
-            lexical = self.bm25.search_arrays(queries, depth, None if restriction is None else restriction.mask)
-            return [rule.fuse_rows((row[row >= 0], score[row >= 0]), found, k)
-                    for row, score, found in zip(rows, scores, lexical)]
-        return [rule.fuse(dense, lexical, k, retrieval.lead)
-                for dense, lexical in zip(retrievers["dense"](depth), retrievers["bm25"](depth))]
+        lists = zip(retrievers["dense"](depth), retrievers["bm25"](depth))
+        if rule.fuse_rows is not None:  # both lists as arrays to the end
+            return [rule.fuse_rows(dense, lexical, k) for dense, lexical in lists]
+        return [rule.fuse(as_pairs(dense), as_pairs(lexical), k, retrieval.lead) for dense, lexical in lists]
 
     def generation_rows(self, filter: Filter | None) -> filtered_search.Restriction | None:
         """The generation's rows a search reads: those `filter` matches (None: all), less those the segment
@@ -345,16 +341,21 @@ class Searcher:
         return filtered_search.Restriction(segment.base_mask(matched.mask))
 
     def _dense(self, vectors: np.ndarray, k: int, restriction: filtered_search.Restriction | None,
-               structure: Structure | None, candidates: int | None, written: np.ndarray) -> Ranked:
+               structure: Structure | None, candidates: int | None, written: np.ndarray) -> list[RowScores]:
         """The generation's dense lists, merged with the segment's `written` passages' (exact) ones."""
-        found = self.dense.search(vectors, k, restriction, structure, candidates)
+        scores, rows = self.dense.search_arrays(vectors, k, restriction, structure, candidates)
+        found = [(row[row >= 0], score[row >= 0]) for row, score in zip(rows, scores)]
         if not written.any():
             return found
-        return [heapq.nsmallest(k, base + mine, key=lambda hit: (-hit[1], hit[0]))
-                for base, mine in zip(found, self.segment.dense(vectors, k, written))]
+        merged = []
+        for (base_rows, base_scores), (mine_rows, mine_scores) in zip(found, self.segment.dense(vectors, k, written)):
+            rows, scores = np.concatenate([base_rows, mine_rows]), np.concatenate([base_scores, mine_scores])
+            order = np.lexsort((rows, -scores))[:k]  # by score, equal scores by row
+            merged.append((rows[order], scores[order]))
+        return merged
 
     def _bm25(self, queries: Sequence[str], k: int, restriction: filtered_search.Restriction | None,
-              written: np.ndarray) -> list[list[tuple[int, float]]]:
+              written: np.ndarray) -> list[RowScores]:
         segment = self.segment
         if segment.changes:  # BM25 over the whole changed collection (retrieval.segment)
             index, rows = segment.bm25(self.passages.texts)
@@ -364,11 +365,8 @@ class Searcher:
                 mask = np.concatenate([np.ones(len(base), dtype=bool) if restriction is None
                                        else restriction.mask[rows[base]],
                                        written[rows[len(base):] - segment.base_count]])
-            found = index.search(queries, k) if mask is None else index.search_among(queries, k, mask)
-            return [[(int(rows[i]), score) for i, score in ranking] for ranking in found]
-        if restriction is None:
-            return self.bm25.search(queries, k)
-        return self.bm25.search_among(queries, k, restriction.mask)
+            return [(rows[found], scores) for found, scores in index.search_arrays(queries, k, mask)]
+        return self.bm25.search_arrays(queries, k, None if restriction is None else restriction.mask)
 
     def hits(self, ranked: list[list[tuple[int, float]]], fields: Sequence[str] | None = None) -> list[list[Hit]]:
         """Attach ids and texts to ranked rows; with `fields` (names), HitWithFields holding those each

@@ -130,12 +130,12 @@ class Segment:
         columns = FieldColumns.of_rows(len(self.passages), self.types, enumerate(p.fields for p in self.passages))
         return self.live & evaluate(filter, columns)
 
-    def dense(self, vectors: np.ndarray, k: int, among: np.ndarray) -> list[list[tuple[int, float]]]:
-        """The best `k` written passages `among` keeps per query vector, exactly (inner product), as rows
-        (base_count + position), best first, equal scores by row."""
+    def dense(self, vectors: np.ndarray, k: int, among: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
+        """The best `k` written passages `among` keeps per query vector, exactly (inner product), as (rows,
+        scores): rows base_count + position, best first, equal scores by row."""
         positions = np.flatnonzero(among)
         if not len(positions) or k <= 0:
-            return [[] for _ in range(len(vectors))]
+            return [(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.float32)) for _ in range(len(vectors))]
         candidates = self.vectors if len(positions) == len(self.vectors) else self.vectors[positions]
         scores = np.asarray(vectors, dtype=np.float32) @ candidates.T
         take = min(k, len(positions))
@@ -144,7 +144,7 @@ class Segment:
             kth = np.partition(row_scores, len(row_scores) - take)[len(row_scores) - take]
             found = np.flatnonzero(row_scores >= kth)  # every score tied at the k-th too, ordered by row below
             order = found[np.lexsort((positions[found], -row_scores[found]))][:k]
-            results.append([(self.base_count + int(positions[i]), float(row_scores[i])) for i in order])
+            results.append((self.base_count + positions[order].astype(np.int64), row_scores[order]))
         return results
 
     def bm25(self, base_texts) -> tuple[Bm25Index, np.ndarray]:
