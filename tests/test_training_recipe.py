@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from models.reranker import load_reranker
+from retrieval.index_format import read_manifest
 from retrieval.readers import read_qrels, read_queries, relevant
 from retrieval.rerank import reranked_list
 from retrieval.searcher import Hit
@@ -27,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def recipe_args(folder: Path, *extra: str) -> list[str]:
     return ["--corpus", str(folder / "corpus.tsv"), "--queries", str(folder / "queries.tsv"),
             "--qrels", str(folder / "qrels.txt"), "--out", str(folder / "out"), "--steps", "2", "--save-every", "1",
-            "--depths", "2", "4", "--weights", "0", "1", "--timing-queries", "5", "--budget-ms", "100000", "--device", "cpu", *extra]
+            "--depths", "2", "4", "--weights", "0", "1", "--timing-queries", "5", "--budget-ms", "100000", "--max-tokens", "96", "--biencoder-steps", "2", "--device", "cpu", *extra]
 
 
 @pytest.fixture(scope="module")
@@ -94,8 +95,8 @@ def test_the_service_started_from_its_settings_ranks_as_the_recipe_measured(reci
     summary = json.loads((recipe_out / "recipe.json").read_text())
     row = max((r for r in summary["validation"] if r["checkpoint"] and r["backend"] == "torch" and r["weight"]),
               key=lambda r: r["mean"])
-    pipeline = Pipeline(Path(row["checkpoint"]), row["backend"], row["depth"], row["weight"])
-    for name, value in pipeline.settings(recipe_out / "index").items():
+    pipeline = Pipeline(Path(row["checkpoint"]), row["backend"], row["depth"], row["weight"], row["first_stage"])
+    for name, value in pipeline.settings({stage: Path(index) for stage, index in summary["indexes"].items()}).items():
         monkeypatch.setenv(name, value)
     settings = ServiceSettings(device="cpu")
     assert (settings.rerank_depth, settings.rerank_retrieval_weight) == (pipeline.depth, pipeline.weight)
@@ -111,11 +112,43 @@ def test_the_service_started_from_its_settings_ranks_as_the_recipe_measured(reci
     assert [hit["id"] for hit in answer["results"]] == [docid for docid, _ in expected]
 
 
+def test_a_bi_encoder_fine_tuned_on_the_training_queries_is_a_second_first_stage_chosen_on_validation(recipe_out):
+    summary = json.loads((recipe_out / "recipe.json").read_text())
+    first_stages = {row["first_stage"]: row["mean"] for row in summary["validation"] if row["checkpoint"] is None}
+    assert list(first_stages) == ["default", "biencoder"]
+    manifest = read_manifest(recipe_out / "index-biencoder")
+    assert Path(manifest.encoder.path).resolve().parent == (recipe_out / "biencoder").resolve() and manifest.count == SMALL_CORPUS_LINES
+    # The reranker reranks the first stage that reads better on validation (a tie keeps the default).
+    reranked_over = {row["first_stage"] for row in summary["validation"] if row["checkpoint"]}
+    assert reranked_over == {"biencoder" if first_stages["biencoder"] > first_stages["default"] else "default"}
+    fine_tuned = summary["held_out"]["fine-tuned first stage"]
+    assert fine_tuned["settings"] == {"SEARCH_INDEX_DIR": str((recipe_out / "index-biencoder").resolve()),
+                                      "SEARCH_RERANKERS": "[]"}
+    assert fine_tuned["default"] == summary["held_out"]["default"]["held_out"]
+
+
+def test_the_reranker_trains_and_serves_at_the_asked_token_limit(recipe_out):
+    summary = json.loads((recipe_out / "recipe.json").read_text())
+    reranker = load_reranker(summary["held_out"]["chosen"]["checkpoint"] or next(
+        r["checkpoint"] for r in summary["validation"] if r["checkpoint"]), device="cpu")
+    assert reranker.max_tokens == 96
+    assert max(reranker.pair_tokens("a question", ["word " * 500])) == 96
+
+
 def test_a_rerun_asking_other_settings_of_the_same_folder_is_refused(recipe_out, capsys):
     folder = recipe_out.parent
     assert main(recipe_args(folder, "--seed", "14")) == 2
     assert capsys.readouterr().err.strip() == (f"error: {recipe_out} was made with other seed "
                                                f"({recipe_out / 'recipe-settings.json'}): give another --out")
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--max-tokens", "64", "--max-tokens must be from 72 to 512, got 64"),
+    ("--weights", "-1", "--weights must be from 0 to 100, got [-1.0]"),
+])
+def test_a_bad_setting_exits_2_naming_it(tmp_path, capsys, flag, value, message):
+    assert main(recipe_args(tmp_path, flag, value)) == 2
+    assert capsys.readouterr().err.strip() == f"error: {message}"
 
 
 def test_a_missing_input_file_exits_2_naming_it(tmp_path, capsys):

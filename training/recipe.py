@@ -7,16 +7,18 @@
    training part, split again the same way into the queries the reranker trains on and a validation part
    (`--validation-share`), which chooses: DIR/split, DIR/split/validation.
 2. Takes each query's top max(`--depths`) by the index's default retrieval (hybrid with z-score fusion where
-   the index has BM25): INDEX, or the packaged encoder's index of C built into DIR/index.
+   the index has BM25): INDEX, or the packaged encoder's index of C built into DIR/index. With
+   `--biencoder-steps`, also by a second first stage: the packaged MiniLM fine-tuned on the training queries
+   (DIR/biencoder) and its index of C (DIR/index-biencoder); the one reading better on validation is reranked.
 3. Trains the residual monoBERT from the packaged MiniLM on the training queries' lists (training.
-   train_cross_encoder --objective residual: each logit plus 0.5 x the first stage's z-score), a checkpoint
-   every `--save-every` steps: DIR/model. A rerun resumes an interrupted training.
-4. Chooses on validation by nDCG@10: every checkpoint at every depth and retrieval weight on torch, then the
-   best checkpoint on each other backend; ties go to the faster. Each pipeline's ms/query (first stage and
+   train_cross_encoder --objective residual: each logit plus 0.5 x the first stage's z-score; pairs cut to
+   `--max-tokens`), a checkpoint every `--save-every` steps: DIR/model. A rerun resumes an interrupted training.
+4. Chooses on validation by nDCG@10: each first stage alone, every checkpoint at every depth and retrieval
+   weight on torch, then the best checkpoint on each other backend; ties go to the faster. Each pipeline's ms/query (first stage and
    rerank, one query at a time, p50) is measured on validation queries. The chosen pipeline is the best one
    (the default retrieval alone where no reranking beats it); the fast one the best within `--budget-ms`.
-5. Reports once on held-out: the default retrieval, the chosen pipeline with and without blending, and the
-   fast one, each difference from the default with a paired bootstrap 95% interval over queries.
+5. Reports once on held-out: the default retrieval, the fine-tuned first stage, the chosen pipeline with and
+   without blending, and the fast one, each difference from the default with a paired bootstrap 95% interval over queries.
 6. Writes DIR/serve.env and DIR/serve-fast.env (the service's settings for each pipeline: `set -a; .
    DIR/serve.env; set +a; python -m service`) and DIR/recipe.json (every figure above).
 """
@@ -45,7 +47,7 @@ from retrieval.load_options import LoadOptions
 from retrieval.readers import InputFileError, Qrels, read_qrels, read_queries, write_run
 from retrieval.rerank import reranked_list
 from retrieval.searcher import Hit, Searcher, encoder_for
-from training import train_cross_encoder
+from training import train_biencoder, train_cross_encoder
 from training.data import TrainingDataError
 from training.split import write_split
 from training.trainer import checkpoints
@@ -54,6 +56,10 @@ MEASURE = "nDCG@10"
 K = 10  # the list a pipeline answers and the measure reads
 PRIOR_WEIGHT = 0.5  # the first stage's weight in the residual training (scripts/scifact.sh's)
 SETTINGS_FILE = "recipe-settings.json"
+DEFAULT, BIENCODER = "default", "biencoder"
+# The first stages a pipeline starts from: the index's own default retrieval, and the same retrieval over an
+# index of the corpus encoded by the bi-encoder fine-tuned on the training queries (--biencoder-steps).
+FIRST_STAGES = {DEFAULT: "default retrieval", BIENCODER: "fine-tuned bi-encoder's retrieval"}
 
 
 class RecipeError(ValueError):
@@ -69,15 +75,19 @@ class Pipeline:
     backend: str = "torch"
     depth: int = 0
     weight: float = 0.0
+    first_stage: str = DEFAULT  # FIRST_STAGES: whose index's default retrieval it reranks
 
     @property
     def name(self) -> str:
         if self.checkpoint is None:
-            return "default retrieval"
-        return f"{self.checkpoint.name} {self.backend} depth {self.depth} weight {self.weight:g}"
+            return FIRST_STAGES[self.first_stage]
+        on = "" if self.first_stage == DEFAULT else f"{FIRST_STAGES[self.first_stage]} + "
+        return f"{on}{self.checkpoint.name} {self.backend} depth {self.depth} weight {self.weight:g}"
 
-    def settings(self, index: Path) -> dict[str, str]:
-        """The service's environment that serves this pipeline (requests ask `"rerank": true`)."""
+    def settings(self, indexes: Mapping[str, Path]) -> dict[str, str]:
+        """The service's environment that serves this pipeline (requests ask `"rerank": true`); `indexes`: each
+        first stage's index."""
+        index = indexes[self.first_stage]
         if self.checkpoint is None:
             return {"SEARCH_INDEX_DIR": str(index.resolve()), "SEARCH_RERANKERS": "[]"}
         return {"SEARCH_INDEX_DIR": str(index.resolve()),
@@ -87,24 +97,25 @@ class Pipeline:
 
     def as_json(self) -> dict:
         return {"checkpoint": str(self.checkpoint) if self.checkpoint else None, "backend": self.backend,
-                "depth": self.depth, "weight": self.weight}
+                "depth": self.depth, "weight": self.weight, "first_stage": self.first_stage}
 
 
 @dataclass
 class Part:
-    """One part of the split: its queries, their judgements and each query's default-retrieval list."""
+    """One part of the split: its queries, their judgements and each query's list by each first stage."""
 
     queries: dict[str, str]
     qrels: Qrels
-    lists: dict[str, list[Hit]]
+    lists: dict[str, dict[str, list[Hit]]]  # first stage -> query -> its list
 
     def scored(self, pipeline: Pipeline, scores: Mapping[str, Sequence[float]] | None) -> dict[str, float]:
         """Each query's nDCG@10 under `pipeline`; `scores`: its reranker's scores of each list's head."""
+        lists = self.lists[pipeline.first_stage]
         if pipeline.checkpoint is None:
-            run = as_run({qid: hits[:K] for qid, hits in self.lists.items()})
+            run = as_run({qid: hits[:K] for qid, hits in lists.items()})
         else:
             run = {qid: reranked_list(hits, scores[qid][:pipeline.depth], K, pipeline.weight)
-                   for qid, hits in self.lists.items()}
+                   for qid, hits in lists.items()}
         return per_query(self.qrels, run, MEASURE)
 
 
@@ -119,24 +130,29 @@ class Row:
         return sum(self.values.values()) / len(self.values)
 
 
-def reranker_scores(reranker: Reranker, part: Part, depth: int, label: str) -> dict[str, list[float]]:
-    """`reranker`'s score of each list's top `depth` (one pass serves every smaller depth)."""
+def reranker_scores(reranker: Reranker, part: Part, stage: str, depth: int, label: str) -> dict[str, list[float]]:
+    """`reranker`'s score of the top `depth` of each of `stage`'s lists (one pass serves every smaller depth)."""
     return {qid: [float(s) for s in reranker.score(part.queries[qid], [hit.text for hit in hits[:depth]])]
-            for qid, hits in tqdm(part.lists.items(), desc=label, unit=" queries")}
+            for qid, hits in tqdm(part.lists[stage].items(), desc=label, unit=" queries")}
 
 
-def timed_ms(searcher: Searcher, rerankers: Mapping[str, Reranker], part: Part, depths: Sequence[int],
-             queries: int) -> tuple[float, dict[tuple[str, int], float]]:
-    """p50 ms a query, one query at a time as a search arrives: the default retrieval alone, and with each
+def timed_ms(searchers: Mapping[str, Searcher], stage: str, rerankers: Mapping[str, Reranker], part: Part,
+             depths: Sequence[int], queries: int) -> tuple[dict[str, float], dict[tuple[str, int], float]]:
+    """p50 ms a query, one query at a time as a search arrives: each first stage alone, and `stage` with each
     backend's reranker at each depth (the first stage's time of a query plus its rerank's)."""
     sample = list(part.queries.items())[:queries]
-    request = searcher.request(max(max(depths), K))
-    searcher.run([sample[0][1]], request)  # warm: the first call pays one-off costs
-    first, lists = {}, {}
-    for qid, text in sample:
-        started = time.perf_counter()
-        lists[qid] = searcher.run([text], request)[0]
-        first[qid] = (time.perf_counter() - started) * 1000
+    alone = {}
+    for name, searcher in searchers.items():
+        request = searcher.request(max(max(depths), K))
+        searcher.run([sample[0][1]], request)  # warm: the first call pays one-off costs
+        first, found = {}, {}
+        for qid, text in sample:
+            started = time.perf_counter()
+            found[qid] = searcher.run([text], request)[0]
+            first[qid] = (time.perf_counter() - started) * 1000
+        alone[name] = statistics.median(first.values())
+        if name == stage:
+            lists, stage_ms = found, first
     times = {}
     for backend, reranker in rerankers.items():
         reranker.score(sample[0][1], [hit.text for hit in lists[sample[0][0]][:max(depths)]])
@@ -145,9 +161,9 @@ def timed_ms(searcher: Searcher, rerankers: Mapping[str, Reranker], part: Part, 
             for qid, text in sample:
                 started = time.perf_counter()
                 reranker.score(text, [hit.text for hit in lists[qid][:depth]])
-                total.append(first[qid] + (time.perf_counter() - started) * 1000)
+                total.append(stage_ms[qid] + (time.perf_counter() - started) * 1000)
             times[(backend, depth)] = statistics.median(total)
-    return statistics.median(first.values()), times
+    return alone, times
 
 
 def chosen(rows: Sequence[Row], budget_ms: float | None = None) -> Row | None:
@@ -173,9 +189,9 @@ def _check_settings(out: Path, settings: dict) -> None:
     file.write_text(json.dumps(settings, indent=1) + "\n")
 
 
-def _env_file(path: Path, pipeline: Pipeline, index: Path, about: str) -> None:
+def _env_file(path: Path, pipeline: Pipeline, indexes: Mapping[str, Path], about: str) -> None:
     lines = [f"# {about}", f"# serve: set -a; . {path}; set +a; python -m service (requests ask \"rerank\": true)"]
-    lines += [f"{name}='{value}'" for name, value in pipeline.settings(index).items()]
+    lines += [f"{name}='{value}'" for name, value in pipeline.settings(indexes).items()]
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -192,23 +208,34 @@ def run_recipe(args: argparse.Namespace) -> dict:
 
     index = args.index or out / "index"
     if args.index is None:
-        built = subprocess.run([sys.executable, "-m", "index_builder", "build", "--corpus", str(args.corpus),
-                                "--out", str(index), "--if-missing", "--device", args.device]).returncode
-        if built:
-            raise RecipeError(f"building the index of {args.corpus} into {index} failed (exit {built})")
-    searcher = Searcher(index, encoder_for(read_manifest(index), args.device), load=LoadOptions(device=args.device))
-    request = searcher.request(max(max(depths), K))
+        _build_index(args.corpus, index, args.device)
+    searchers = {DEFAULT: Searcher(index, encoder_for(read_manifest(index), args.device),
+                                   load=LoadOptions(device=args.device))}
+    request = searchers[DEFAULT].request(max(max(depths), K))
     first_stage = mode_name(request.mode, request.fusion)
     print(f"first stage: {index}'s default retrieval ({first_stage}), top {request.k}", file=sys.stderr)
 
     def part(folder: Path, side: str) -> Part:
         queries = read_queries(folder / f"queries-{side}.tsv")
-        return Part(queries, read_qrels(folder / f"qrels-{side}.txt"), retrieve(searcher, queries, request.k))
+        return Part(queries, read_qrels(folder / f"qrels-{side}.txt"),
+                    {DEFAULT: retrieve(searchers[DEFAULT], queries, request.k)})
 
     fit, validation, held_out = part(inner, "train"), part(inner, "dev"), part(split, "dev")
-    saved = _train(args, fit, inner, first_stage)
+    indexes, stage = {DEFAULT: index}, DEFAULT
+    if args.biencoder_steps:
+        indexes[BIENCODER] = _biencoder(args, fit, inner, searchers[DEFAULT], first_stage)
+        searchers[BIENCODER] = Searcher(indexes[BIENCODER], encoder_for(read_manifest(indexes[BIENCODER]), args.device),
+                                        load=LoadOptions(device=args.device))
+        for each in (fit, validation, held_out):
+            each.lists[BIENCODER] = retrieve(searchers[BIENCODER], each.queries, request.k)
+        means = {name: statistics.fmean(validation.scored(Pipeline(first_stage=name), None).values())
+                 for name in (DEFAULT, BIENCODER)}
+        stage = max(means, key=lambda name: round(means[name], 10))  # a tie keeps the default
+        print(f"first stage reranked, chosen on validation ({MEASURE}): {FIRST_STAGES[stage]} "
+              f"({means[BIENCODER]:.4f} fine-tuned against {means[DEFAULT]:.4f})", file=sys.stderr)
+    saved = _train(args, fit, inner, first_stage, stage)
     loaded: dict[tuple[Path, str], Reranker] = {}  # (checkpoint, backend): kept from validation for held-out
-    rows = _validation_rows(args, searcher, saved, validation, depths, weights, loaded)
+    rows = _validation_rows(args, searchers, stage, saved, validation, depths, weights, loaded)
     best, fast = chosen(rows), chosen(rows, args.budget_ms)
     # With and without blending: the chosen pipeline on the other side of weight 0, its best on validation.
     counterpart = chosen([row for row in rows if best.pipeline.checkpoint is not None and (
@@ -216,11 +243,12 @@ def run_recipe(args: argparse.Namespace) -> dict:
         best.pipeline.checkpoint, best.pipeline.backend, best.pipeline.depth)
         and (row.pipeline.weight == 0) != (best.pipeline.weight == 0)])
     blending = "chosen, without blending" if best.pipeline.weight else "chosen, with blending"
-    reported = {"default": rows[0], "chosen": best, **({blending: counterpart} if counterpart else {}),
-                **({"fast": fast} if fast else {})}
-    report = _held_out(args, reported, held_out, max(depths), loaded)
+    fine_tuned = [row for row in rows if row.pipeline == Pipeline(first_stage=BIENCODER)]
+    reported = {"default": rows[0], **({"fine-tuned first stage": fine_tuned[0]} if fine_tuned else {}),
+                "chosen": best, **({blending: counterpart} if counterpart else {}), **({"fast": fast} if fast else {})}
+    report = _held_out(args, reported, held_out, stage, max(depths), loaded)
 
-    summary = _summary(args, first_stage, counts, outer, len(saved), rows, report, index)
+    summary = _summary(args, first_stage, counts, outer, len(saved), rows, report, indexes)
     (out / "recipe.json").write_text(json.dumps(summary, indent=1) + "\n")
     print(_table(report, len(held_out.queries), validation, first_stage))
     for label, row, file in (("serve", best, "serve.env"), ("serve fast", fast, "serve-fast.env")):
@@ -228,9 +256,9 @@ def run_recipe(args: argparse.Namespace) -> dict:
         if row is None:
             print(f"{label}: no pipeline answered within {args.budget_ms:g} ms/query (p50) on this machine")
             continue
-        _env_file(out / file, row.pipeline, index, f"{label}: {row.pipeline.name}")
+        _env_file(out / file, row.pipeline, indexes, f"{label}: {row.pipeline.name}")
         settings = " ".join(f"{name}='{value}'" if name == "SEARCH_RERANKERS" else f"{name}={value}"
-                            for name, value in row.pipeline.settings(index).items())
+                            for name, value in row.pipeline.settings(indexes).items())
         print(f"{label}: {settings}  ({row.ms:.1f} ms/query p50 on validation; {out / file})")
     print(f"recipe: {len(saved)} checkpoints x {len(depths)} depths x {len(weights)} weights chosen on "
           f"{len(validation.queries)} validation queries, reported on {len(held_out.queries)} held-out queries in "
@@ -239,8 +267,12 @@ def run_recipe(args: argparse.Namespace) -> dict:
 
 
 def _check_arguments(args: argparse.Namespace, depths: list[int], weights: list[float]) -> None:
+    if args.biencoder_steps < 0:
+        raise RecipeError(f"--biencoder-steps must be >= 0, got {args.biencoder_steps}")
     if args.steps < 1 or args.save_every < 1:
         raise RecipeError(f"--steps and --save-every must be >= 1, got {args.steps} and {args.save_every}")
+    if not 72 <= args.max_tokens <= 512:  # room for a query's 64 tokens, the separators and a passage
+        raise RecipeError(f"--max-tokens must be from 72 to 512, got {args.max_tokens}")
     if any(depth < 1 or depth > 1000 for depth in depths):
         raise RecipeError(f"--depths must be from 1 to 1000, got {depths}")
     if any(not 0 <= weight <= 100 for weight in weights):
@@ -252,20 +284,52 @@ def _check_arguments(args: argparse.Namespace, depths: list[int], weights: list[
         "corpus": str(args.corpus.resolve()), "queries_sha256": _sha256(args.queries),
         "qrels_sha256": _sha256(args.qrels), "index": str(args.index.resolve()) if args.index else None,
         "dev_share": args.dev_share, "validation_share": args.validation_share, "seed": args.seed,
-        "steps": args.steps, "save_every": args.save_every, "max_depth": max(depths)})
+        "steps": args.steps, "save_every": args.save_every, "max_depth": max(depths), "max_tokens": args.max_tokens,
+        "biencoder_steps": args.biencoder_steps})
 
 
-def _train(args: argparse.Namespace, fit: Part, inner: Path, first_stage: str) -> list[Path]:
-    """The residual monoBERT trained (or its interrupted training resumed) on `fit`'s lists; its checkpoints."""
+def _build_index(corpus: Path, index: Path, device: str, *model: str) -> None:
+    """An index of `corpus` with BM25 in `index` (by `model`'s "--model", "DIR": the packaged MiniLM without),
+    kept where one is there already."""
+    built = subprocess.run([sys.executable, "-m", "index_builder", "build", "--corpus", str(corpus), "--out", str(index),
+                            "--if-missing", "--device", device, *model]).returncode
+    if built:
+        raise RecipeError(f"building the index of {corpus} into {index} failed (exit {built})")
+
+
+def _biencoder(args: argparse.Namespace, fit: Part, inner: Path, searcher: Searcher, first_stage: str) -> Path:
+    """The packaged MiniLM fine-tuned on `fit`'s queries (in-batch and one mined negative from the default
+    retrieval's top 100, softmax: scripts/scifact.sh's `biencoder`), its training resumed where interrupted, and
+    the index of the corpus it encodes (DIR/index-biencoder, with BM25)."""
+    (args.out / "runs").mkdir(exist_ok=True)
+    negatives = args.out / "runs" / "negatives.run"
+    write_run(negatives, as_run(retrieve(searcher, fit.queries, 100)), tag=first_stage)
+    model = args.out / "biencoder"
+    trained = train_biencoder.main([
+        "--corpus", str(args.corpus), "--queries", str(inner / "queries-train.tsv"),
+        "--qrels", str(inner / "qrels-train.txt"), "--negatives-run", str(negatives), "--negatives-depth", "100",
+        "--negatives", "1", "--objective", "softmax", "--batch-size", "16", "--lr", "2e-5",
+        "--max-steps", str(args.biencoder_steps), "--save-every", str(min(50, args.biencoder_steps)), "--seed", str(args.seed),
+        "--device", args.device, "--resume", "--output", str(model)])
+    if trained:
+        raise RecipeError(f"training the bi-encoder into {model} failed (exit {trained})")
+    index = args.out / "index-biencoder"
+    _build_index(args.corpus, index, args.device, "--model", str(checkpoints(model)[-1]))
+    return index
+
+
+def _train(args: argparse.Namespace, fit: Part, inner: Path, first_stage: str, stage: str) -> list[Path]:
+    """The residual monoBERT trained (or its interrupted training resumed) on `fit`'s lists by `stage`; its
+    checkpoints."""
     (args.out / "runs").mkdir(exist_ok=True)
     prior = args.out / "runs" / "train.run"
-    write_run(prior, as_run(fit.lists), tag=first_stage)
+    write_run(prior, as_run(fit.lists[stage]), tag=first_stage)
     model = args.out / "model"
     trained = train_cross_encoder.main([
         "--corpus", str(args.corpus), "--queries", str(inner / "queries-train.tsv"),
         "--qrels", str(inner / "qrels-train.txt"), "--objective", "residual", "--prior-run", str(prior),
         "--prior-weight", str(PRIOR_WEIGHT), "--negatives", "3", "--batch-size", "4", "--lr", "3e-5",
-        "--max-steps", str(args.steps), "--max-tokens", "256", "--save-every", str(args.save_every),
+        "--max-steps", str(args.steps), "--max-tokens", str(args.max_tokens), "--save-every", str(args.save_every),
         "--keep-checkpoints", "0", "--seed", str(args.seed), "--device", args.device, "--resume",
         "--output", str(model)])
     if trained:
@@ -273,17 +337,20 @@ def _train(args: argparse.Namespace, fit: Part, inner: Path, first_stage: str) -
     return checkpoints(model)
 
 
-def _validation_rows(args: argparse.Namespace, searcher: Searcher, saved: Sequence[Path], validation: Part,
-                     depths: list[int], weights: list[float], loaded: dict[tuple[Path, str], Reranker]) -> list[Row]:
-    """The default retrieval's row, then every checkpoint's at every depth and weight on torch, then the best
-    checkpoint's on each other backend, each with its ms/query; the rerankers timed are left in `loaded`."""
+def _validation_rows(args: argparse.Namespace, searchers: Mapping[str, Searcher], stage: str, saved: Sequence[Path],
+                     validation: Part, depths: list[int], weights: list[float],
+                     loaded: dict[tuple[Path, str], Reranker]) -> list[Row]:
+    """Each first stage's row (the default retrieval's first), then every checkpoint's over `stage` at every
+    depth and weight on torch, then the best checkpoint's on each other backend, each with its ms/query; the
+    rerankers timed are left in `loaded`."""
     rerankers: dict[str, Reranker] = {}
-    candidates: list[tuple[Pipeline, dict[str, float]]] = [(Pipeline(), validation.scored(Pipeline(), None))]
+    candidates: list[tuple[Pipeline, dict[str, float]]] = [
+        (Pipeline(first_stage=name), validation.scored(Pipeline(first_stage=name), None)) for name in searchers]
     best_checkpoint, best_mean = None, float("-inf")
     for checkpoint in saved:
         reranker = load_reranker(checkpoint, device=args.device, backend="torch")
-        scores = reranker_scores(reranker, validation, max(depths), f"validation, {checkpoint.name}")
-        for pipeline in (Pipeline(checkpoint, "torch", d, w) for d in depths for w in weights):
+        scores = reranker_scores(reranker, validation, stage, max(depths), f"validation, {checkpoint.name}")
+        for pipeline in (Pipeline(checkpoint, "torch", d, w, stage) for d in depths for w in weights):
             values = validation.scored(pipeline, scores)
             candidates.append((pipeline, values))
             mean = sum(values.values()) / len(values)
@@ -292,18 +359,19 @@ def _validation_rows(args: argparse.Namespace, searcher: Searcher, saved: Sequen
     backends = args.backends if resolve_device(args.device).type == "cpu" else ["torch"]  # ONNX runs on the CPU
     for backend in [b for b in backends if b != "torch"]:
         rerankers[backend] = load_reranker(best_checkpoint, device=args.device, backend=backend)
-        scores = reranker_scores(rerankers[backend], validation, max(depths), f"validation, {backend}")
+        scores = reranker_scores(rerankers[backend], validation, stage, max(depths), f"validation, {backend}")
         candidates += [(pipeline, validation.scored(pipeline, scores)) for pipeline in
-                       (Pipeline(best_checkpoint, backend, d, w) for d in depths for w in weights)]
+                       (Pipeline(best_checkpoint, backend, d, w, stage) for d in depths for w in weights)]
     if "torch" not in backends:  # torch chose the checkpoint; its rows do not compete
         candidates = [(p, v) for p, v in candidates if p.backend != "torch" or p.checkpoint is None]
         del rerankers["torch"]
-    first_ms, times = timed_ms(searcher, rerankers, validation, depths, args.timing_queries)
+    first_ms, times = timed_ms(searchers, stage, rerankers, validation, depths, args.timing_queries)
     loaded.update({(best_checkpoint, backend): reranker for backend, reranker in rerankers.items()})
-    return [Row(p, v, first_ms if p.checkpoint is None else times[(p.backend, p.depth)]) for p, v in candidates]
+    return [Row(p, v, first_ms[p.first_stage] if p.checkpoint is None else times[(p.backend, p.depth)])
+            for p, v in candidates]
 
 
-def _held_out(args: argparse.Namespace, reported: Mapping[str, Row], held_out: Part, depth: int,
+def _held_out(args: argparse.Namespace, reported: Mapping[str, Row], held_out: Part, stage: str, depth: int,
               loaded: Mapping[tuple[Path, str], Reranker]) -> dict[str, tuple[Row, Difference]]:
     """Each reported pipeline scored once on `held_out`, against the default retrieval; each reranker
     (checkpoint and backend; from `loaded` where validation left it) reads each list once."""
@@ -313,7 +381,7 @@ def _held_out(args: argparse.Namespace, reported: Mapping[str, Row], held_out: P
         if row.pipeline.checkpoint is not None and key not in scores:
             reranker = loaded.get(key) or load_reranker(row.pipeline.checkpoint, device=args.device,
                                                         backend=row.pipeline.backend)
-            scores[key] = reranker_scores(reranker, held_out, depth, f"held-out, {row.pipeline.backend}")
+            scores[key] = reranker_scores(reranker, held_out, stage, depth, f"held-out, {row.pipeline.backend}")
     base = held_out.scored(Pipeline(), None)
     return {label: (row, paired_bootstrap(base, held_out.scored(
         row.pipeline, scores.get((row.pipeline.checkpoint, row.pipeline.backend))), seed=args.seed))
@@ -326,24 +394,26 @@ def _table(report: Mapping[str, tuple[Row, Difference]], queries: int, validatio
              f"queries)",
              f"{'':<26}{'pipeline':<44}{'validation':>11}{'held-out':>10}  {'difference':<58}{'ms/query':>9}"]
     for label, (row, difference) in report.items():
-        verdict = "" if row.pipeline.checkpoint is None else ("  real" if difference.real else "  not shown")
-        change = "" if row.pipeline.checkpoint is None else f"{difference}{verdict}"
+        base = row.pipeline == Pipeline()
+        verdict = "" if base else ("  real" if difference.real else "  not shown")
+        change = "" if base else f"{difference}{verdict}"
         lines.append(f"{label:<26}{row.pipeline.name:<44}{row.mean:>11.4f}{difference.other:>10.4f}  "
                      f"{change:<58}{row.ms:>9.1f}")
     return "\n".join(lines)
 
 
 def _summary(args, first_stage: str, counts: dict, outer: dict, checkpoints_seen: int, rows: Sequence[Row],
-             report: Mapping[str, tuple[Row, Difference]], index: Path) -> dict:
+             report: Mapping[str, tuple[Row, Difference]], indexes: Mapping[str, Path]) -> dict:
     return {
-        "date": time.strftime("%Y-%m-%d"), "first_stage": first_stage, "index": str(index),
+        "date": time.strftime("%Y-%m-%d"), "first_stage": first_stage, "index": str(indexes[DEFAULT]),
+        "indexes": {name: str(index) for name, index in indexes.items()},
         "queries": {"train": counts["train"], "validation": counts["dev"], "held_out": outer["dev"]},
         "checkpoints": checkpoints_seen, "measure": MEASURE, "budget_ms": args.budget_ms,
         "validation": [{**row.pipeline.as_json(), "mean": row.mean, "ms": row.ms} for row in rows],
         "held_out": {label: {**row.pipeline.as_json(), "validation": row.mean, "ms": row.ms,
                              "held_out": difference.other, "default": difference.base, "difference": difference.mean,
                              "interval": [difference.low, difference.high], "real": difference.real,
-                             "settings": row.pipeline.settings(index)}
+                             "settings": row.pipeline.settings(indexes)}
                      for label, (row, difference) in report.items()},
     }
 
@@ -362,8 +432,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=13, help="seed of the splits, the training and the bootstrap")
     parser.add_argument("--steps", type=int, default=300, help="training steps of 4 queries (default 300)")
     parser.add_argument("--save-every", type=int, default=100, help="steps between the checkpoints compared (100)")
+    parser.add_argument("--biencoder-steps", type=int, default=0,
+                        help="steps of 16 queries fine-tuning the bi-encoder into a second first stage (0: none)")
+    parser.add_argument("--max-tokens", type=int, default=256,
+                        help="tokens of a (query, passage) pair, in training and serving (default 256)")
     parser.add_argument("--depths", type=int, nargs="+", default=[4, 10, 20], help="rerank depths compared")
-    parser.add_argument("--weights", type=float, nargs="+", default=[0, 0.5, 1, 2, 3],
+    parser.add_argument("--weights", type=float, nargs="+", default=[0, 0.5, 1, 2, 3, 5],
                         help="first-stage weights in the blend compared (0: the reranker alone)")
     parser.add_argument("--backends", nargs="+", choices=BACKENDS, default=["torch", "onnx-int8"],
                         help="the reranker's backends compared (default torch onnx-int8)")
