@@ -432,8 +432,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=13, help="seed of the splits, the training and the bootstrap")
     parser.add_argument("--steps", type=int, default=300, help="training steps of 4 queries (default 300)")
     parser.add_argument("--save-every", type=int, default=100, help="steps between the checkpoints compared (100)")
-    parser.add_argument("--biencoder-steps", type=int, default=0,
-                        help="steps of 16 queries fine-tuning the bi-encoder into a second first stage (0: none)")
+    parser.add_argument("--biencoder-steps", type=int, default=200,
+                        help="steps of 16 queries fine-tuning the bi-encoder into a second first stage (default "
+                             "200; 0: none)")
     parser.add_argument("--max-tokens", type=int, default=256,
                         help="tokens of a (query, passage) pair, in training and serving (default 256)")
     parser.add_argument("--depths", type=int, nargs="+", default=[4, 10, 20], help="rerank depths compared")
