@@ -389,16 +389,19 @@ def _held_out(args: argparse.Namespace, reported: Mapping[str, Row], held_out: P
 
 
 def _table(report: Mapping[str, tuple[Row, Difference]], queries: int, validation: Part, first_stage: str) -> str:
+    changes = {label: "" if row.pipeline == Pipeline() else
+               f"{difference}  {'real' if difference.real else 'not shown'}"
+               for label, (row, difference) in report.items()}
+    name_width = max(len(row.pipeline.name) for row, _ in report.values()) + 2
+    change_width = max(map(len, changes.values())) + 2
     lines = [f"held-out: {queries} queries, reported once ({MEASURE}; differences from the default retrieval, "
              f"{first_stage}, with paired bootstrap 95% intervals; chosen on {len(validation.queries)} validation "
              f"queries)",
-             f"{'':<26}{'pipeline':<44}{'validation':>11}{'held-out':>10}  {'difference':<58}{'ms/query':>9}"]
+             f"{'':<26}{'pipeline':<{name_width}}{'validation':>10}{'held-out':>10}  {'difference':<{change_width}}"
+             f"{'ms/query':>8}"]
     for label, (row, difference) in report.items():
-        base = row.pipeline == Pipeline()
-        verdict = "" if base else ("  real" if difference.real else "  not shown")
-        change = "" if base else f"{difference}{verdict}"
-        lines.append(f"{label:<26}{row.pipeline.name:<44}{row.mean:>11.4f}{difference.other:>10.4f}  "
-                     f"{change:<58}{row.ms:>9.1f}")
+        lines.append(f"{label:<26}{row.pipeline.name:<{name_width}}{row.mean:>10.4f}{difference.other:>10.4f}  "
+                     f"{changes[label]:<{change_width}}{row.ms:>8.1f}")
     return "\n".join(lines)
 
 
