@@ -408,7 +408,7 @@ def _table(report: Mapping[str, tuple[Row, Difference]], queries: int, validatio
 def _summary(args, first_stage: str, counts: dict, outer: dict, checkpoints_seen: int, rows: Sequence[Row],
              report: Mapping[str, tuple[Row, Difference]], indexes: Mapping[str, Path]) -> dict:
     return {
-        "date": time.strftime("%Y-%m-%d"), "first_stage": first_stage, "index": str(indexes[DEFAULT]),
+        "date": time.strftime("%Y-%m-%d"), "default_retrieval": first_stage, "index": str(indexes[DEFAULT]),
         "indexes": {name: str(index) for name, index in indexes.items()},
         "queries": {"train": counts["train"], "validation": counts["dev"], "held_out": outer["dev"]},
         "checkpoints": checkpoints_seen, "measure": MEASURE, "budget_ms": args.budget_ms,
