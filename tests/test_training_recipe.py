@@ -117,7 +117,8 @@ def test_a_bi_encoder_fine_tuned_on_the_training_queries_is_a_second_first_stage
     first_stages = {row["first_stage"]: row["mean"] for row in summary["validation"] if row["checkpoint"] is None}
     assert list(first_stages) == ["default", "biencoder"]
     manifest = read_manifest(recipe_out / "index-biencoder")
-    assert Path(manifest.encoder.path).resolve().parent == (recipe_out / "biencoder").resolve() and manifest.count == SMALL_CORPUS_LINES
+    assert Path(manifest.encoder.path).resolve().parent == (recipe_out / "biencoder").resolve()
+    assert manifest.count == SMALL_CORPUS_LINES
     # The reranker reranks the first stage that reads better on validation (a tie keeps the default).
     reranked_over = {row["first_stage"] for row in summary["validation"] if row["checkpoint"]}
     assert reranked_over == {"biencoder" if first_stages["biencoder"] > first_stages["default"] else "default"}

@@ -14,11 +14,12 @@
    train_cross_encoder --objective residual: each logit plus 0.5 x the first stage's z-score; pairs cut to
    `--max-tokens`), a checkpoint every `--save-every` steps: DIR/model. A rerun resumes an interrupted training.
 4. Chooses on validation by nDCG@10: each first stage alone, every checkpoint at every depth and retrieval
-   weight on torch, then the best checkpoint on each other backend; ties go to the faster. Each pipeline's ms/query (first stage and
-   rerank, one query at a time, p50) is measured on validation queries. The chosen pipeline is the best one
+   weight on torch, then the best checkpoint on each other backend; ties go to the faster. Each pipeline's
+   ms/query (first stage and rerank, one query at a time, p50) is measured on validation queries. The chosen pipeline is the best one
    (the default retrieval alone where no reranking beats it); the fast one the best within `--budget-ms`.
 5. Reports once on held-out: the default retrieval, the fine-tuned first stage, the chosen pipeline with and
-   without blending, and the fast one, each difference from the default with a paired bootstrap 95% interval over queries.
+   without blending, and the fast one, each difference from the default with a paired bootstrap 95% interval
+   over queries.
 6. Writes DIR/serve.env and DIR/serve-fast.env (the service's settings for each pipeline: `set -a; .
    DIR/serve.env; set +a; python -m service`) and DIR/recipe.json (every figure above).
 """
@@ -288,11 +289,12 @@ def _check_arguments(args: argparse.Namespace, depths: list[int], weights: list[
         "biencoder_steps": args.biencoder_steps})
 
 
-def _build_index(corpus: Path, index: Path, device: str, *model: str) -> None:
-    """An index of `corpus` with BM25 in `index` (by `model`'s "--model", "DIR": the packaged MiniLM without),
-    kept where one is there already."""
-    built = subprocess.run([sys.executable, "-m", "index_builder", "build", "--corpus", str(corpus), "--out", str(index),
-                            "--if-missing", "--device", device, *model]).returncode
+def _build_index(corpus: Path, index: Path, device: str, model: Path | None = None) -> None:
+    """An index of `corpus` with BM25 in `index`, encoded by `model` (None: the packaged MiniLM), kept where one
+    is there already."""
+    encoder = [] if model is None else ["--model", str(model)]
+    built = subprocess.run([sys.executable, "-m", "index_builder", "build", "--corpus", str(corpus),
+                            "--out", str(index), "--if-missing", "--device", device, *encoder]).returncode
     if built:
         raise RecipeError(f"building the index of {corpus} into {index} failed (exit {built})")
 
@@ -309,12 +311,12 @@ def _biencoder(args: argparse.Namespace, fit: Part, inner: Path, searcher: Searc
         "--corpus", str(args.corpus), "--queries", str(inner / "queries-train.tsv"),
         "--qrels", str(inner / "qrels-train.txt"), "--negatives-run", str(negatives), "--negatives-depth", "100",
         "--negatives", "1", "--objective", "softmax", "--batch-size", "16", "--lr", "2e-5",
-        "--max-steps", str(args.biencoder_steps), "--save-every", str(min(50, args.biencoder_steps)), "--seed", str(args.seed),
-        "--device", args.device, "--resume", "--output", str(model)])
+        "--max-steps", str(args.biencoder_steps), "--save-every", str(min(50, args.biencoder_steps)),
+        "--seed", str(args.seed), "--device", args.device, "--resume", "--output", str(model)])
     if trained:
         raise RecipeError(f"training the bi-encoder into {model} failed (exit {trained})")
     index = args.out / "index-biencoder"
-    _build_index(args.corpus, index, args.device, "--model", str(checkpoints(model)[-1]))
+    _build_index(args.corpus, index, args.device, checkpoints(model)[-1])
     return index
 
 
