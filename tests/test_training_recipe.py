@@ -146,6 +146,7 @@ def test_a_rerun_asking_other_settings_of_the_same_folder_is_refused(recipe_out,
 @pytest.mark.parametrize("flag, value, message", [
     ("--max-tokens", "64", "--max-tokens must be from 72 to 512, got 64"),
     ("--weights", "-1", "--weights must be from 0 to 100, got [-1.0]"),
+    ("--biencoder-steps", "-1", "--biencoder-steps must be >= 0, got -1"),
 ])
 def test_a_bad_setting_exits_2_naming_it(tmp_path, capsys, flag, value, message):
     assert main(recipe_args(tmp_path, flag, value)) == 2
