@@ -287,6 +287,8 @@ def main() -> None:
     args = parser.parse_args()
 
     encoder = BiEncoder(device="cpu")  # the record the Searcher checks
+    if args.work is not None:
+        args.work.mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix="engines-", dir=args.work))
     try:
         index = root / "index"
