@@ -15,8 +15,9 @@
    `--max-tokens`), a checkpoint every `--save-every` steps: DIR/model. A rerun resumes an interrupted training.
 4. Chooses on validation by nDCG@10: each first stage alone, every checkpoint at every depth and retrieval
    weight on torch, then the best checkpoint on each other backend; ties go to the faster. Each pipeline's
-   ms/query (first stage and rerank, one query at a time, p50) is measured on validation queries. The chosen pipeline is the best one
-   (the default retrieval alone where no reranking beats it); the fast one the best within `--budget-ms`.
+   ms/query (first stage and rerank, one query at a time, p50) is measured on validation queries. The chosen
+   pipeline is the best one (the default retrieval alone where no reranking beats it); the fast one the best
+   within `--budget-ms`.
 5. Reports once on held-out: the default retrieval, the fine-tuned first stage, the chosen pipeline with and
    without blending, and the fast one, each difference from the default with a paired bootstrap 95% interval
    over queries.
