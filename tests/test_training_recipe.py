@@ -136,6 +136,21 @@ def test_the_reranker_trains_and_serves_at_the_asked_token_limit(recipe_out):
     assert max(reranker.pair_tokens("a question", ["word " * 500])) == 96
 
 
+def test_a_reranker_trained_elsewhere_starts_the_training_and_competes_untrained(recipe_out, tmp_path):
+    start = next(Path(r["checkpoint"]) for r in json.loads((recipe_out / "recipe.json").read_text())["validation"]
+                 if r["checkpoint"])
+    argv = recipe_args(recipe_out.parent, "--index", str(recipe_out / "index"), "--out", str(tmp_path / "out"),
+                       "--init-reranker", str(start), "--steps", "1", "--biencoder-steps", "0", "--depths", "2",
+                       "--weights", "1", "--backends", "torch", "--timing-queries", "2")
+    assert main(argv) == 0
+    rows = json.loads((tmp_path / "out" / "recipe.json").read_text())["validation"]
+    assert [(r["checkpoint"], r["untrained"]) for r in rows if r["checkpoint"]] == [
+        (str(start), True), (str(tmp_path / "out" / "model" / "checkpoint-0000001"), False)]
+    state = json.loads((tmp_path / "out" / "model" / "checkpoint-0000001" / "trainer_state.json").read_text())
+    assert state["started_from"] == str(start)
+    assert Pipeline(start, "torch", 2, 1.0, untrained=True).name == f"untrained {start} torch depth 2 weight 1"
+
+
 def test_a_rerun_asking_other_settings_of_the_same_folder_is_refused(recipe_out, capsys):
     folder = recipe_out.parent
     assert main(recipe_args(folder, "--seed", "14")) == 2
@@ -147,6 +162,7 @@ def test_a_rerun_asking_other_settings_of_the_same_folder_is_refused(recipe_out,
     ("--max-tokens", "64", "--max-tokens must be from 72 to 512, got 64"),
     ("--weights", "-1", "--weights must be from 0 to 100, got [-1.0]"),
     ("--biencoder-steps", "-1", "--biencoder-steps must be >= 0, got -1"),
+    ("--init-reranker", "/nonexistent", "--init-reranker /nonexistent: no model folder (no config.json)"),
 ])
 def test_a_bad_setting_exits_2_naming_it(tmp_path, capsys, flag, value, message):
     assert main(recipe_args(tmp_path, flag, value)) == 2

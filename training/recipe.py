@@ -10,9 +10,11 @@
    the index has BM25): INDEX, or the packaged encoder's index of C built into DIR/index. With
    `--biencoder-steps`, also by a second first stage: the packaged MiniLM fine-tuned on the training queries
    (DIR/biencoder) and its index of C (DIR/index-biencoder); the one reading better on validation is reranked.
-3. Trains the residual monoBERT from the packaged MiniLM on the training queries' lists (training.
-   train_cross_encoder --objective residual: each logit plus 0.5 x the first stage's z-score; pairs cut to
-   `--max-tokens`), a checkpoint every `--save-every` steps: DIR/model. A rerun resumes an interrupted training.
+3. Trains the residual monoBERT from the packaged MiniLM (or `--init-reranker`: a reranker trained on another
+   collection, such as another recipe's checkpoint, which then competes untrained here too) on the training
+   queries' lists (training.train_cross_encoder --objective residual: each logit plus 0.5 x the first stage's
+   z-score; pairs cut to `--max-tokens`), a checkpoint every `--save-every` steps: DIR/model. A rerun resumes
+   an interrupted training.
 4. Chooses on validation by nDCG@10: each first stage alone, every checkpoint at every depth and retrieval
    weight on torch, then the best checkpoint on each other backend; ties go to the faster. Each pipeline's
    ms/query (first stage and rerank, one query at a time, p50) is measured on validation queries. The chosen
@@ -78,13 +80,15 @@ class Pipeline:
     depth: int = 0
     weight: float = 0.0
     first_stage: str = DEFAULT  # FIRST_STAGES: whose index's default retrieval it reranks
+    untrained: bool = False  # the checkpoint is --init-reranker's, not trained on this collection
 
     @property
     def name(self) -> str:
         if self.checkpoint is None:
             return FIRST_STAGES[self.first_stage]
         on = "" if self.first_stage == DEFAULT else f"{FIRST_STAGES[self.first_stage]} + "
-        return f"{on}{self.checkpoint.name} {self.backend} depth {self.depth} weight {self.weight:g}"
+        checkpoint = f"untrained {self.checkpoint}" if self.untrained else self.checkpoint.name
+        return f"{on}{checkpoint} {self.backend} depth {self.depth} weight {self.weight:g}"
 
     def settings(self, indexes: Mapping[str, Path]) -> dict[str, str]:
         """The service's environment that serves this pipeline (requests ask `"rerank": true`); `indexes`: each
@@ -99,7 +103,8 @@ class Pipeline:
 
     def as_json(self) -> dict:
         return {"checkpoint": str(self.checkpoint) if self.checkpoint else None, "backend": self.backend,
-                "depth": self.depth, "weight": self.weight, "first_stage": self.first_stage}
+                "depth": self.depth, "weight": self.weight, "first_stage": self.first_stage,
+                "untrained": self.untrained}
 
 
 @dataclass
@@ -235,7 +240,7 @@ def run_recipe(args: argparse.Namespace) -> dict:
         stage = max(means, key=lambda name: round(means[name], 10))  # a tie keeps the default
         print(f"first stage reranked, chosen on validation ({MEASURE}): {FIRST_STAGES[stage]} "
               f"({means[BIENCODER]:.4f} fine-tuned against {means[DEFAULT]:.4f})", file=sys.stderr)
-    saved = _train(args, fit, inner, first_stage, stage)
+    saved = [args.init_reranker] * (args.init_reranker is not None) + _train(args, fit, inner, first_stage, stage)
     loaded: dict[tuple[Path, str], Reranker] = {}  # (checkpoint, backend): kept from validation for held-out
     rows = _validation_rows(args, searchers, stage, saved, validation, depths, weights, loaded)
     best, fast = chosen(rows), chosen(rows, args.budget_ms)
@@ -279,6 +284,8 @@ def _check_arguments(args: argparse.Namespace, depths: list[int], weights: list[
         raise RecipeError(f"--depths must be from 1 to 1000, got {depths}")
     if any(not 0 <= weight <= 100 for weight in weights):
         raise RecipeError(f"--weights must be from 0 to 100, got {weights}")
+    if args.init_reranker is not None and not (args.init_reranker / "config.json").is_file():
+        raise RecipeError(f"--init-reranker {args.init_reranker}: no model folder (no config.json)")
     for flag in ("corpus", "queries", "qrels"):
         if not getattr(args, flag).is_file():
             raise RecipeError(f"--{flag} {getattr(args, flag)}: no such file")
@@ -287,7 +294,8 @@ def _check_arguments(args: argparse.Namespace, depths: list[int], weights: list[
         "qrels_sha256": _sha256(args.qrels), "index": str(args.index.resolve()) if args.index else None,
         "dev_share": args.dev_share, "validation_share": args.validation_share, "seed": args.seed,
         "steps": args.steps, "save_every": args.save_every, "max_depth": max(depths), "max_tokens": args.max_tokens,
-        "biencoder_steps": args.biencoder_steps})
+        "biencoder_steps": args.biencoder_steps,
+        "init_reranker": str(args.init_reranker.resolve()) if args.init_reranker else None})
 
 
 def _build_index(corpus: Path, index: Path, device: str, model: Path | None = None) -> None:
@@ -322,8 +330,8 @@ def _biencoder(args: argparse.Namespace, fit: Part, inner: Path, searcher: Searc
 
 
 def _train(args: argparse.Namespace, fit: Part, inner: Path, first_stage: str, stage: str) -> list[Path]:
-    """The residual monoBERT trained (or its interrupted training resumed) on `fit`'s lists by `stage`; its
-    checkpoints."""
+    """The residual monoBERT trained (or its interrupted training resumed) on `fit`'s lists by `stage`, from
+    `--init-reranker` where given; its checkpoints."""
     (args.out / "runs").mkdir(exist_ok=True)
     prior = args.out / "runs" / "train.run"
     write_run(prior, as_run(fit.lists[stage]), tag=first_stage)
@@ -334,7 +342,7 @@ def _train(args: argparse.Namespace, fit: Part, inner: Path, first_stage: str, s
         "--prior-weight", str(PRIOR_WEIGHT), "--negatives", "3", "--batch-size", "4", "--lr", "3e-5",
         "--max-steps", str(args.steps), "--max-tokens", str(args.max_tokens), "--save-every", str(args.save_every),
         "--keep-checkpoints", "0", "--seed", str(args.seed), "--device", args.device, "--resume",
-        "--output", str(model)])
+        *(["--init", str(args.init_reranker)] if args.init_reranker else []), "--output", str(model)])
     if trained:
         raise RecipeError(f"training the reranker into {model} failed (exit {trained})")
     return checkpoints(model)
@@ -353,7 +361,8 @@ def _validation_rows(args: argparse.Namespace, searchers: Mapping[str, Searcher]
     for checkpoint in saved:
         reranker = load_reranker(checkpoint, device=args.device, backend="torch")
         scores = reranker_scores(reranker, validation, stage, max(depths), f"validation, {checkpoint.name}")
-        for pipeline in (Pipeline(checkpoint, "torch", d, w, stage) for d in depths for w in weights):
+        untrained = checkpoint == args.init_reranker
+        for pipeline in (Pipeline(checkpoint, "torch", d, w, stage, untrained) for d in depths for w in weights):
             values = validation.scored(pipeline, scores)
             candidates.append((pipeline, values))
             mean = sum(values.values()) / len(values)
@@ -364,7 +373,8 @@ def _validation_rows(args: argparse.Namespace, searchers: Mapping[str, Searcher]
         rerankers[backend] = load_reranker(best_checkpoint, device=args.device, backend=backend)
         scores = reranker_scores(rerankers[backend], validation, stage, max(depths), f"validation, {backend}")
         candidates += [(pipeline, validation.scored(pipeline, scores)) for pipeline in
-                       (Pipeline(best_checkpoint, backend, d, w, stage) for d in depths for w in weights)]
+                       (Pipeline(best_checkpoint, backend, d, w, stage, best_checkpoint == args.init_reranker)
+                        for d in depths for w in weights)]
     if "torch" not in backends:  # torch chose the checkpoint; its rows do not compete
         candidates = [(p, v) for p, v in candidates if p.backend != "torch" or p.checkpoint is None]
         del rerankers["torch"]
@@ -443,6 +453,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "200; 0: none)")
     parser.add_argument("--max-tokens", type=int, default=256,
                         help="tokens of a (query, passage) pair, in training and serving (default 256)")
+    parser.add_argument("--init-reranker", type=Path, metavar="DIR",
+                        help="a reranker to start the monoBERT's training from (default: the packaged MiniLM), "
+                             "such as another recipe's checkpoint; it also competes untrained")
     parser.add_argument("--depths", type=int, nargs="+", default=[4, 10, 20], help="rerank depths compared")
     parser.add_argument("--weights", type=float, nargs="+", default=[0, 0.5, 1, 2, 3, 5],
                         help="first-stage weights in the blend compared (0: the reranker alone)")
