@@ -240,7 +240,7 @@ def run_recipe(args: argparse.Namespace) -> dict:
         stage = max(means, key=lambda name: round(means[name], 10))  # a tie keeps the default
         print(f"first stage reranked, chosen on validation ({MEASURE}): {FIRST_STAGES[stage]} "
               f"({means[BIENCODER]:.4f} fine-tuned against {means[DEFAULT]:.4f})", file=sys.stderr)
-    saved = [args.init_reranker] * (args.init_reranker is not None) + _train(args, fit, inner, first_stage, stage)
+    saved = ([args.init_reranker] if args.init_reranker else []) + _train(args, fit, inner, first_stage, stage)
     loaded: dict[tuple[Path, str], Reranker] = {}  # (checkpoint, backend): kept from validation for held-out
     rows = _validation_rows(args, searchers, stage, saved, validation, depths, weights, loaded)
     best, fast = chosen(rows), chosen(rows, args.budget_ms)
