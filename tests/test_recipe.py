@@ -137,31 +137,31 @@ def test_an_interrupted_training_step_resumes_from_its_newest_checkpoint_when_ru
         shutil.copytree(recipe / part, work / part)
     shutil.copytree(recipe.parent / "data", tmp_path / "data")
     env = {**os.environ, "SCIFACT": str(tmp_path / "data"), "WORK": str(work), "PYTHON": sys.executable,
-           "DEVICE": "cpu", "STEPS_MONOBERT": "8", "SAVE_EVERY": "2"}
+           "DEVICE": "cpu", "STEPS_MONOBERT": "4", "SAVE_EVERY": "1"}
     models = work / "models" / "monobert"
     running = subprocess.Popen(["bash", "scripts/scifact.sh", "monobert"], env=env, start_new_session=True,
                                cwd=Path(__file__).resolve().parents[1], stdout=subprocess.DEVNULL,
                                stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 600
-    while not (models / "checkpoint-0000002" / "trainer_state.json").exists() and time.monotonic() < deadline:
+    while not (models / "checkpoint-0000001" / "trainer_state.json").exists() and time.monotonic() < deadline:
         assert running.poll() is None, "the training ended before it could be interrupted"
         time.sleep(0.05)
     os.killpg(running.pid, signal.SIGKILL)  # the session's end, or a machine lost, mid-training
     running.wait()
-    assert not (models / "checkpoint-0000008").exists()
+    assert not (models / "checkpoint-0000004").exists()
     kept = {path.name: (path / "trainer_state.json").read_text() for path in models.glob("checkpoint-*")}
 
-    again = scifact_sh(tmp_path, "monobert", timeout=600, DEVICE="cpu", STEPS_MONOBERT="8", SAVE_EVERY="2")
+    again = scifact_sh(tmp_path, "monobert", timeout=600, DEVICE="cpu", STEPS_MONOBERT="4", SAVE_EVERY="1")
     assert again.returncode == 0, again.stderr[-2000:]
     assert "starting from step 0" not in again.stderr
-    final = json.loads((models / "checkpoint-0000008" / "trainer_state.json").read_text())
-    assert final["step"] == 8
+    final = json.loads((models / "checkpoint-0000004" / "trainer_state.json").read_text())
+    assert final["step"] == 4
     for name, state in kept.items():  # resumed after them, not recomputed
         assert (models / name / "trainer_state.json").read_text() == state
 
     trained = {path.name: (path / "trainer_state.json").read_text() for path in models.glob("checkpoint-*")}
-    finished = scifact_sh(tmp_path, "monobert", timeout=600, DEVICE="cpu", STEPS_MONOBERT="8", SAVE_EVERY="2")
-    assert finished.returncode == 0 and "0 steps (now at step 8)" in finished.stdout  # nothing left to train
+    finished = scifact_sh(tmp_path, "monobert", timeout=600, DEVICE="cpu", STEPS_MONOBERT="4", SAVE_EVERY="1")
+    assert finished.returncode == 0 and "0 steps (now at step 4)" in finished.stdout  # nothing left to train
     assert {path.name: (path / "trainer_state.json").read_text() for path in models.glob("checkpoint-*")} == trained
 
 

@@ -18,7 +18,7 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import httpx
@@ -359,18 +359,21 @@ def test_a_damaged_shard_folder_exits_2_with_the_replicas_own_error_naming_the_f
         "sha256 differs from the manifest's")
 
 
-@pytest.mark.parametrize("variable", PORT_VARIABLES)
-def test_a_port_serve_would_take_already_in_use_exits_2_naming_its_variable(small_shards, variable):
+def test_ports_serve_would_take_already_in_use_exit_2_naming_each_ones_variable(small_shards):
     env = command_env()
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", int(env[variable])))
-        taken.listen()
+    with ExitStack() as held:
+        for variable in PORT_VARIABLES:  # each checked on its own: the error lists each port found taken
+            taken = held.enter_context(socket.socket())
+            taken.bind(("127.0.0.1", int(env[variable])))
+            taken.listen()
         done = subprocess.run(serve_command(small_shards), cwd=ROOT, env=env, capture_output=True, text=True,
                               timeout=300)
     assert done.returncode == 2, done.stderr[-2000:]
     error = last_error(done.stderr)
-    assert error.startswith("error: ports this machine's Serve would listen on are in use: "), error
-    assert f"{variable}={env[variable]}" in error, error
+    prefix = "error: ports this machine's Serve would listen on are in use: "
+    assert error.startswith(prefix), error
+    named = error.removeprefix(prefix).split(" (another service")[0].split(", ")
+    assert sorted(named) == sorted(f"{variable}={env[variable]}" for variable in PORT_VARIABLES), error
 
 
 LONG_QUERIES = [" ".join(["solar power and wind energy for homes"] * 40) + f" {i}" for i in range(48)]
