@@ -20,7 +20,6 @@ from models.coattention import (
 )
 from models.reranker import Reranker, load_reranker
 from tests.conftest import DEMO, read_tsv
-from tests.single_thread import one_thread  # noqa: F401
 from tests.test_training import demo, demo_split, held_out, mrr_at_10  # noqa: F401
 from training.train_coattention import main as train_main
 

@@ -14,7 +14,6 @@ import torch
 from models.generative import BOQ, EOQ, GenerativeReranker, new_small_model
 from models.reranker import Reranker, load_reranker
 from tests.conftest import DEMO, read_tsv
-from tests.single_thread import one_thread  # noqa: F401
 from tests.test_training import demo, demo_split, held_out, mrr_at_10  # noqa: F401
 from training.losses import log1m_exp, lul_loss, mle_loss, rll_loss
 from training.train_generative import main as train_main

@@ -39,16 +39,6 @@ from training.trainer import STATE_FILE
 TRAIN_QUERIES = 300  # qrels.txt lists q0001... in order, one judgement each
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """These tests train for a minute on 2 cores shared with other jobs; with two intra-op threads each
-    op waits for a descheduled sibling, which measured 3-5x slower here than one thread."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def demo_split(tmp_path_factory) -> dict:
     folder = tmp_path_factory.mktemp("split")

@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def recipe_args(folder: Path, *extra: str) -> list[str]:
     return ["--corpus", str(folder / "corpus.tsv"), "--queries", str(folder / "queries.tsv"),
             "--qrels", str(folder / "qrels.txt"), "--out", str(folder / "out"), "--steps", "2", "--save-every", "1",
-            "--depths", "2", "4", "--weights", "0", "1", "--timing-queries", "5", "--budget-ms", "100000", "--max-tokens", "96", "--biencoder-steps", "2", "--device", "cpu", *extra]
+            "--depths", "2", "4", "--weights", "0", "1", "--timing-queries", "5", "--budget-ms", "100000", "--max-tokens", "96", "--biencoder-steps", "1", "--device", "cpu", *extra]
 
 
 @pytest.fixture(scope="module")

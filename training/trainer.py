@@ -165,7 +165,10 @@ def _optimizer(model: torch.nn.Module, settings: TrainSettings) -> torch.optim.A
         if parameter.requires_grad:
             (no_decay if parameter.ndim < 2 else decay).append(parameter)
     groups = [{"params": decay, "weight_decay": settings.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=settings.lr)
+    # The fused kernel: on the CPU it updates MiniLM several times faster than the per-tensor loop.
+    fused = all(parameter.device.type in ("cpu", "cuda") and parameter.is_floating_point()
+                for group in groups for parameter in group["params"])
+    return torch.optim.AdamW(groups, lr=settings.lr, fused=fused or None)
 
 
 def train(
