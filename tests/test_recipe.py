@@ -19,7 +19,7 @@ from retrieval.dense_index import gpu_count
 from service.http.app import create_app
 from tests.conftest import DEMO, SMALL_CORPUS_LINES, read_tsv
 from tests.test_service import settings_for
-from training.split import groups_of, split_ids, write_split
+from training.split import WITHHELD_FILE, groups_of, read_withheld, split_at_random, split_ids, write_split
 
 QUERIES = 60  # q0001..q0060: their relevant passages are within the first 300 corpus lines
 
@@ -86,13 +86,31 @@ def test_no_abstract_is_relevant_on_both_sides_of_the_split(tmp_path):
     assert len({tuple(split_ids(positives, 0.5, seed)["dev"]) for seed in range(20)}) > 1  # the seed matters
 
 
+def test_the_withheld_split_holds_out_queries_at_random_and_withholds_their_relevant_passages(tmp_path):
+    # The same twelve claims: held out at random, c0-c4 may fall on both sides, so every abstract a held-out
+    # claim cites is withheld from training (with an outer split's, a9 here), and training cites the others only.
+    cites = {"c0": ["a0"], "c1": ["a0"], "c2": ["a0"], "c3": ["a0", "a1"], "c4": ["a1"], "c5": ["a2"],
+             "c6": ["a2"], "c7": ["a3"], "c8": ["a4"], "c9": ["a5"], "c10": ["a6"], "c11": ["a7"]}
+    (tmp_path / "queries.tsv").write_text("".join(f"{q}\tclaim {q}\n" for q in cites))
+    (tmp_path / "qrels.txt").write_text("".join(f"{q} 0 {a} 1\n" for q, cited in cites.items() for a in cited))
+    for seed in range(20):
+        counts = write_split(tmp_path / "queries.tsv", tmp_path / "qrels.txt", tmp_path / "split", 0.25, seed,
+                             "withheld", frozenset({"a9"}))
+        parts = split_of(tmp_path / "split")
+        assert parts == split_at_random(list(cites), 0.25, seed) and len(parts["dev"]) == 3
+        assert sorted(parts["train"] + parts["dev"]) == sorted(cites)
+        withheld = read_withheld(tmp_path / "split" / WITHHELD_FILE)
+        assert withheld == {"a9", *(a for q in parts["dev"] for a in cites[q])} and counts["withheld"] == len(withheld)
+    assert len({tuple(split_at_random(list(cites), 0.25, seed)["dev"]) for seed in range(20)}) > 1
+
+
 def test_a_split_that_cannot_hold_out_a_group_is_refused(tmp_path):
     (tmp_path / "queries.tsv").write_text("c0\tone\nc1\ttwo\nc2\tthree\n")
     (tmp_path / "qrels.txt").write_text("c0 0 a0 1\nc1 0 a0 1\nc1 0 a1 1\nc2 0 a1 1\n")
     done = subprocess.run([sys.executable, "-m", "training.split", "--queries", str(tmp_path / "queries.tsv"),
                            "--qrels", str(tmp_path / "qrels.txt"), "--out", str(tmp_path / "split")],
                           capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
-    assert done.returncode == 2 and "the largest has 3 of 3 queries" in done.stderr
+    assert done.returncode == 2 and "the largest has 3 of 3 queries; --split withheld" in done.stderr
     assert not (tmp_path / "split").exists()
 
 

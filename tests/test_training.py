@@ -29,7 +29,7 @@ from service.settings import ServiceSettings
 from tests.conftest import DEMO, head
 from tests.test_cross_encoder import tiny_bert
 from tests.test_service import started
-from training.data import Collection, TrainingDataError, load_judged, load_triples, prior_groups
+from training.data import Collection, TrainingDataError, load_collection, load_judged, load_triples, prior_groups
 from training.train_biencoder import BiEncoderTrainee, in_batch_positives
 from training.train_biencoder import main as train_biencoder
 from training.train_cross_encoder import CrossEncoderTrainee
@@ -412,6 +412,26 @@ def test_random_negatives_are_never_a_judged_positive():
     passages = {f"p{n}": f"passage {n}" for n in range(1, 5)}
     collection = Collection({"q1": "query"}, passages, {"q1": {"p1", "p2", "p3"}}, [("q1", "p1")])
     assert set(collection.sample_negatives("q1", 20, np.random.default_rng(0))) == {"p4"}
+
+
+def test_withheld_passages_are_never_a_positive_a_negative_or_in_a_first_stages_list(tmp_path):
+    """`--withhold` (the passages a held-out part judges relevant): q2's only relevant passage p2 is withheld, so
+    q2 trains no more; q1 keeps its other positive; p2 and p5 are in no list and never sampled."""
+    (tmp_path / "corpus.tsv").write_text("".join(f"p{n}\tpassage {n}\n" for n in range(1, 9)))
+    (tmp_path / "queries.tsv").write_text("q1\tfirst\nq2\tsecond\nq3\tthird\n")
+    (tmp_path / "qrels.txt").write_text("q1 0 p1 1\nq1 0 p2 1\nq2 0 p2 1\nq3 0 p3 1\n")
+    run = {"q1": [("p5", 4.0), ("p2", 3.0), ("p4", 2.0), ("p1", 1.0)], "q3": [("p2", 3.0), ("p6", 2.0), ("p3", 1.0)]}
+
+    def loaded() -> Collection:
+        return load_collection(triples=None, corpus=tmp_path / "corpus.tsv", queries=tmp_path / "queries.tsv",
+                               qrels=tmp_path / "qrels.txt", withheld=frozenset({"p2", "p5"}))
+
+    data = loaded()
+    assert data.pairs == [("q1", "p1"), ("q3", "p3")] and not {"p2", "p5"} & data.passages.keys()
+    assert data.use_run_negatives(run) == 2 and data.negatives == {"q1": ["p4"], "q3": ["p6"]}
+    assert data.use_prior(run) == 2
+    assert [pid for pid, _ in data.prior["q1"]] == ["p4", "p1"] and [pid for pid, _ in data.prior["q3"]] == ["p6", "p3"]
+    assert set(loaded().sample_negatives("q1", 200, np.random.default_rng(0))) == {"p3", "p4", "p6", "p7", "p8"}
 
 
 def test_a_passage_relevant_to_two_queries_of_a_batch_is_a_positive_in_both_rows():

@@ -20,6 +20,7 @@ from service.settings import ServiceSettings
 from tests.conftest import DEMO, SMALL_CORPUS_LINES, head
 from tests.test_training import serving
 from training.recipe import K, Pipeline, main
+from training.trainer import checkpoints
 
 QUERIES = 60  # q0001..q0060: their relevant passages are within the first 300 corpus lines
 ROOT = Path(__file__).resolve().parents[1]
@@ -149,6 +150,42 @@ def test_a_reranker_trained_elsewhere_starts_the_training_and_competes_untrained
     state = json.loads((tmp_path / "out" / "model" / "checkpoint-0000001" / "trainer_state.json").read_text())
     assert state["started_from"] == str(start)
     assert Pipeline(start, "torch", 2, 1.0, untrained=True).name == f"untrained {start} torch depth 2 weight 1"
+
+
+def chained_collection(folder: Path) -> dict[str, set[str]]:
+    """The recipe's collection with each query also judging the previous query's passage relevant: one chain
+    joins all 60 into a single group, as Cranfield's shared judgements join most of its queries. Its positives."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "corpus.tsv").write_text(head(DEMO / "corpus.tsv", SMALL_CORPUS_LINES))
+    (folder / "queries.tsv").write_text(head(DEMO / "queries.tsv", QUERIES))
+    own = [line.split() for line in head(DEMO / "qrels.txt", QUERIES).splitlines()]
+    (folder / "qrels.txt").write_text("".join(f"{q} 0 {pid} 1\n" for q, _, pid, _ in own) + "".join(
+        f"{q} 0 {previous[2]} 1\n" for (q, *_), previous in zip(own[1:], own)))
+    return relevant(read_qrels(folder / "qrels.txt"))
+
+
+def test_queries_sharing_passages_in_one_group_are_held_out_at_random_and_their_passages_withheld(
+        recipe_out, tmp_path, capsys):
+    positives = chained_collection(tmp_path)
+    argv = recipe_args(tmp_path, "--index", str(recipe_out / "index"), "--steps", "1", "--depths", "2", "--weights",
+                       "1", "--backends", "torch", "--timing-queries", "2")
+    assert main(argv) == 2  # grouped by relevant passage, nothing can be held out
+    assert "the largest has 60 of 60 queries; --split withheld" in capsys.readouterr().err
+    assert main([*argv, "--out", str(tmp_path / "withheld"), "--split", "withheld"]) == 0
+    out = tmp_path / "withheld"
+    held_out, validation = part(out / "split", "dev"), part(out / "split" / "validation", "dev")
+    train = part(out / "split" / "validation", "train")
+    assert sorted([*held_out, *validation, *train]) == sorted(positives)
+    assert (len(held_out), len(validation)) == (QUERIES // 5, round(0.2 * (QUERIES - QUERIES // 5)))
+    assert all(side[qid] == positives[qid] for side in (held_out, validation, train) for qid in side)
+    withheld = set().union(*held_out.values(), *validation.values())
+    assert set((out / "split" / "validation" / "withheld.txt").read_text().split()) == withheld
+    # Both trainings saw exactly the training queries' pairs on passages no other part judges relevant.
+    kept = sum(len(docids - withheld) for docids in train.values())
+    assert 0 < kept < sum(map(len, train.values()))
+    for model in ("biencoder", "model"):
+        assert json.loads((checkpoints(out / model)[-1] / "trainer_state.json").read_text())["pairs"] == kept
+    assert json.loads((out / "recipe.json").read_text())["withheld_passages"] == len(withheld)
 
 
 def test_a_rerun_asking_other_settings_of_the_same_folder_is_refused(recipe_out, capsys):

@@ -125,9 +125,10 @@ def pool_runs(runs: list[Run]) -> Run:
     return {qid: list(hits.items()) for qid, hits in pooled.items()}
 
 
-def load_judged(corpus: Path, queries: Path, qrels: Path) -> Collection:
-    """Qrels + queries + corpus. Judgements naming a query or passage absent from the files are skipped."""
-    passages = read_passages(corpus)
+def load_judged(corpus: Path, queries: Path, qrels: Path, withheld: frozenset[str] = frozenset()) -> Collection:
+    """Qrels + queries + corpus less the `withheld` passages (so no pair, negative or list holds one).
+    Judgements naming a query or passage absent from the files are skipped."""
+    passages = {pid: text for pid, text in read_passages(corpus).items() if pid not in withheld}
     query_texts = read_queries(queries)
     judged = relevant(read_qrels(qrels))
     if not judged:
@@ -175,9 +176,10 @@ def load_triples(path: Path) -> Collection:
 
 
 def load_collection(
-    *, triples: Path | None, corpus: Path | None, queries: Path | None, qrels: Path | None
+    *, triples: Path | None, corpus: Path | None, queries: Path | None, qrels: Path | None,
+    withheld: frozenset[str] = frozenset()
 ) -> Collection:
-    """Exactly one of: `triples`, or all of `corpus`, `queries` and `qrels`."""
+    """Exactly one of: `triples`, or all of `corpus`, `queries` and `qrels` (less the `withheld` passages)."""
     judged = (corpus, queries, qrels)
     if triples is not None:
         if any(judged):
@@ -185,7 +187,7 @@ def load_collection(
         return load_triples(triples)
     if not all(judged):
         raise TrainingDataError("training data: give --triples, or all three of --corpus, --queries and --qrels")
-    return load_judged(corpus, queries, qrels)
+    return load_judged(corpus, queries, qrels, withheld)
 
 
 @lru_cache(maxsize=4)

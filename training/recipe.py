@@ -5,7 +5,10 @@
 1. Splits the judged queries (training.split: grouped by relevant passage, so that no held-out query has a
    relevant passage a training query has) into a held-out part (`--dev-share`), which reports once, and a
    training part, split again the same way into the queries the reranker trains on and a validation part
-   (`--validation-share`), which chooses: DIR/split, DIR/split/validation.
+   (`--validation-share`), which chooses: DIR/split, DIR/split/validation. With `--split withheld` (for
+   collections whose queries share relevant passages so widely that one group holds most of them) both
+   parts are drawn at random instead, and their relevant passages are withheld from every training
+   (DIR/split/validation/withheld.txt, the trainers' `--withhold`).
 2. Takes each query's top max(`--depths`) by the index's default retrieval (hybrid with z-score fusion where
    the index has BM25): INDEX, or the packaged encoder's index of C built into DIR/index. With
    `--biencoder-steps`, also by a second first stage: the packaged MiniLM fine-tuned on the training queries
@@ -53,7 +56,7 @@ from retrieval.rerank import reranked_list
 from retrieval.searcher import Hit, Searcher, encoder_for
 from training import train_biencoder, train_cross_encoder
 from training.data import TrainingDataError
-from training.split import write_split
+from training.split import SPLITS, WITHHELD_FILE, read_withheld, write_split
 from training.trainer import checkpoints
 
 MEASURE = "nDCG@10"
@@ -207,11 +210,19 @@ def run_recipe(args: argparse.Namespace) -> dict:
     out, depths, weights = args.out, sorted(set(args.depths)), sorted(set(args.weights))
     _check_arguments(args, depths, weights)
     split, inner = out / "split", out / "split" / "validation"
-    outer = write_split(args.queries, args.qrels, split, args.dev_share, args.seed)
+    outer = write_split(args.queries, args.qrels, split, args.dev_share, args.seed, args.split)
+    withheld = read_withheld(split / WITHHELD_FILE) if args.split == "withheld" else frozenset()
     counts = write_split(split / "queries-train.tsv", split / "qrels-train.txt", inner, args.validation_share,
-                         args.seed)
-    print(f"split {outer['train'] + outer['dev']} judged queries, grouped by relevant passage: {counts['train']} "
-          f"train, {counts['dev']} validation, {outer['dev']} held out", file=sys.stderr)
+                         args.seed, args.split, withheld)
+    how = {"grouped": "grouped by relevant passage",
+           "withheld": f"at random, the {counts.get('withheld')} passages relevant to validation or held-out "
+                       f"queries withheld from training"}[args.split]
+    print(f"split {outer['train'] + outer['dev']} judged queries, {how}: {counts['train']} train, "
+          f"{counts['dev']} validation, {outer['dev']} held out", file=sys.stderr)
+    if args.split == "grouped" and outer["largest group"] > (outer["train"] + outer["dev"]) / 2:
+        print(f"note: {outer['largest group']} of the {outer['train'] + outer['dev']} judged queries share relevant "
+              f"passages in one group, which trains: the held-out queries are only the others, not a sample of "
+              f"the collection (--split withheld draws them at random)", file=sys.stderr)
 
     index = args.index or out / "index"
     if args.index is None:
@@ -293,6 +304,7 @@ def _check_arguments(args: argparse.Namespace, depths: list[int], weights: list[
         "corpus": str(args.corpus.resolve()), "queries_sha256": _sha256(args.queries),
         "qrels_sha256": _sha256(args.qrels), "index": str(args.index.resolve()) if args.index else None,
         "dev_share": args.dev_share, "validation_share": args.validation_share, "seed": args.seed,
+        **({"split": args.split} if args.split != "grouped" else {}),  # folders made before --split stay valid
         "steps": args.steps, "save_every": args.save_every, "max_depth": max(depths), "max_tokens": args.max_tokens,
         "biencoder_steps": args.biencoder_steps,
         "init_reranker": str(args.init_reranker.resolve()) if args.init_reranker else None})
@@ -321,12 +333,18 @@ def _biencoder(args: argparse.Namespace, fit: Part, inner: Path, searcher: Searc
         "--qrels", str(inner / "qrels-train.txt"), "--negatives-run", str(negatives), "--negatives-depth", "100",
         "--negatives", "1", "--objective", "softmax", "--batch-size", "16", "--lr", "2e-5",
         "--max-steps", str(args.biencoder_steps), "--save-every", str(min(50, args.biencoder_steps)),
-        "--seed", str(args.seed), "--device", args.device, "--resume", "--output", str(model)])
+        "--seed", str(args.seed), "--device", args.device, "--resume", *_withhold(args, inner),
+        "--output", str(model)])
     if trained:
         raise RecipeError(f"training the bi-encoder into {model} failed (exit {trained})")
     index = args.out / "index-biencoder"
     _build_index(args.corpus, index, args.device, checkpoints(model)[-1])
     return index
+
+
+def _withhold(args: argparse.Namespace, inner: Path) -> list[str]:
+    """The trainers' flag keeping the validation and held-out queries' relevant passages out (--split withheld)."""
+    return ["--withhold", str(inner / WITHHELD_FILE)] if args.split == "withheld" else []
 
 
 def _train(args: argparse.Namespace, fit: Part, inner: Path, first_stage: str, stage: str) -> list[Path]:
@@ -342,7 +360,8 @@ def _train(args: argparse.Namespace, fit: Part, inner: Path, first_stage: str, s
         "--prior-weight", str(PRIOR_WEIGHT), "--negatives", "3", "--batch-size", "4", "--lr", "3e-5",
         "--max-steps", str(args.steps), "--max-tokens", str(args.max_tokens), "--save-every", str(args.save_every),
         "--keep-checkpoints", "0", "--seed", str(args.seed), "--device", args.device, "--resume",
-        *(["--init", str(args.init_reranker)] if args.init_reranker else []), "--output", str(model)])
+        *(["--init", str(args.init_reranker)] if args.init_reranker else []), *_withhold(args, inner),
+        "--output", str(model)])
     if trained:
         raise RecipeError(f"training the reranker into {model} failed (exit {trained})")
     return checkpoints(model)
@@ -423,7 +442,9 @@ def _summary(args, first_stage: str, counts: dict, outer: dict, checkpoints_seen
     return {
         "date": time.strftime("%Y-%m-%d"), "default_retrieval": first_stage, "index": str(indexes[DEFAULT]),
         "indexes": {name: str(index) for name, index in indexes.items()},
+        "split": args.split,
         "queries": {"train": counts["train"], "validation": counts["dev"], "held_out": outer["dev"]},
+        **({"withheld_passages": counts["withheld"]} if "withheld" in counts else {}),
         "checkpoints": checkpoints_seen, "measure": MEASURE, "budget_ms": args.budget_ms,
         "validation": [{**row.pipeline.as_json(), "mean": row.mean, "ms": row.ms} for row in rows],
         "held_out": {label: {**row.pipeline.as_json(), "validation": row.mean, "ms": row.ms,
@@ -442,6 +463,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--qrels", type=Path, required=True, help="TREC qrels or BEIR TSV")
     parser.add_argument("--out", type=Path, required=True, help="folder for the split, runs, model and results")
     parser.add_argument("--index", type=Path, help="an index of --corpus (default: build DIR/index with BM25)")
+    parser.add_argument("--split", choices=SPLITS, default="grouped",
+                        help="grouped by relevant passage (default), or queries at random with their relevant "
+                             "passages withheld from training (training.split)")
     parser.add_argument("--dev-share", type=float, default=0.2, help="share of the queries held out (default 0.2)")
     parser.add_argument("--validation-share", type=float, default=0.2,
                         help="share of the rest that chooses the pipeline (default 0.2)")

@@ -1,16 +1,27 @@
-"""Splits a judged query set once into train and dev parts, grouped by relevant passage, so that no dev
-query has a relevant passage that a training query has:
+"""Splits a judged query set once into train and dev parts so that training never sees a dev query's relevant
+passage as relevant:
 
-    python -m training.split --queries Q --qrels QRELS --out DIR [--dev-share 0.2] [--seed 13]
+    python -m training.split --queries Q --qrels QRELS --out DIR [--split grouped|withheld] [--dev-share 0.2]
+        [--seed 13]
 
-Only queries with a relevant judgement are split. Queries that share a relevant passage (SciFact's
-claims citing one abstract), directly or through a chain of such queries, form one group; a group is
-never cut. The groups, each named by its smallest query id and listed in sorted order, are shuffled
-with numpy's generator seeded by `--seed`, and taken in that order into dev while they fit in
-`round(dev_share * n)` queries. A reranker scored on dev is thus scored on passages it never saw as
-positives, and cannot pass by remembering them.
+Only queries with a relevant judgement are split, in one of two ways (`--split`):
 
-Writes DIR/queries-{train,dev}.tsv (`qid<TAB>text`) and DIR/qrels-{train,dev}.txt (TREC `qid 0 docid rel`).
+- grouped (the default): queries that share a relevant passage (SciFact's claims citing one abstract),
+  directly or through a chain of such queries, form one group; a group is never cut. The groups, each
+  named by its smallest query id and listed in sorted order, are shuffled with numpy's generator seeded
+  by `--seed`, and taken in that order into dev while they fit in `round(dev_share * n)` queries. No
+  training query has a dev query's relevant passage among its own.
+- withheld: `round(dev_share * n)` queries drawn at random (the same seeded generator over the sorted
+  ids) go to dev, and every passage a dev query judges relevant is withheld from training: DIR/withheld.txt
+  lists them, and the trainers' `--withhold` keeps them out of the training pairs, negatives and lists.
+  For collections whose queries share relevant passages so widely that one group holds most of them
+  (Cranfield: 161 of 225), where a grouped dev part could only come from the few queries outside it.
+
+Either way a reranker scored on dev is scored on passages it never saw as positives, and cannot pass by
+remembering them.
+
+Writes DIR/queries-{train,dev}.tsv (`qid<TAB>text`) and DIR/qrels-{train,dev}.txt (TREC `qid 0 docid rel`,
+every judgement of the part's queries), and with withheld DIR/withheld.txt (a passage id a line).
 """
 
 from __future__ import annotations
@@ -21,9 +32,11 @@ from pathlib import Path
 
 import numpy as np
 
-from retrieval.readers import InputFileError, read_qrels, read_queries, relevant
+from retrieval.readers import InputFileError, lines, read_qrels, read_queries, relevant
 
 PARTS = ("train", "dev")
+SPLITS = ("grouped", "withheld")
+WITHHELD_FILE = "withheld.txt"
 
 
 def groups_of(positives: dict[str, set[str]]) -> list[list[str]]:
@@ -61,26 +74,55 @@ def split_groups(groups: list[list[str]], dev_share: float, seed: int) -> dict[s
     return {"train": [q for q in ordered if q not in dev], "dev": [q for q in ordered if q in dev]}
 
 
-def write_split(queries: Path, qrels: Path, out: Path, dev_share: float = 0.2, seed: int = 13) -> dict[str, int]:
-    """Writes the split files into `out`; returns the number of queries in each part and of groups."""
+def read_withheld(path: Path) -> frozenset[str]:
+    """The passage ids of a withheld.txt, one a line."""
+    return frozenset(line.strip() for _, line in lines(path))
+
+
+def split_at_random(ids: list[str], dev_share: float, seed: int) -> dict[str, list[str]]:
+    """{"train": ids, "dev": ids}, each in sorted order: round(dev_share * n) of `ids` drawn into dev."""
+    ordered = sorted(ids)
+    dev = {ordered[i] for i in np.random.default_rng(seed).permutation(len(ordered))[:round(dev_share * len(ordered))]}
+    return {"train": [q for q in ordered if q not in dev], "dev": [q for q in ordered if q in dev]}
+
+
+def write_split(queries: Path, qrels: Path, out: Path, dev_share: float = 0.2, seed: int = 13, split: str = "grouped",
+                withheld: frozenset[str] = frozenset()) -> dict[str, int]:
+    """Writes the split files into `out`; returns the number of queries in each part, of groups (the largest
+    among them too) and, with the withheld split, of passages withheld (dev's relevant ones and `withheld`,
+    an outer split's, which the training part here must not see either)."""
     if not 0 < dev_share < 1:
         raise InputFileError(f"--dev-share must be between 0 and 1, got {dev_share}")
+    if split not in SPLITS:
+        raise InputFileError(f"--split must be one of {', '.join(SPLITS)}, got {split}")
     texts, judged = read_queries(queries), read_qrels(qrels)
     positives = {qid: docids for qid, docids in relevant(judged).items() if qid in texts}
     if len(positives) < 2:
         raise InputFileError(f"{qrels}: fewer than 2 queries of {queries} have a relevant judgement")
     groups = groups_of(positives)
-    parts = split_groups(groups, dev_share, seed)
+    if split == "grouped":
+        parts = split_groups(groups, dev_share, seed)
+    else:
+        parts = split_at_random(list(positives), dev_share, seed)
+    if (not parts["dev"] or not parts["train"]) and split == "withheld":
+        raise InputFileError(f"{qrels}: a share of {dev_share} of {len(positives)} judged queries leaves a part empty")
     if not parts["dev"] or not parts["train"]:
         raise InputFileError(f"{qrels}: no grouped split holds out {dev_share} of the queries: their relevant "
                              f"passages join them into groups too large (the largest has "
-                             f"{max(map(len, groups))} of {len(positives)} queries)")
+                             f"{max(map(len, groups))} of {len(positives)} queries; --split withheld holds out "
+                             f"queries at random and withholds their relevant passages from training)")
     out.mkdir(parents=True, exist_ok=True)
     for part, ids in parts.items():
         (out / f"queries-{part}.tsv").write_text("".join(f"{q}\t{' '.join(texts[q].split())}\n" for q in ids))
         (out / f"qrels-{part}.txt").write_text(
             "".join(f"{q} 0 {docid} {rel}\n" for q in ids for docid, rel in sorted(judged[q].items())))
-    return {**{part: len(ids) for part, ids in parts.items()}, "groups": len(groups)}
+    counts = {**{part: len(ids) for part, ids in parts.items()}, "groups": len(groups),
+              "largest group": max(map(len, groups))}
+    if split == "withheld":
+        passages = sorted(withheld.union(*(positives[q] for q in parts["dev"])))
+        (out / WITHHELD_FILE).write_text("".join(f"{docid}\n" for docid in passages))
+        counts["withheld"] = len(passages)
+    return counts
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -88,20 +130,25 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--queries", type=Path, required=True, help="TSV qid<TAB>text or BEIR JSONL")
     parser.add_argument("--qrels", type=Path, required=True, help="TREC qrels or BEIR TSV")
     parser.add_argument("--out", type=Path, required=True, help="folder for the split files")
+    parser.add_argument("--split", choices=SPLITS, default="grouped",
+                        help="grouped by relevant passage (default), or queries at random with their relevant "
+                             "passages withheld from training")
     parser.add_argument("--dev-share", type=float, default=0.2, help="share of the queries held out (default 0.2)")
-    parser.add_argument("--seed", type=int, default=13, help="seed of the shuffle of the groups (default 13)")
+    parser.add_argument("--seed", type=int, default=13, help="seed of the shuffle (default 13)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        counts = write_split(args.queries, args.qrels, args.out, args.dev_share, args.seed)
+        counts = write_split(args.queries, args.qrels, args.out, args.dev_share, args.seed, args.split)
     except (InputFileError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    withheld = f", {counts['withheld']} passages withheld from training" if "withheld" in counts else ""
     print(f"split {counts['train'] + counts['dev']} judged queries ({counts['groups']} groups sharing no relevant "
-          f"passage) into {counts['train']} train and {counts['dev']} dev (seed {args.seed}) in {args.out}")
+          f"passage) into {counts['train']} train and {counts['dev']} dev{withheld} ({args.split}, seed {args.seed}) "
+          f"in {args.out}")
     return 0
 
 

@@ -26,6 +26,7 @@ from transformers import get_linear_schedule_with_warmup
 
 from retrieval.readers import read_run
 from training.data import Collection, TrainingDataError, load_collection, pool_runs, sampled_groups
+from training.split import read_withheld
 
 CHECKPOINT_PREFIX = "checkpoint-"
 STATE_FILE = "trainer_state.json"
@@ -277,6 +278,9 @@ def add_data_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--queries", type=Path, help="queries: TSV qid<TAB>text, or BEIR JSONL {_id, text}")
     group.add_argument("--qrels", type=Path, help="TREC qid 0 pid rel, or BEIR TSV (rel > 0 is relevant)")
     group.add_argument("--triples", type=Path, help="TSV: query<TAB>positive passage<TAB>negative passage")
+    group.add_argument("--withhold", type=Path, metavar="FILE",
+                       help="passage ids (one a line) never trained on, as positive, negative or in a list: a "
+                            "held-out part's relevant passages (training.split --split withheld writes them)")
 
 
 def add_negatives_arguments(parser: argparse.ArgumentParser, default: int | None, help: str) -> None:
@@ -291,7 +295,15 @@ def load_training_data(args: argparse.Namespace) -> Collection:
     """The collection of `add_data_arguments`, with hard negatives from `--negatives-run` where given."""
     if args.negatives_depth < 1:
         raise TrainingDataError(f"--negatives-depth must be >= 1, got {args.negatives_depth}")
-    data = load_collection(triples=args.triples, corpus=args.corpus, queries=args.queries, qrels=args.qrels)
+    withheld = frozenset()
+    if args.withhold is not None:
+        if args.triples is not None:
+            raise TrainingDataError("--withhold names corpus passage ids; use it with --corpus/--queries/--qrels")
+        withheld = read_withheld(args.withhold)
+    data = load_collection(triples=args.triples, corpus=args.corpus, queries=args.queries, qrels=args.qrels,
+                           withheld=withheld)
+    if args.withhold is not None:
+        print(f"withheld from training: the {len(withheld)} passages of {args.withhold}", file=sys.stderr)
     if args.negatives_run:
         if args.triples is not None:
             raise TrainingDataError("--negatives-run names corpus passage ids; use it with --corpus/--queries/--qrels")
