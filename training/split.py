@@ -80,10 +80,9 @@ def read_withheld(path: Path) -> frozenset[str]:
 
 
 def split_at_random(ids: list[str], dev_share: float, seed: int) -> dict[str, list[str]]:
-    """{"train": ids, "dev": ids}, each in sorted order: round(dev_share * n) of `ids` drawn into dev."""
-    ordered = sorted(ids)
-    dev = {ordered[i] for i in np.random.default_rng(seed).permutation(len(ordered))[:round(dev_share * len(ordered))]}
-    return {"train": [q for q in ordered if q not in dev], "dev": [q for q in ordered if q in dev]}
+    """{"train": ids, "dev": ids}, each in sorted order: round(dev_share * n) of `ids` drawn into dev, as
+    split_groups draws groups of one query each."""
+    return split_groups([[qid] for qid in sorted(ids)], dev_share, seed)
 
 
 def write_split(queries: Path, qrels: Path, out: Path, dev_share: float = 0.2, seed: int = 13, split: str = "grouped",
