@@ -19,7 +19,7 @@ from retrieval.dense_index import gpu_count
 from service.http.app import create_app
 from tests.conftest import DEMO, SMALL_CORPUS_LINES, read_tsv
 from tests.test_service import settings_for
-from training.split import WITHHELD_FILE, groups_of, read_withheld, split_at_random, split_ids, write_split
+from training.split import WITHHELD_FILE, groups_of, read_withheld, split_fold, split_groups, split_ids, write_split
 
 QUERIES = 60  # q0001..q0060: their relevant passages are within the first 300 corpus lines
 
@@ -66,13 +66,21 @@ def test_the_split_holds_out_a_seeded_fifth_of_the_judged_queries(recipe):
         assert {line.split()[0] for line in (recipe / "split" / f"qrels-{part}.txt").read_text().splitlines()} == set(ids)
 
 
-def test_no_abstract_is_relevant_on_both_sides_of_the_split(tmp_path):
-    # Twelve claims over eight abstracts: c0-c3 cite a0; c3 also cites a1, which c4 cites (so c0-c4 are one
-    # group, joined through c3); c5 and c6 cite a2; c7-c11 cite one abstract each.
-    cites = {"c0": ["a0"], "c1": ["a0"], "c2": ["a0"], "c3": ["a0", "a1"], "c4": ["a1"], "c5": ["a2"],
-             "c6": ["a2"], "c7": ["a3"], "c8": ["a4"], "c9": ["a5"], "c10": ["a6"], "c11": ["a7"]}
-    (tmp_path / "queries.tsv").write_text("".join(f"{q}\tclaim {q}\n" for q in cites))
-    (tmp_path / "qrels.txt").write_text("".join(f"{q} 0 {a} 1\n" for q, cited in cites.items() for a in cited))
+# Twelve claims over eight abstracts: c0-c3 cite a0; c3 also cites a1, which c4 cites (so c0-c4 are one group,
+# joined through c3); c5 and c6 cite a2; c7-c11 cite one abstract each.
+CITES = {"c0": ["a0"], "c1": ["a0"], "c2": ["a0"], "c3": ["a0", "a1"], "c4": ["a1"], "c5": ["a2"], "c6": ["a2"],
+         "c7": ["a3"], "c8": ["a4"], "c9": ["a5"], "c10": ["a6"], "c11": ["a7"]}
+
+
+@pytest.fixture
+def twelve_claims(tmp_path) -> dict[str, list[str]]:
+    (tmp_path / "queries.tsv").write_text("".join(f"{q}\tclaim {q}\n" for q in CITES))
+    (tmp_path / "qrels.txt").write_text("".join(f"{q} 0 {a} 1\n" for q, cited in CITES.items() for a in cited))
+    return CITES
+
+
+def test_no_abstract_is_relevant_on_both_sides_of_the_split(tmp_path, twelve_claims):
+    cites = twelve_claims
     positives = {q: set(cited) for q, cited in cites.items()}
     assert groups_of(positives) == [["c0", "c1", "c2", "c3", "c4"], ["c10"], ["c11"], ["c5", "c6"], ["c7"], ["c8"],
                                     ["c9"]]
@@ -86,22 +94,42 @@ def test_no_abstract_is_relevant_on_both_sides_of_the_split(tmp_path):
     assert len({tuple(split_ids(positives, 0.5, seed)["dev"]) for seed in range(20)}) > 1  # the seed matters
 
 
-def test_the_withheld_split_holds_out_queries_at_random_and_withholds_their_relevant_passages(tmp_path):
+def test_the_withheld_split_holds_out_queries_at_random_and_withholds_their_relevant_passages(tmp_path, twelve_claims):
     # The same twelve claims: held out at random, c0-c4 may fall on both sides, so every abstract a held-out
     # claim cites is withheld from training (with an outer split's, a9 here), and training cites the others only.
-    cites = {"c0": ["a0"], "c1": ["a0"], "c2": ["a0"], "c3": ["a0", "a1"], "c4": ["a1"], "c5": ["a2"],
-             "c6": ["a2"], "c7": ["a3"], "c8": ["a4"], "c9": ["a5"], "c10": ["a6"], "c11": ["a7"]}
-    (tmp_path / "queries.tsv").write_text("".join(f"{q}\tclaim {q}\n" for q in cites))
-    (tmp_path / "qrels.txt").write_text("".join(f"{q} 0 {a} 1\n" for q, cited in cites.items() for a in cited))
+    cites, singletons = twelve_claims, [[q] for q in sorted(twelve_claims)]
     for seed in range(20):
         counts = write_split(tmp_path / "queries.tsv", tmp_path / "qrels.txt", tmp_path / "split", 0.25, seed,
                              "withheld", frozenset({"a9"}))
         parts = split_of(tmp_path / "split")
-        assert parts == split_at_random(list(cites), 0.25, seed) and len(parts["dev"]) == 3
+        assert parts == split_groups(singletons, 0.25, seed) and len(parts["dev"]) == 3
         assert sorted(parts["train"] + parts["dev"]) == sorted(cites)
         withheld = read_withheld(tmp_path / "split" / WITHHELD_FILE)
         assert withheld == {"a9", *(a for q in parts["dev"] for a in cites[q])} and counts["withheld"] == len(withheld)
-    assert len({tuple(split_at_random(list(cites), 0.25, seed)["dev"]) for seed in range(20)}) > 1
+    assert len({tuple(split_groups(singletons, 0.25, seed)["dev"]) for seed in range(20)}) > 1
+
+
+@pytest.mark.parametrize("split", ["grouped", "withheld"])
+def test_folds_hold_out_every_judged_query_exactly_once_and_the_first_is_the_plain_split(tmp_path, twelve_claims,
+                                                                                         split):
+    for seed in range(10):
+        folds = []
+        for fold in range(1, 5):
+            counts = write_split(tmp_path / "queries.tsv", tmp_path / "qrels.txt", tmp_path / "split", seed=seed,
+                                 split=split, fold=(fold, 4))
+            parts = split_of(tmp_path / "split")
+            assert sorted(parts["train"] + parts["dev"]) == sorted(CITES) and counts["dev"] == len(parts["dev"])
+            if split == "grouped":  # a group is never cut, in any fold
+                assert not {a for q in parts["train"] for a in CITES[q]} & {a for q in parts["dev"] for a in CITES[q]}
+            else:
+                assert read_withheld(tmp_path / "split" / WITHHELD_FILE) == {a for q in parts["dev"] for a in CITES[q]}
+            folds.append(parts["dev"])
+        assert sorted(q for dev in folds for q in dev) == sorted(CITES)
+        groups = groups_of({q: set(cited) for q, cited in CITES.items()}) if split == "grouped" else [
+            [q] for q in sorted(CITES)]
+        assert folds[0] == split_groups(groups, 0.25, seed)["dev"] == split_fold(groups, 4, 1, seed)["dev"]
+        if split == "withheld":
+            assert sorted(map(len, folds)) == [3, 3, 3, 3]
 
 
 def test_a_split_that_cannot_hold_out_a_group_is_refused(tmp_path):

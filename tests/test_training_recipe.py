@@ -164,28 +164,55 @@ def chained_collection(folder: Path) -> dict[str, set[str]]:
     return relevant(read_qrels(folder / "qrels.txt"))
 
 
-def test_queries_sharing_passages_in_one_group_are_held_out_at_random_and_their_passages_withheld(
+def test_queries_sharing_passages_in_one_group_are_cross_validated_at_random_their_passages_withheld(
         recipe_out, tmp_path, capsys):
     positives = chained_collection(tmp_path)
     argv = recipe_args(tmp_path, "--index", str(recipe_out / "index"), "--steps", "1", "--depths", "2", "--weights",
                        "1", "--backends", "torch", "--timing-queries", "2")
     assert main(argv) == 2  # grouped by relevant passage, nothing can be held out
     assert "the largest has 60 of 60 queries; --split withheld" in capsys.readouterr().err
-    assert main([*argv, "--out", str(tmp_path / "withheld"), "--split", "withheld"]) == 0
     out = tmp_path / "withheld"
-    held_out, validation = part(out / "split", "dev"), part(out / "split" / "validation", "dev")
-    train = part(out / "split" / "validation", "train")
-    assert sorted([*held_out, *validation, *train]) == sorted(positives)
-    assert (len(held_out), len(validation)) == (QUERIES // 5, round(0.2 * (QUERIES - QUERIES // 5)))
-    assert all(side[qid] == positives[qid] for side in (held_out, validation, train) for qid in side)
-    withheld = set().union(*held_out.values(), *validation.values())
-    assert set((out / "split" / "validation" / "withheld.txt").read_text().split()) == withheld
-    # Both trainings saw exactly the training queries' pairs on passages no other part judges relevant.
-    kept = sum(len(docids - withheld) for docids in train.values())
-    assert 0 < kept < sum(map(len, train.values()))
-    for model in ("biencoder", "model"):
-        assert json.loads((checkpoints(out / model)[-1] / "trainer_state.json").read_text())["pairs"] == kept
-    assert json.loads((out / "recipe.json").read_text())["withheld_passages"] == len(withheld)
+    assert main([*argv, "--out", str(out), "--split", "withheld", "--folds", "2"]) == 0
+    held_out_once = []
+    for fold in (out / "fold-1", out / "fold-2"):
+        held_out, validation = part(fold / "split", "dev"), part(fold / "split" / "validation", "dev")
+        train = part(fold / "split" / "validation", "train")
+        assert sorted([*held_out, *validation, *train]) == sorted(positives)
+        assert (len(held_out), len(validation)) == (QUERIES // 2, round(0.2 * (QUERIES // 2)))
+        assert all(side[qid] == positives[qid] for side in (held_out, validation, train) for qid in side)
+        withheld = set().union(*held_out.values(), *validation.values())
+        assert set((fold / "split" / "validation" / "withheld.txt").read_text().split()) == withheld
+        # Both trainings saw exactly the training queries' pairs on passages no other part judges relevant.
+        kept = sum(len(docids - withheld) for docids in train.values())
+        assert 0 < kept < sum(map(len, train.values()))
+        for model in ("biencoder", "model"):
+            assert json.loads((checkpoints(fold / model)[-1] / "trainer_state.json").read_text())["pairs"] == kept
+        summary = json.loads((fold / "recipe.json").read_text())
+        assert summary["withheld_passages"] == len(withheld) and (fold / "serve.env").is_file()
+        held_out_once += held_out
+    assert sorted(held_out_once) == sorted(positives)  # every judged query held out in exactly one fold
+
+    # Each pipeline reads on every judged query, each query under its own fold's pipeline.
+    summaries = [json.loads((out / f"fold-{k}" / "recipe.json").read_text()) for k in (1, 2)]
+    pooled = json.loads((out / "recipe.json").read_text())["pooled"]
+    assert list(pooled) == ["default", "fine-tuned first stage", "chosen", "fast"]
+    for label, row in pooled.items():
+        values = {q: v for s in summaries for q, v in s["held_out"][label]["per_query"].items()}
+        base = {q: v for s in summaries for q, v in s["held_out"]["default"]["per_query"].items()}
+        assert sorted(values) == sorted(positives) and row["held_out"] == pytest.approx(sum(values.values()) / QUERIES)
+        assert row["difference"] == pytest.approx(row["held_out"] - sum(base.values()) / QUERIES)
+        assert row["interval"][0] <= row["difference"] <= row["interval"][1]
+        assert row["ms"] == [s["held_out"][label]["ms"] for s in summaries]
+    printed = capsys.readouterr().out
+    assert f"cross-validated: {QUERIES} judged queries in 2 folds, each held out once" in printed
+    assert printed.splitlines()[-1].startswith(f"recipe: 2 folds, each of {QUERIES} judged queries held out once")
+
+    # A rerun answers from the finished folds and pools them again; other folds in the same folder are refused.
+    assert main([*argv, "--out", str(out), "--split", "withheld", "--folds", "2"]) == 0
+    assert capsys.readouterr().err.count("finished in") == 2
+    assert json.loads((out / "recipe.json").read_text())["pooled"] == pooled
+    assert main([*argv, "--out", str(out), "--split", "withheld", "--folds", "3"]) == 2
+    assert "was made with other dev_share, folds" in capsys.readouterr().err
 
 
 def test_a_rerun_asking_other_settings_of_the_same_folder_is_refused(recipe_out, capsys):
@@ -197,6 +224,7 @@ def test_a_rerun_asking_other_settings_of_the_same_folder_is_refused(recipe_out,
 
 @pytest.mark.parametrize("flag, value, message", [
     ("--max-tokens", "64", "--max-tokens must be from 72 to 512, got 64"),
+    ("--folds", "0", "--folds must be from 1 to 100, got 0"),
     ("--weights", "-1", "--weights must be from 0 to 100, got [-1.0]"),
     ("--biencoder-steps", "-1", "--biencoder-steps must be >= 0, got -1"),
     ("--init-reranker", "/nonexistent", "--init-reranker /nonexistent: no model folder (no config.json)"),
@@ -204,6 +232,12 @@ def test_a_rerun_asking_other_settings_of_the_same_folder_is_refused(recipe_out,
 def test_a_bad_setting_exits_2_naming_it(tmp_path, capsys, flag, value, message):
     assert main(recipe_args(tmp_path, flag, value)) == 2
     assert capsys.readouterr().err.strip() == f"error: {message}"
+
+
+def test_folds_and_a_dev_share_exclude_each_other(tmp_path, capsys):
+    assert main(recipe_args(tmp_path, "--folds", "5", "--dev-share", "0.3")) == 2
+    assert capsys.readouterr().err.strip() == ("error: --dev-share and --folds exclude each other: each of 5 folds "
+                                               "holds out 1/5 of the queries")
 
 
 def test_a_missing_input_file_exits_2_naming_it(tmp_path, capsys):

@@ -27,7 +27,15 @@
    without blending, and the fast one, each difference from the default with a paired bootstrap 95% interval
    over queries.
 6. Writes DIR/serve.env and DIR/serve-fast.env (the service's settings for each pipeline: `set -a; .
-   DIR/serve.env; set +a; python -m service`) and DIR/recipe.json (every figure above).
+   DIR/serve.env; set +a; python -m service`) and DIR/recipe.json (every figure above, and each held-out
+   query's value under each reported pipeline).
+
+With `--folds N` the recipe is cross-validated: it runs N times, in DIR/fold-1 to DIR/fold-N, each run holding
+out a different Nth of the judged queries (training.split's folds; fold 1 is the run without `--folds` at a
+`--dev-share` of 1/N) and choosing on its own validation part. Every judged query is then held out exactly once,
+so each reported pipeline (each fold's own) reads on all of them: the differences from the default and their
+paired bootstrap intervals are taken over every judged query (DIR/recipe.json). Each fold's serve.env serves
+the pipeline that fold measured (fold 1's is the one a run without `--folds` writes). A rerun resumes.
 """
 
 from __future__ import annotations
@@ -41,7 +49,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Mapping, NamedTuple, Sequence
 
 from tqdm import tqdm
 
@@ -63,6 +71,7 @@ MEASURE = "nDCG@10"
 K = 10  # the list a pipeline answers and the measure reads
 PRIOR_WEIGHT = 0.5  # the first stage's weight in the residual training (scripts/scifact.sh's)
 SETTINGS_FILE = "recipe-settings.json"
+SUMMARY_FILE = "recipe.json"
 DEFAULT, BIENCODER = "default", "biencoder"
 # The first stages a pipeline starts from: the index's own default retrieval, and the same retrieval over an
 # index of the corpus encoded by the bi-encoder fine-tuned on the training queries (--biencoder-steps).
@@ -140,6 +149,14 @@ class Row:
         return sum(self.values.values()) / len(self.values)
 
 
+class Reported(NamedTuple):
+    """A pipeline chosen on validation, as it read on held-out queries."""
+
+    row: Row
+    difference: Difference  # from the default retrieval
+    values: dict[str, float]  # per held-out query
+
+
 def reranker_scores(reranker: Reranker, part: Part, stage: str, depth: int, label: str) -> dict[str, list[float]]:
     """`reranker`'s score of the top `depth` of each of `stage`'s lists (one pass serves every smaller depth)."""
     return {qid: [float(s) for s in reranker.score(part.queries[qid], [hit.text for hit in hits[:depth]])]
@@ -206,11 +223,16 @@ def _env_file(path: Path, pipeline: Pipeline, indexes: Mapping[str, Path], about
 
 
 def run_recipe(args: argparse.Namespace) -> dict:
+    """One run (`args.fold`: None, or fold k of `args.folds`, which a finished run there answers); its summary."""
     started = time.perf_counter()
     out, depths, weights = args.out, sorted(set(args.depths)), sorted(set(args.weights))
     _check_arguments(args, depths, weights)
+    if args.fold is not None and (out / SUMMARY_FILE).is_file():  # written last: the fold finished
+        print(f"fold {args.fold} of {args.folds}: finished in {out}", file=sys.stderr)
+        return json.loads((out / SUMMARY_FILE).read_text())
     split, inner = out / "split", out / "split" / "validation"
-    outer = write_split(args.queries, args.qrels, split, args.dev_share, args.seed, args.split)
+    outer = write_split(args.queries, args.qrels, split, _dev_share(args), args.seed, args.split,
+                        fold=None if args.fold is None else (args.fold, args.folds))
     withheld = read_withheld(split / WITHHELD_FILE) if args.split == "withheld" else frozenset()
     counts = write_split(split / "queries-train.tsv", split / "qrels-train.txt", inner, args.validation_share,
                          args.seed, args.split, withheld)
@@ -267,7 +289,6 @@ def run_recipe(args: argparse.Namespace) -> dict:
     report = _held_out(args, reported, held_out, stage, max(depths), loaded)
 
     summary = _summary(args, first_stage, counts, outer, len(saved), rows, report, indexes)
-    (out / "recipe.json").write_text(json.dumps(summary, indent=1) + "\n")
     print(_table(report, len(held_out.queries), validation, first_stage))
     for label, row, file in (("serve", best, "serve.env"), ("serve fast", fast, "serve-fast.env")):
         (out / file).unlink(missing_ok=True)
@@ -278,13 +299,95 @@ def run_recipe(args: argparse.Namespace) -> dict:
         settings = " ".join(f"{name}='{value}'" if name == "SEARCH_RERANKERS" else f"{name}={value}"
                             for name, value in row.pipeline.settings(indexes).items())
         print(f"{label}: {settings}  ({row.ms:.1f} ms/query p50 on validation; {out / file})")
+    _write_json(out / SUMMARY_FILE, summary)
     print(f"recipe: {len(saved)} checkpoints x {len(depths)} depths x {len(weights)} weights chosen on "
           f"{len(validation.queries)} validation queries, reported on {len(held_out.queries)} held-out queries in "
           f"{(time.perf_counter() - started) / 60:.1f} min")
     return summary
 
 
+def run_folds(args: argparse.Namespace) -> dict:
+    """The recipe cross-validated over `args.folds` folds (DIR/fold-K), then each reported pipeline pooled
+    over every judged query; the summary."""
+    started = time.perf_counter()
+    _check_arguments(args, sorted(set(args.depths)), sorted(set(args.weights)))
+    index = args.index or args.out / "index"
+    if args.index is None:
+        _build_index(args.corpus, index, args.device)
+    summaries = []
+    for fold in range(1, args.folds + 1):
+        print(f"fold {fold} of {args.folds}", file=sys.stderr)
+        summaries.append(run_recipe(argparse.Namespace(**{**vars(args), "out": args.out / f"fold-{fold}",
+                                                          "index": index, "fold": fold})))
+    pooled = pool(summaries, args.seed)
+    queries = sum(len(summary["held_out"]["default"]["per_query"]) for summary in summaries)
+    print(_pooled_table(pooled, summaries, queries))
+    summary = {"date": time.strftime("%Y-%m-%d"), "default_retrieval": summaries[0]["default_retrieval"],
+               "split": args.split, "folds": args.folds, "queries": queries, "measure": MEASURE,
+               "budget_ms": args.budget_ms, "fold_summaries": [str(args.out / f"fold-{k}" / SUMMARY_FILE)
+                                                               for k in range(1, args.folds + 1)],
+               "pooled": {label: {"held_out": difference.other, "default": difference.base,
+                                  "difference": difference.mean, "interval": [difference.low, difference.high],
+                                  "real": difference.real, "better": difference.better, "worse": difference.worse,
+                                  "pipelines": [_described(summary["held_out"][label]) for summary in summaries],
+                                  "ms": [summary["held_out"][label]["ms"] for summary in summaries]}
+                          for label, difference in pooled.items()}}
+    _write_json(args.out / SUMMARY_FILE, summary)
+    print(f"recipe: {args.folds} folds, each of {queries} judged queries held out once, in "
+          f"{(time.perf_counter() - started) / 60:.1f} min")
+    return summary
+
+
+POOLED = ("default", "fine-tuned first stage", "chosen", "fast")  # the rows every fold reports
+
+
+def pool(summaries: Sequence[dict], seed: int) -> dict[str, Difference]:
+    """Each of POOLED's rows that every fold reports: its held-out queries' values gathered over the folds
+    (each fold's own pipeline), against the default retrieval's, by a paired bootstrap over all of them."""
+    def gathered(label: str) -> dict[str, float]:
+        return {qid: value for summary in summaries for qid, value in summary["held_out"][label]["per_query"].items()}
+    return {label: paired_bootstrap(gathered("default"), gathered(label), seed=seed) for label in POOLED
+            if all(label in summary["held_out"] for summary in summaries)}
+
+
+def _described(reported: dict) -> str:
+    """The name of a pipeline a summary reports."""
+    checkpoint = reported["checkpoint"]
+    return Pipeline(Path(checkpoint) if checkpoint else None, reported["backend"], reported["depth"],
+                    reported["weight"], reported["first_stage"], reported["untrained"]).name
+
+
+def _pooled_table(pooled: Mapping[str, Difference], summaries: Sequence[dict], queries: int) -> str:
+    changes = {label: "" if label == "default" else f"{difference}  {'real' if difference.real else 'not shown'}"
+               for label, difference in pooled.items()}
+    width = max(map(len, changes.values())) + 2
+    lines = [f"cross-validated: {queries} judged queries in {len(summaries)} folds, each held out once ({MEASURE}; "
+             f"differences from the default retrieval, {summaries[0]['default_retrieval']}, with paired bootstrap "
+             f"95% intervals over all {queries}; each fold chose on its own validation queries)",
+             f"{'':<26}{'held-out':>8}  {'difference':<{width}}ms/query over the folds"]
+    for label, difference in pooled.items():
+        ms = [summary["held_out"][label]["ms"] for summary in summaries]
+        lines.append(f"{label:<26}{difference.other:>8.4f}  {changes[label]:<{width}}{min(ms):.1f} to {max(ms):.1f}")
+    for label in pooled:
+        if label != "default":
+            lines += [f"{label}, fold {k}: {_described(summary['held_out'][label])}"
+                      for k, summary in enumerate(summaries, 1)]
+    return "\n".join(lines)
+
+
+def _write_json(path: Path, value: dict) -> None:
+    """`value` into `path` whole or not at all: a fold's summary tells a rerun the fold finished."""
+    part = path.with_name(path.name + ".part")
+    part.write_text(json.dumps(value, indent=1) + "\n")
+    part.replace(path)
+
+
 def _check_arguments(args: argparse.Namespace, depths: list[int], weights: list[float]) -> None:
+    if not 1 <= args.folds <= 100:
+        raise RecipeError(f"--folds must be from 1 to 100, got {args.folds}")
+    if args.folds > 1 and args.dev_share is not None:
+        raise RecipeError(f"--dev-share and --folds exclude each other: each of {args.folds} folds holds out "
+                          f"1/{args.folds} of the queries")
     if args.biencoder_steps < 0:
         raise RecipeError(f"--biencoder-steps must be >= 0, got {args.biencoder_steps}")
     if args.steps < 1 or args.save_every < 1:
@@ -303,11 +406,21 @@ def _check_arguments(args: argparse.Namespace, depths: list[int], weights: list[
     _check_settings(args.out, {
         "corpus": str(args.corpus.resolve()), "queries_sha256": _sha256(args.queries),
         "qrels_sha256": _sha256(args.qrels), "index": str(args.index.resolve()) if args.index else None,
-        "dev_share": args.dev_share, "validation_share": args.validation_share, "seed": args.seed,
+        "dev_share": _dev_share(args), "validation_share": args.validation_share, "seed": args.seed,
         **({"split": args.split} if args.split != "grouped" else {}),  # folders made before --split stay valid
+        # fold 1 is the plain run at a dev share of 1/N: its folder is one
+        **({"folds": args.folds} if args.fold is None and args.folds > 1 else {}),
+        **({"fold": f"{args.fold}/{args.folds}"} if args.fold is not None and args.fold > 1 else {}),
         "steps": args.steps, "save_every": args.save_every, "max_depth": max(depths), "max_tokens": args.max_tokens,
         "biencoder_steps": args.biencoder_steps,
         "init_reranker": str(args.init_reranker.resolve()) if args.init_reranker else None})
+
+
+def _dev_share(args: argparse.Namespace) -> float:
+    """The share of the judged queries held out: 1/N with --folds N."""
+    if args.folds > 1:
+        return 1 / args.folds
+    return 0.2 if args.dev_share is None else args.dev_share
 
 
 def _build_index(corpus: Path, index: Path, device: str, model: Path | None = None) -> None:
@@ -404,7 +517,7 @@ def _validation_rows(args: argparse.Namespace, searchers: Mapping[str, Searcher]
 
 
 def _held_out(args: argparse.Namespace, reported: Mapping[str, Row], held_out: Part, stage: str, depth: int,
-              loaded: Mapping[tuple[Path, str], Reranker]) -> dict[str, tuple[Row, Difference]]:
+              loaded: Mapping[tuple[Path, str], Reranker]) -> dict[str, Reported]:
     """Each reported pipeline scored once on `held_out`, against the default retrieval; each reranker
     (checkpoint and backend; from `loaded` where validation left it) reads each list once."""
     scores: dict[tuple[Path, str], dict[str, list[float]]] = {}
@@ -415,30 +528,32 @@ def _held_out(args: argparse.Namespace, reported: Mapping[str, Row], held_out: P
                                                         backend=row.pipeline.backend)
             scores[key] = reranker_scores(reranker, held_out, stage, depth, f"held-out, {row.pipeline.backend}")
     base = held_out.scored(Pipeline(), None)
-    return {label: (row, paired_bootstrap(base, held_out.scored(
-        row.pipeline, scores.get((row.pipeline.checkpoint, row.pipeline.backend))), seed=args.seed))
-        for label, row in reported.items()}
+    report = {}
+    for label, row in reported.items():
+        values = held_out.scored(row.pipeline, scores.get((row.pipeline.checkpoint, row.pipeline.backend)))
+        report[label] = Reported(row, paired_bootstrap(base, values, seed=args.seed), values)
+    return report
 
 
-def _table(report: Mapping[str, tuple[Row, Difference]], queries: int, validation: Part, first_stage: str) -> str:
+def _table(report: Mapping[str, Reported], queries: int, validation: Part, first_stage: str) -> str:
     changes = {label: "" if row.pipeline == Pipeline() else
                f"{difference}  {'real' if difference.real else 'not shown'}"
-               for label, (row, difference) in report.items()}
-    name_width = max(len(row.pipeline.name) for row, _ in report.values()) + 2
+               for label, (row, difference, _) in report.items()}
+    name_width = max(len(row.pipeline.name) for row, _, _ in report.values()) + 2
     change_width = max(map(len, changes.values())) + 2
     lines = [f"held-out: {queries} queries, reported once ({MEASURE}; differences from the default retrieval, "
              f"{first_stage}, with paired bootstrap 95% intervals; chosen on {len(validation.queries)} validation "
              f"queries)",
              f"{'':<26}{'pipeline':<{name_width}}{'validation':>10}{'held-out':>10}  {'difference':<{change_width}}"
              f"{'ms/query':>8}"]
-    for label, (row, difference) in report.items():
+    for label, (row, difference, _) in report.items():
         lines.append(f"{label:<26}{row.pipeline.name:<{name_width}}{row.mean:>10.4f}{difference.other:>10.4f}  "
                      f"{changes[label]:<{change_width}}{row.ms:>8.1f}")
     return "\n".join(lines)
 
 
 def _summary(args, first_stage: str, counts: dict, outer: dict, checkpoints_seen: int, rows: Sequence[Row],
-             report: Mapping[str, tuple[Row, Difference]], indexes: Mapping[str, Path]) -> dict:
+             report: Mapping[str, Reported], indexes: Mapping[str, Path]) -> dict:
     return {
         "date": time.strftime("%Y-%m-%d"), "default_retrieval": first_stage, "index": str(indexes[DEFAULT]),
         "indexes": {name: str(index) for name, index in indexes.items()},
@@ -450,8 +565,8 @@ def _summary(args, first_stage: str, counts: dict, outer: dict, checkpoints_seen
         "held_out": {label: {**row.pipeline.as_json(), "validation": row.mean, "ms": row.ms,
                              "held_out": difference.other, "default": difference.base, "difference": difference.mean,
                              "interval": [difference.low, difference.high], "real": difference.real,
-                             "settings": row.pipeline.settings(indexes)}
-                     for label, (row, difference) in report.items()},
+                             "settings": row.pipeline.settings(indexes), "per_query": values}
+                     for label, (row, difference, values) in report.items()},
     }
 
 
@@ -466,7 +581,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--split", choices=SPLITS, default="grouped",
                         help="grouped by relevant passage (default), or queries at random with their relevant "
                              "passages withheld from training (training.split)")
-    parser.add_argument("--dev-share", type=float, default=0.2, help="share of the queries held out (default 0.2)")
+    parser.add_argument("--dev-share", type=float, help="share of the queries held out (default 0.2)")
+    parser.add_argument("--folds", type=int, default=1,
+                        help="cross-validate: N runs, each holding out another 1/N of the queries (default 1: one)")
     parser.add_argument("--validation-share", type=float, default=0.2,
                         help="share of the rest that chooses the pipeline (default 0.2)")
     parser.add_argument("--seed", type=int, default=13, help="seed of the splits, the training and the bootstrap")
@@ -493,8 +610,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.fold = None
     try:
-        run_recipe(args)
+        (run_folds if args.folds > 1 else run_recipe)(args)
     except (RecipeError, InputFileError, TrainingDataError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
