@@ -132,13 +132,20 @@ def test_folds_hold_out_every_judged_query_exactly_once_and_the_first_is_the_pla
             assert sorted(map(len, folds)) == [3, 3, 3, 3]
 
 
-def test_a_split_that_cannot_hold_out_a_group_is_refused(tmp_path):
+@pytest.mark.parametrize("flags, message", [
+    ([], "no grouped split holds out a share of 0.2 of the queries: their relevant passages join them into groups "
+         "too large (the largest has 3 of 3 queries; --split withheld"),
+    (["--folds", "3", "--fold", "2"], "no grouped split holds out fold 2 of 3 of the queries"),
+    (["--fold", "2"], "--folds and --fold go together: --folds N --fold K holds out fold K of N"),
+    (["--folds", "3", "--fold", "4"], "--folds must be from 2 to 100 and --fold from 1 to --folds, got 3 and 4"),
+])
+def test_a_split_that_cannot_hold_out_a_group_is_refused(tmp_path, flags, message):
     (tmp_path / "queries.tsv").write_text("c0\tone\nc1\ttwo\nc2\tthree\n")
     (tmp_path / "qrels.txt").write_text("c0 0 a0 1\nc1 0 a0 1\nc1 0 a1 1\nc2 0 a1 1\n")
     done = subprocess.run([sys.executable, "-m", "training.split", "--queries", str(tmp_path / "queries.tsv"),
-                           "--qrels", str(tmp_path / "qrels.txt"), "--out", str(tmp_path / "split")],
+                           "--qrels", str(tmp_path / "qrels.txt"), "--out", str(tmp_path / "split"), *flags],
                           capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
-    assert done.returncode == 2 and "the largest has 3 of 3 queries; --split withheld" in done.stderr
+    assert done.returncode == 2 and message in done.stderr
     assert not (tmp_path / "split").exists()
 
 

@@ -112,22 +112,22 @@ def write_split(queries: Path, qrels: Path, out: Path, dev_share: float = 0.2, s
     positives = {qid: docids for qid, docids in relevant(judged).items() if qid in texts}
     if len(positives) < 2:
         raise InputFileError(f"{qrels}: fewer than 2 queries of {queries} have a relevant judgement")
-    groups = groups_of(positives) if split == "grouped" else [[qid] for qid in sorted(positives)]
+    joined = groups_of(positives)
+    groups = joined if split == "grouped" else [[qid] for qid in sorted(positives)]
     parts = split_groups(groups, dev_share, seed) if fold is None else split_fold(groups, fold[1], fold[0], seed)
+    share = f"a share of {dev_share}" if fold is None else f"fold {fold[0]} of {fold[1]}"
     if (not parts["dev"] or not parts["train"]) and split == "withheld":
-        share = f"a share of {dev_share}" if fold is None else f"fold {fold[0]} of {fold[1]}"
         raise InputFileError(f"{qrels}: {share} of {len(positives)} judged queries leaves a part empty")
     if not parts["dev"] or not parts["train"]:
-        raise InputFileError(f"{qrels}: no grouped split holds out {dev_share} of the queries: their relevant "
+        raise InputFileError(f"{qrels}: no grouped split holds out {share} of the queries: their relevant "
                              f"passages join them into groups too large (the largest has "
-                             f"{max(map(len, groups_of(positives)))} of {len(positives)} queries; --split withheld holds out "
+                             f"{max(map(len, joined))} of {len(positives)} queries; --split withheld holds out "
                              f"queries at random and withholds their relevant passages from training)")
     out.mkdir(parents=True, exist_ok=True)
     for part, ids in parts.items():
         (out / f"queries-{part}.tsv").write_text("".join(f"{q}\t{' '.join(texts[q].split())}\n" for q in ids))
         (out / f"qrels-{part}.txt").write_text(
             "".join(f"{q} 0 {docid} {rel}\n" for q in ids for docid, rel in sorted(judged[q].items())))
-    joined = groups_of(positives)
     counts = {**{part: len(ids) for part, ids in parts.items()}, "groups": len(joined),
               "largest group": max(map(len, joined))}
     if split == "withheld":
@@ -148,13 +148,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dev-share", type=float, default=0.2, help="share of the queries held out (default 0.2)")
     parser.add_argument("--seed", type=int, default=13, help="seed of the shuffle (default 13)")
     parser.add_argument("--folds", type=int, help="cross-validation: split the queries into N folds ...")
-    parser.add_argument("--fold", type=int, default=1, help="... and hold out fold K (1 to N; default 1)")
+    parser.add_argument("--fold", type=int, help="... and hold out fold K (1 to N)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if (args.fold is None) != (args.folds is None):
+            raise InputFileError("--folds and --fold go together: --folds N --fold K holds out fold K of N")
         fold = None if args.folds is None else (args.fold, args.folds)
         counts = write_split(args.queries, args.qrels, args.out, args.dev_share, args.seed, args.split, fold=fold)
     except (InputFileError, OSError) as error:
