@@ -319,19 +319,19 @@ def run_folds(args: argparse.Namespace) -> dict:
         print(f"fold {fold} of {args.folds}", file=sys.stderr)
         summaries.append(run_recipe(argparse.Namespace(**{**vars(args), "out": args.out / f"fold-{fold}",
                                                           "index": index, "fold": fold})))
-    pooled = pool(summaries, args.seed)
-    queries = sum(len(summary["held_out"]["default"]["per_query"]) for summary in summaries)
-    print(_pooled_table(pooled, summaries, queries))
+    queries = sum(len(folded["held_out"]["default"]["per_query"]) for folded in summaries)
+    pooled = {label: {"held_out": difference.other, "default": difference.base, "difference": difference.mean,
+                      "interval": [difference.low, difference.high], "real": difference.real,
+                      "better": difference.better, "worse": difference.worse,
+                      "pipelines": [_described(folded["held_out"][label]) for folded in summaries],
+                      "ms": [folded["held_out"][label]["ms"] for folded in summaries]}
+              for label, difference in pool(summaries, args.seed).items()}
+    print(_pooled_table(pooled, queries, summaries[0]["default_retrieval"]))
     summary = {"date": time.strftime("%Y-%m-%d"), "default_retrieval": summaries[0]["default_retrieval"],
                "split": args.split, "folds": args.folds, "queries": queries, "measure": MEASURE,
                "budget_ms": args.budget_ms, "fold_summaries": [str(args.out / f"fold-{k}" / SUMMARY_FILE)
                                                                for k in range(1, args.folds + 1)],
-               "pooled": {label: {"held_out": difference.other, "default": difference.base,
-                                  "difference": difference.mean, "interval": [difference.low, difference.high],
-                                  "real": difference.real, "better": difference.better, "worse": difference.worse,
-                                  "pipelines": [_described(summary["held_out"][label]) for summary in summaries],
-                                  "ms": [summary["held_out"][label]["ms"] for summary in summaries]}
-                          for label, difference in pooled.items()}}
+               "pooled": pooled}
     _write_json(args.out / SUMMARY_FILE, summary)
     print(f"recipe: {args.folds} folds, each of {queries} judged queries held out once, in "
           f"{(time.perf_counter() - started) / 60:.1f} min")
@@ -357,21 +357,24 @@ def _described(reported: dict) -> str:
                     reported["weight"], reported["first_stage"], reported["untrained"]).name
 
 
-def _pooled_table(pooled: Mapping[str, Difference], summaries: Sequence[dict], queries: int) -> str:
+def _pooled_table(pooled: Mapping[str, dict], queries: int, first_stage: str) -> str:
+    """run_folds' table of its pooled rows (their JSON)."""
+    differences = {label: Difference(row["default"], row["held_out"], row["difference"], *row["interval"],
+                                     row["better"], row["worse"]) for label, row in pooled.items()}
     changes = {label: "" if label == "default" else f"{difference}  {'real' if difference.real else 'not shown'}"
-               for label, difference in pooled.items()}
+               for label, difference in differences.items()}
     width = max(map(len, changes.values())) + 2
-    lines = [f"cross-validated: {queries} judged queries in {len(summaries)} folds, each held out once ({MEASURE}; "
-             f"differences from the default retrieval, {summaries[0]['default_retrieval']}, with paired bootstrap "
-             f"95% intervals over all {queries}; each fold chose on its own validation queries)",
+    folds = len(pooled["default"]["ms"])
+    lines = [f"cross-validated: {queries} judged queries in {folds} folds, each held out once ({MEASURE}; "
+             f"differences from the default retrieval, {first_stage}, with paired bootstrap 95% intervals over all "
+             f"{queries}; each fold chose on its own validation queries)",
              f"{'':<26}{'held-out':>8}  {'difference':<{width}}ms/query over the folds"]
-    for label, difference in pooled.items():
-        ms = [summary["held_out"][label]["ms"] for summary in summaries]
-        lines.append(f"{label:<26}{difference.other:>8.4f}  {changes[label]:<{width}}{min(ms):.1f} to {max(ms):.1f}")
-    for label in pooled:
+    for label, row in pooled.items():
+        lines.append(f"{label:<26}{row['held_out']:>8.4f}  {changes[label]:<{width}}"
+                     f"{min(row['ms']):.1f} to {max(row['ms']):.1f}")
+    for label, row in pooled.items():
         if label != "default":
-            lines += [f"{label}, fold {k}: {_described(summary['held_out'][label])}"
-                      for k, summary in enumerate(summaries, 1)]
+            lines += [f"{label}, fold {k}: {pipeline}" for k, pipeline in enumerate(row["pipelines"], 1)]
     return "\n".join(lines)
 
 

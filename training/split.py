@@ -70,13 +70,12 @@ def split_ids(positives: dict[str, set[str]], dev_share: float, seed: int) -> di
 
 def split_groups(groups: list[list[str]], dev_share: float, seed: int) -> dict[str, list[str]]:
     """split_ids over groups_of's groups."""
-    ordered = sorted(qid for group in groups for qid in group)
-    target = round(dev_share * len(ordered))
+    target = round(dev_share * sum(map(len, groups)))
     dev: set[str] = set()
     for index in np.random.default_rng(seed).permutation(len(groups)):
         if len(dev) + len(groups[index]) <= target:
             dev.update(groups[index])
-    return {"train": [q for q in ordered if q not in dev], "dev": [q for q in ordered if q in dev]}
+    return _parts(groups, dev)
 
 
 def split_fold(groups: list[list[str]], folds: int, fold: int, seed: int) -> dict[str, list[str]]:
@@ -87,6 +86,11 @@ def split_fold(groups: list[list[str]], folds: int, fold: int, seed: int) -> dic
     for k in range(1, fold + 1):
         dev = set(split_groups(left, 1 / (folds - k + 1), seed)["dev"])
         left = [group for group in left if group[0] not in dev]
+    return _parts(groups, dev)
+
+
+def _parts(groups: list[list[str]], dev: set[str]) -> dict[str, list[str]]:
+    """{"train": ids, "dev": ids}, each in sorted order: the groups' queries in `dev` and the others."""
     ordered = sorted(qid for group in groups for qid in group)
     return {"train": [q for q in ordered if q not in dev], "dev": [q for q in ordered if q in dev]}
 
