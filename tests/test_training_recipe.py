@@ -172,7 +172,16 @@ def test_queries_sharing_passages_in_one_group_are_cross_validated_at_random_the
     assert main(argv) == 2  # grouped by relevant passage, nothing can be held out
     assert "the largest has 60 of 60 queries; --split withheld" in capsys.readouterr().err
     out = tmp_path / "withheld"
+    # Fold 2 alone (another machine's share, say); then the whole run, which runs fold 1 and pools.
+    assert main([*argv, "--out", str(out), "--split", "withheld", "--folds", "2", "--fold", "2"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].startswith("recipe: fold 2 of 2")
+    assert (out / "fold-2" / "recipe.json").is_file() and not (out / "fold-1").exists()
+    assert not (out / "recipe.json").exists()
     assert main([*argv, "--out", str(out), "--split", "withheld", "--folds", "2"]) == 0
+    printed = capsys.readouterr()
+    assert printed.err.count("finished in") == 1
+    assert f"cross-validated: {QUERIES} judged queries in 2 folds, each held out once" in printed.out
+    assert printed.out.splitlines()[-1].startswith(f"recipe: 2 folds, each of {QUERIES} judged queries held out once")
     held_out_once = []
     for fold in (out / "fold-1", out / "fold-2"):
         held_out, validation = part(fold / "split", "dev"), part(fold / "split" / "validation", "dev")
@@ -203,9 +212,6 @@ def test_queries_sharing_passages_in_one_group_are_cross_validated_at_random_the
         assert row["difference"] == pytest.approx(row["held_out"] - sum(base.values()) / QUERIES)
         assert row["interval"][0] <= row["difference"] <= row["interval"][1]
         assert row["ms"] == [s["held_out"][label]["ms"] for s in summaries]
-    printed = capsys.readouterr().out
-    assert f"cross-validated: {QUERIES} judged queries in 2 folds, each held out once" in printed
-    assert printed.splitlines()[-1].startswith(f"recipe: 2 folds, each of {QUERIES} judged queries held out once")
 
     # A rerun answers from the finished folds and pools them again; other folds in the same folder are refused.
     assert main([*argv, "--out", str(out), "--split", "withheld", "--folds", "2"]) == 0
@@ -231,6 +237,16 @@ def test_a_rerun_asking_other_settings_of_the_same_folder_is_refused(recipe_out,
 ])
 def test_a_bad_setting_exits_2_naming_it(tmp_path, capsys, flag, value, message):
     assert main(recipe_args(tmp_path, flag, value)) == 2
+    assert capsys.readouterr().err.strip() == f"error: {message}"
+
+
+@pytest.mark.parametrize("extra, message", [
+    (("--fold", "2"), "--fold K needs --folds N, the folds it is one of"),
+    (("--folds", "5", "--fold", "6"), "--fold 6 is not one of --folds 5 (1 to 5)"),
+    (("--folds", "5", "--fold", "0"), "--fold 0 is not one of --folds 5 (1 to 5)"),
+])
+def test_a_fold_outside_the_folds_exits_2(tmp_path, capsys, extra, message):
+    assert main(recipe_args(tmp_path, *extra)) == 2
     assert capsys.readouterr().err.strip() == f"error: {message}"
 
 

@@ -36,6 +36,8 @@ out a different Nth of the judged queries (training.split's folds; fold 1 is the
 so each reported pipeline (each fold's own) reads on all of them: the differences from the default and their
 paired bootstrap intervals are taken over every judged query (DIR/recipe.json). Each fold's serve.env serves
 the pipeline that fold measured (fold 1's is the one a run without `--folds` writes). A rerun resumes.
+`--fold K` runs fold K alone (folds can be spread over machines or sessions sharing DIR); a later run without
+`--fold` skips the finished folds and pools.
 """
 
 from __future__ import annotations
@@ -310,15 +312,21 @@ def run_folds(args: argparse.Namespace) -> dict:
     """The recipe cross-validated over `args.folds` folds (DIR/fold-K), then each reported pipeline pooled
     over every judged query; the summary."""
     started = time.perf_counter()
-    _check_arguments(args, sorted(set(args.depths)), sorted(set(args.weights)))
+    # DIR holds every fold, whichever `--fold` a run asks for
+    _check_arguments(argparse.Namespace(**{**vars(args), "fold": None}), sorted(set(args.depths)),
+                     sorted(set(args.weights)))
     index = args.index or args.out / "index"
     if args.index is None:
         _build_index(args.corpus, index, args.device)
     summaries = []
-    for fold in range(1, args.folds + 1):
+    for fold in [args.fold] if args.fold is not None else range(1, args.folds + 1):
         print(f"fold {fold} of {args.folds}", file=sys.stderr)
         summaries.append(run_recipe(argparse.Namespace(**{**vars(args), "out": args.out / f"fold-{fold}",
                                                           "index": index, "fold": fold})))
+    if args.fold is not None:
+        print(f"recipe: fold {args.fold} of {args.folds} in {args.out / f'fold-{args.fold}'}; a run without --fold "
+              f"pools the folds once all have finished")
+        return summaries[0]
     queries = sum(len(folded["held_out"]["default"]["per_query"]) for folded in summaries)
     pooled = {label: {"held_out": difference.other, "default": difference.base, "difference": difference.mean,
                       "interval": [difference.low, difference.high], "real": difference.real,
@@ -587,6 +595,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dev-share", type=float, help="share of the queries held out (default 0.2)")
     parser.add_argument("--folds", type=int, default=1,
                         help="cross-validate: N runs, each holding out another 1/N of the queries (default 1: one)")
+    parser.add_argument("--fold", type=int, metavar="K",
+                        help="run fold K of --folds alone; a later run without --fold pools the finished folds")
     parser.add_argument("--validation-share", type=float, default=0.2,
                         help="share of the rest that chooses the pipeline (default 0.2)")
     parser.add_argument("--seed", type=int, default=13, help="seed of the splits, the training and the bootstrap")
@@ -613,8 +623,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    args.fold = None
     try:
+        if args.fold is not None and args.folds == 1:
+            raise RecipeError("--fold K needs --folds N, the folds it is one of")
+        if args.fold is not None and not 1 <= args.fold <= args.folds:
+            raise RecipeError(f"--fold {args.fold} is not one of --folds {args.folds} (1 to {args.folds})")
         (run_folds if args.folds > 1 else run_recipe)(args)
     except (RecipeError, InputFileError, TrainingDataError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)
