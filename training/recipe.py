@@ -624,7 +624,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        if args.fold is not None and args.folds == 1:
+        if args.fold is not None and args.folds < 2:
             raise RecipeError("--fold K needs --folds N, the folds it is one of")
         if args.fold is not None and not 1 <= args.fold <= args.folds:
             raise RecipeError(f"--fold {args.fold} is not one of --folds {args.folds} (1 to {args.folds})")
