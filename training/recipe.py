@@ -312,20 +312,18 @@ def run_folds(args: argparse.Namespace) -> dict:
     """The recipe cross-validated over `args.folds` folds (DIR/fold-K), then each reported pipeline pooled
     over every judged query; the summary."""
     started = time.perf_counter()
-    # DIR holds every fold, whichever `--fold` a run asks for
-    _check_arguments(argparse.Namespace(**{**vars(args), "fold": None}), sorted(set(args.depths)),
-                     sorted(set(args.weights)))
+    _check_arguments(args, sorted(set(args.depths)), sorted(set(args.weights)))
     index = args.index or args.out / "index"
     if args.index is None:
         _build_index(args.corpus, index, args.device)
     summaries = []
-    for fold in [args.fold] if args.fold is not None else range(1, args.folds + 1):
+    for fold in [args.only_fold] if args.only_fold is not None else range(1, args.folds + 1):
         print(f"fold {fold} of {args.folds}", file=sys.stderr)
         summaries.append(run_recipe(argparse.Namespace(**{**vars(args), "out": args.out / f"fold-{fold}",
                                                           "index": index, "fold": fold})))
-    if args.fold is not None:
-        print(f"recipe: fold {args.fold} of {args.folds} in {args.out / f'fold-{args.fold}'}; a run without --fold "
-              f"pools the folds once all have finished")
+    if args.only_fold is not None:
+        print(f"recipe: fold {args.only_fold} of {args.folds} in {args.out / f'fold-{args.only_fold}'}; a run "
+              f"without --fold pools the folds once all have finished")
         return summaries[0]
     queries = sum(len(folded["held_out"]["default"]["per_query"]) for folded in summaries)
     pooled = {label: {"held_out": difference.other, "default": difference.base, "difference": difference.mean,
@@ -399,6 +397,10 @@ def _check_arguments(args: argparse.Namespace, depths: list[int], weights: list[
     if args.folds > 1 and args.dev_share is not None:
         raise RecipeError(f"--dev-share and --folds exclude each other: each of {args.folds} folds holds out "
                           f"1/{args.folds} of the queries")
+    if args.only_fold is not None and args.folds < 2:
+        raise RecipeError("--fold K needs --folds N, the folds it is one of")
+    if args.only_fold is not None and not 1 <= args.only_fold <= args.folds:
+        raise RecipeError(f"--fold {args.only_fold} is not one of --folds {args.folds} (1 to {args.folds})")
     if args.biencoder_steps < 0:
         raise RecipeError(f"--biencoder-steps must be >= 0, got {args.biencoder_steps}")
     if args.steps < 1 or args.save_every < 1:
@@ -595,7 +597,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dev-share", type=float, help="share of the queries held out (default 0.2)")
     parser.add_argument("--folds", type=int, default=1,
                         help="cross-validate: N runs, each holding out another 1/N of the queries (default 1: one)")
-    parser.add_argument("--fold", type=int, metavar="K",
+    parser.add_argument("--fold", type=int, metavar="K", dest="only_fold",
                         help="run fold K of --folds alone; a later run without --fold pools the finished folds")
     parser.add_argument("--validation-share", type=float, default=0.2,
                         help="share of the rest that chooses the pipeline (default 0.2)")
@@ -623,11 +625,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.fold = None  # the fold a run is (run_folds sets it); --fold asks for one of them alone
     try:
-        if args.fold is not None and args.folds < 2:
-            raise RecipeError("--fold K needs --folds N, the folds it is one of")
-        if args.fold is not None and not 1 <= args.fold <= args.folds:
-            raise RecipeError(f"--fold {args.fold} is not one of --folds {args.folds} (1 to {args.folds})")
         (run_folds if args.folds > 1 else run_recipe)(args)
     except (RecipeError, InputFileError, TrainingDataError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)
