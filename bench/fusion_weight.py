@@ -112,7 +112,7 @@ def main() -> None:
         random.Random(args.seed).shuffle(order)
         for fold in range(args.folds):
             held_out = order[fold::args.folds]
-            rest = [q for q in order if q not in set(held_out)]
+            rest = sorted(set(order) - set(held_out))
             weight = best(reported, rest)
             chosen.update({q: reported[weight][q] for q in held_out})
             gain = np.mean([reported[weight][q] - reported[SERVICE_WEIGHT][q] for q in held_out])
