@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from models.encoder import BiEncoder  # noqa: E402
 from retrieval.evaluation import paired_bootstrap, per_query  # noqa: E402
-from retrieval.fusion import standardised  # noqa: E402
+from retrieval.fusion import standardised_score_fusion  # noqa: E402
 from retrieval.load_options import LoadOptions  # noqa: E402
 from retrieval.readers import read_qrels, read_queries  # noqa: E402
 from retrieval.searcher import Searcher  # noqa: E402
@@ -38,15 +38,7 @@ SERVICE_WEIGHT = 0.5
 def weighted_fusion(dense: list[tuple[str, float]], bm25: list[tuple[str, float]], weight: float,
                     k: int = 10) -> list[tuple[str, float]]:
     """The service's z-score fusion with the dense list weighted `weight` and BM25 `1 - weight`."""
-    keys = list(dict.fromkeys(docid for docid, _ in dense + bm25))  # in the order first met, as the service ties
-    fused = dict.fromkeys(keys, 0.0)
-    for ranking, share in ((dense, weight), (bm25, 1.0 - weight)):
-        z = standardised(np.array([score for _, score in ranking], dtype=np.float64))
-        floor = float(z.min()) if len(z) else 0.0
-        scores = dict(zip((docid for docid, _ in ranking), z.tolist()))
-        for docid in keys:
-            fused[docid] += share * scores.get(docid, floor)
-    return sorted(fused.items(), key=lambda item: -item[1])[:k]
+    return standardised_score_fusion([dense, bm25], k, (weight, 1.0 - weight))
 
 
 def lists(searcher: Searcher, queries: dict[str, str], batch: int = 32) -> dict[str, tuple[list, list]]:

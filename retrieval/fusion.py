@@ -44,17 +44,21 @@ def reciprocal_rank_fusion(
 
 
 def standardised_score_fusion(
-    scored: Sequence[Sequence[tuple[Hashable, float]]], depth: int
+    scored: Sequence[Sequence[tuple[Hashable, float]]], depth: int, weights: Sequence[float] | None = None
 ) -> list[tuple[Hashable, float]]:
     """score(d) = the mean over lists of d's z-score in each (its score standardised over that list); a key a
     list lacks counts as that list's lowest. Unlike RRF it keeps how far apart the scores are, so a passage
-    far ahead in one list stays ahead. Ties keep the order in which keys were first met."""
+    far ahead in one list stays ahead. Ties keep the order in which keys were first met. `weights`, one per
+    list, make it their weighted sum instead (bench/fusion_weight.py measures other weights than the mean's)."""
     lists = []
     for ranking in scored:
         z = standardised(np.array([score for _, score in ranking], dtype=np.float64))
         lists.append((dict(zip((key for key, _ in ranking), z.tolist())), min(z, default=0.0)))
     keys = list(dict.fromkeys(key for ranking in scored for key, _ in ranking))
-    fused = {key: sum(z.get(key, floor) for z, floor in lists) / len(scored) for key in keys}
+    if weights is None:
+        fused = {key: sum(z.get(key, floor) for z, floor in lists) / len(scored) for key in keys}
+    else:
+        fused = {key: sum(w * z.get(key, floor) for w, (z, floor) in zip(weights, lists, strict=True)) for key in keys}
     return sorted(fused.items(), key=lambda item: -item[1])[:depth]
 
 

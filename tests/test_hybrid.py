@@ -9,7 +9,6 @@ import bm25s
 import numpy as np
 import pytest
 
-from bench.fusion_weight import weighted_fusion
 from index_builder.build import BuildOptions, build_index
 from retrieval.bm25_index import Bm25Index, build_bm25, new_tokenizer
 from retrieval.fusion import interleave, reciprocal_rank_fusion, standardised_row_fusion, standardised_score_fusion
@@ -102,16 +101,17 @@ def test_zscore_fusion_is_the_mean_of_standardised_scores_a_missing_key_at_its_l
 
 
 @pytest.mark.parametrize("seed", range(10))
-def test_the_fusion_weight_benchmark_weighs_the_services_zscore_fusion_evenly_at_one_half(seed):
-    # bench/fusion_weight.py measures other weights of the same fusion: 0.5 must be what the service answers.
+def test_zscore_fusion_weighted_evenly_is_its_mean_and_weighted_on_one_list_is_that_lists_order(seed):
+    # bench/fusion_weight.py measures other weights of the same fusion: 0.5 each must be what the service answers.
     rng = np.random.default_rng(seed)
     dense = [(f"p{row}", float(score)) for row, score in zip(rng.permutation(50)[:30], np.sort(rng.random(30))[::-1])]
     lexical = [(f"p{row}", float(score)) for row, score in zip(rng.permutation(50)[:20], np.sort(rng.random(20) * 30)[::-1])]
-    weighted, service = weighted_fusion(dense, lexical, 0.5, 10), standardised_score_fusion([dense, lexical], 10)
+    weighted = standardised_score_fusion([dense, lexical], 10, (0.5, 0.5))
+    service = standardised_score_fusion([dense, lexical], 10)
     assert [key for key, _ in weighted] == [key for key, _ in service]
     assert [score for _, score in weighted] == pytest.approx([score for _, score in service])
-    assert [key for key, _ in weighted_fusion(dense, lexical, 1.0, 10)] == [key for key, _ in dense[:10]]
-    assert [key for key, _ in weighted_fusion(dense, lexical, 0.0, 10)] == [key for key, _ in lexical[:10]]
+    assert [key for key, _ in standardised_score_fusion([dense, lexical], 10, (1.0, 0.0))] == [key for key, _ in dense[:10]]
+    assert [key for key, _ in standardised_score_fusion([dense, lexical], 10, (0.0, 1.0))] == [key for key, _ in lexical[:10]]
 
 
 @pytest.mark.parametrize("seed", range(40))
