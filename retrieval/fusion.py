@@ -49,7 +49,7 @@ def standardised_score_fusion(
     """score(d) = the mean over lists of d's z-score in each (its score standardised over that list); a key a
     list lacks counts as that list's lowest. Unlike RRF it keeps how far apart the scores are, so a passage
     far ahead in one list stays ahead. Ties keep the order in which keys were first met. `weights`, one per
-    list, make it their weighted sum instead (bench/fusion_weight.py measures other weights than the mean's)."""
+    list, make it their weighted sum instead (a hybrid search's `dense_weight`: retrieval.request)."""
     lists = []
     for ranking in scored:
         z = standardised(np.array([score for _, score in ranking], dtype=np.float64))
@@ -68,10 +68,12 @@ def as_pairs(ranking: RowScores) -> list[tuple[int, float]]:
     return list(zip(rows.tolist(), scores.tolist()))
 
 
-def standardised_row_fusion(dense: RowScores, lexical: RowScores, depth: int) -> list[tuple[int, float]]:
-    """`standardised_score_fusion([dense, lexical], depth)` over two lists of distinct rows given as (rows, scores)
-    arrays, the same answer to the bit, without a Python step per passage: the hybrid search's hot path, where
-    a thousand (row, score) pairs a list cost more in Python than both searches."""
+def standardised_row_fusion(dense: RowScores, lexical: RowScores, depth: int,
+                            dense_weight: float = 0.5) -> list[tuple[int, float]]:
+    """`standardised_score_fusion([dense, lexical], depth, (dense_weight, 1 - dense_weight))` over two lists of
+    distinct rows given as (rows, scores) arrays, the same answer to the bit (at 0.5, the mean's: halving is
+    exact), without a Python step per passage: the hybrid search's hot path, where a thousand (row, score) pairs
+    a list cost more in Python than both searches."""
     (dense_rows, dense_scores), (lexical_rows, lexical_scores) = dense, lexical
     dense_z, lexical_z = (standardised(np.asarray(scores, dtype=np.float64)) for scores in (dense_scores, lexical_scores))
     dense_floor = dense_z.min() if len(dense_z) else 0.0
@@ -87,7 +89,9 @@ def standardised_row_fusion(dense: RowScores, lexical: RowScores, depth: int) ->
         lexical_z_of_dense[shared] = lexical_z[order[at[shared]]]
         lexical_only[order[at[shared]]] = False
     keys = np.concatenate([dense_rows, lexical_rows[lexical_only]])
-    fused = np.concatenate([dense_z + lexical_z_of_dense, dense_floor + lexical_z[lexical_only]]) / 2
+    lexical_weight = 1.0 - dense_weight
+    fused = np.concatenate([dense_weight * dense_z + lexical_weight * lexical_z_of_dense,
+                            dense_weight * dense_floor + lexical_weight * lexical_z[lexical_only]])
     top = np.arange(len(fused))
     if len(fused) > depth:  # those scoring at least the depth-th score (ties included), then ordered
         kth = np.partition(fused, len(fused) - depth)[len(fused) - depth]

@@ -6,7 +6,7 @@ import copy
 import logging
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Sequence
+from typing import Literal, Sequence
 
 import numpy as np
 
@@ -16,9 +16,10 @@ from models.encoder import BiEncoder, Tokens
 from retrieval import filtered_search
 from retrieval.candidates.kind import Structure
 from retrieval.dense import check_candidates, pick_structure
+from retrieval.feedback import Feedback, fed_back
 from retrieval.fields import chosen_fields
 from retrieval.filters import Filter, parse_filter
-from retrieval.fusion import FUSION_RULES, RowScores, as_pairs
+from retrieval.fusion import FUSION_RULES, RowScores, as_pairs, standardised_row_fusion
 from retrieval.generation import load_generation
 from retrieval.index_format import Manifest
 from retrieval.load_options import LoadOptions
@@ -235,12 +236,13 @@ class Searcher:
 
     def request(self, k: int = 10, *, mode: Mode | None = None, fusion: Fusion | None = None, lead: Lead = "dense",
                 exact: bool = False, candidates: int | None = None, structure: str | None = None, filter=None,
-                fields=None, fusion_depth: int = MAX_K) -> Retrieval:
+                fields=None, fusion_depth: int = MAX_K, dense_weight: float | None = None,
+                feedback: Feedback | Literal[False] | None = None) -> Retrieval:
         """A search of `k` passages per query (see retrieval.request.Retrieval), checked against this index:
         ValueError for what it cannot serve (NoBm25Index for a missing BM25, FilterError for a `filter` that
-        does not fit its fields, UnknownField for a field to return it lacks). `mode` and `fusion`: None for
-        this searcher's `defaults`. `filter`: as JSON gives it, or parsed; `fields`: names, or True for all the
-        index's fields."""
+        does not fit its fields, UnknownField for a field to return it lacks). `mode`, `fusion`, `dense_weight`
+        and `feedback`: None for this searcher's `defaults` (`feedback` False: none). `filter`: as JSON gives it, or
+        parsed; `fields`: names, or True for all the index's fields."""
         validate_k(k)
         defaulted = mode is None
         mode, fusion = self.defaults.resolve(mode, fusion, self.bm25 is not None)
@@ -248,8 +250,13 @@ class Searcher:
             raise ValueError(f"mode must be one of {MODES}, fusion one of {FUSIONS}, lead dense or bm25")
         self._servable(mode, structure)
         check_candidates(candidates)
+        dense_weight = self.defaults.dense_weight if dense_weight is None else dense_weight
+        if not 0 <= dense_weight <= 1:
+            raise ValueError(f"dense_weight must be between 0 and 1, got {dense_weight}")
         return Retrieval(k, mode, fusion, lead, bool(exact), candidates, structure, self.parse_filter(filter),
-                         chosen_fields(fields, self.field_types), fusion_depth, defaulted)
+                         chosen_fields(fields, self.field_types), fusion_depth, dense_weight=float(dense_weight),
+                         feedback=self.defaults.feedback if feedback is None else feedback or None,
+                         defaulted=defaulted)
 
     def rebased(self, retrieval: Retrieval) -> Retrieval:
         """`retrieval`, made against this index or one it has replaced since, as this index runs it: a mode
@@ -324,10 +331,32 @@ class Searcher:
             return [as_pairs(found) for found in retrievers[retrieval.mode](k)]
         rule = FUSION_RULES[retrieval.fusion]  # hybrid: the two composed
         depth = max(k, min(retrieval.fusion_depth, MAX_K)) if rule.deep else k
-        lists = zip(retrievers["dense"](depth), retrievers["bm25"](depth))
+        dense_lists, lexical_lists = retrievers["dense"](depth), retrievers["bm25"](depth)
+        if retrieval.weighs:
+            weight, feedback = retrieval.dense_weight, retrieval.feedback
+            if feedback is not None:  # searched again from the even hybrid's top passages (retrieval.feedback)
+                relevant = [self.vectors_of([row for row, _ in standardised_row_fusion(dense, lexical, feedback.passages)])
+                            for dense, lexical in zip(dense_lists, lexical_lists)]
+                vectors = fed_back(vectors, relevant, feedback.weight)
+                dense_lists = self._dense(vectors, depth, restriction, chosen, retrieval.candidates, written)
+            return [standardised_row_fusion(dense, lexical, k, weight)
+                    for dense, lexical in zip(dense_lists, lexical_lists)]
+        lists = zip(dense_lists, lexical_lists)
         if rule.fuse_rows is not None:  # both lists as arrays to the end
             return [rule.fuse_rows(dense, lexical, k) for dense, lexical in lists]
         return [rule.fuse(as_pairs(dense), as_pairs(lexical), k, retrieval.lead) for dense, lexical in lists]
+
+    def vectors_of(self, rows: Sequence[int]) -> np.ndarray:
+        """The stored vectors of collection `rows` (the generation's, or its segment's written passages'), in
+        their order: a (len(rows), dimension) float32 array."""
+        base_count, rows = self.segment.base_count, np.asarray(rows, dtype=np.int64)
+        out = np.empty((len(rows), self.manifest.dimension), dtype=np.float32)
+        stored = rows < base_count
+        if stored.any():
+            out[stored] = self.index.reconstruct_batch(rows[stored])
+        if not stored.all():
+            out[~stored] = self.segment.vectors[rows[~stored] - base_count]
+        return out
 
     def generation_rows(self, filter: Filter | None) -> filtered_search.Restriction | None:
         """The generation's rows a search reads: those `filter` matches (None: all), less those the segment

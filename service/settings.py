@@ -11,7 +11,8 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from models.backends import Backend
 from retrieval.load_options import LoadOptions
-from retrieval.request import MODES, Defaults, Fusion
+from retrieval.feedback import MAX_PASSAGES, MAX_WEIGHT, Feedback
+from retrieval.request import EVEN_WEIGHT, MODES, Defaults, Fusion
 
 
 class ServiceSettings(BaseSettings):
@@ -78,6 +79,19 @@ class ServiceSettings(BaseSettings):
     default_fusion: Fusion = Field(
         "zscore", description="How hybrid fuses its two lists when a request names no fusion: zscore, rrf or "
         "interleave.",
+    )
+    default_dense_weight: float = Field(
+        EVEN_WEIGHT, ge=0, le=1, description="Hybrid zscore: the dense list's weight in the fusion where a request "
+        "names none (BM25's: 1 minus it); 0.5 is the mean of the two.",
+    )
+    default_feedback_passages: int = Field(
+        0, ge=0, le=MAX_PASSAGES, description="Hybrid zscore: pseudo-relevance feedback where a request names "
+        "none: the even hybrid's top this many passages taken as relevant and the dense list searched again "
+        "(retrieval.feedback); 0: none.",
+    )
+    default_feedback_weight: float = Field(
+        1.0, ge=0, le=MAX_WEIGHT, description="Hybrid zscore: the feedback passages' mean vector's weight, added to "
+        "the query's, where a request names none (with SEARCH_DEFAULT_FEEDBACK_PASSAGES over 0).",
     )
 
     exact_search: bool = Field(
@@ -235,7 +249,10 @@ class ServiceSettings(BaseSettings):
     @property
     def defaults(self) -> Defaults:
         """What a request naming no mode or fusion runs."""
-        return Defaults(None if self.default_mode == "auto" else self.default_mode, self.default_fusion)
+        feedback = (Feedback(self.default_feedback_passages, self.default_feedback_weight)
+                    if self.default_feedback_passages else None)
+        return Defaults(None if self.default_mode == "auto" else self.default_mode, self.default_fusion,
+                        self.default_dense_weight, feedback)
 
     @property
     def body_limit(self) -> int:

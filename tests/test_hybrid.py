@@ -102,7 +102,7 @@ def test_zscore_fusion_is_the_mean_of_standardised_scores_a_missing_key_at_its_l
 
 @pytest.mark.parametrize("seed", range(10))
 def test_zscore_fusion_weighted_evenly_is_its_mean_and_weighted_on_one_list_is_that_lists_order(seed):
-    # bench/fusion_weight.py measures other weights of the same fusion: 0.5 each must be what the service answers.
+    # A search's dense_weight weighs the same fusion: 0.5 each must be the mean the service answered before it.
     rng = np.random.default_rng(seed)
     dense = [(f"p{row}", float(score)) for row, score in zip(rng.permutation(50)[:30], np.sort(rng.random(30))[::-1])]
     lexical = [(f"p{row}", float(score)) for row, score in zip(rng.permutation(50)[:20], np.sort(rng.random(20) * 30)[::-1])]
@@ -128,6 +128,11 @@ def test_zscore_fusion_over_row_arrays_gives_the_reference_answer_to_the_bit(see
         [list(zip(dense_rows.tolist(), dense_scores.tolist())), list(zip(lexical_rows.tolist(), lexical_scores.tolist()))],
         depth)
     assert standardised_row_fusion((dense_rows, dense_scores), (lexical_rows, lexical_scores), depth) == reference
+    weight = float(rng.random())  # a weighted hybrid (SEARCH_DEFAULT_DENSE_WEIGHT, `dense_weight`) too
+    weighted = standardised_score_fusion(
+        [list(zip(dense_rows.tolist(), dense_scores.tolist())), list(zip(lexical_rows.tolist(), lexical_scores.tolist()))],
+        depth, (weight, 1.0 - weight))
+    assert standardised_row_fusion((dense_rows, dense_scores), (lexical_rows, lexical_scores), depth, weight) == weighted
 
 
 @pytest.mark.parametrize("fusion,lead", [("interleave", "dense"), ("interleave", "bm25"), ("rrf", "dense"),

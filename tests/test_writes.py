@@ -23,6 +23,7 @@ from index_builder.build import BuildOptions, build_index
 from index_builder.update import ChangeOptions, apply_changes
 from retrieval import out_lock
 from retrieval.compaction import compact
+from retrieval.feedback import Feedback
 from retrieval.index_format import read_manifest
 from retrieval.searcher import Searcher
 from retrieval.write_log import HEADER, LogCorrupt, Record, log_path, read
@@ -35,7 +36,8 @@ from tests.test_service import call, one, settings_for
 BASE = 40
 QUERIES = ["join two paths", "parse a url into its parts", "sort a list in place", "read a file line by line"]
 MODES = [{"mode": "dense"}, {"mode": "bm25"}, {"mode": "hybrid", "fusion": "interleave"},
-         {"mode": "hybrid", "fusion": "rrf"}, {"mode": "hybrid", "fusion": "zscore"}]
+         {"mode": "hybrid", "fusion": "rrf"}, {"mode": "hybrid", "fusion": "zscore"},
+         {"mode": "hybrid", "fusion": "zscore", "dense_weight": 0.8, "feedback": Feedback(3, 2.0)}]
 
 
 def demo_texts() -> list[tuple[str, str]]:

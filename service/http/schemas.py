@@ -10,6 +10,7 @@ from pydantic.json_schema import SkipJsonSchema
 
 from models.reranker import RERANKERS
 from retrieval.candidates.structures import MAX_CANDIDATES
+from retrieval.feedback import MAX_PASSAGES, MAX_WEIGHT, Feedback
 from retrieval.filters import FIELD_OPERATORS, LOGICAL_OPERATORS
 from retrieval.request import FUSIONS, MAX_K, Fusion, Mode
 from retrieval.rerank import BLEND
@@ -50,6 +51,23 @@ FILTER_DESCRIPTION = (
     "another type than the field's or an unknown operator is a 422 naming it")
 
 
+class FeedbackOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    passages: int = Field(ge=0, le=MAX_PASSAGES, description=(
+        "how many of the even hybrid's top passages are taken as relevant; 0: no feedback"))
+    weight: float = Field(1.0, ge=0, le=MAX_WEIGHT, description=(
+        "their mean vector's weight, added to the query's before the dense list is searched again"))
+
+    @field_validator("passages", mode="before")
+    @classmethod
+    def _whole(cls, value):
+        return _integral(value)
+
+    def feedback(self) -> Feedback | Literal[False]:
+        return Feedback(self.passages, self.weight) if self.passages else False
+
+
 class RetrievalOptions(BaseModel):
     # Strict types: `"candidates": "5"`, `"exact": "yes"` or `"fields": 1` is a 422 naming the field, not a guess;
     # an unknown key (`"fliter"`) a 422 naming it, not an unfiltered answer.
@@ -66,6 +84,13 @@ class RetrievalOptions(BaseModel):
     candidates: int | None = Field(None, ge=1, le=MAX_CANDIDATES, description=(
         "with a candidate structure: how many candidates per query are scored exactly (default SEARCH_CANDIDATES, "
         "else the structure's own)"))
+    dense_weight: float | None = Field(None, ge=0, le=1, description=(
+        "hybrid zscore only: the dense list's weight in the fusion, BM25's being 1 - dense_weight (default "
+        "SEARCH_DEFAULT_DENSE_WEIGHT: 0.5, the mean of the two)"))
+    feedback: FeedbackOptions | None = Field(None, description=(
+        "hybrid zscore only: pseudo-relevance feedback on the dense list (the query vector plus `weight` x the mean "
+        "vector of the even hybrid's top `passages`, searched again and fused anew); default "
+        "SEARCH_DEFAULT_FEEDBACK_PASSAGES and SEARCH_DEFAULT_FEEDBACK_WEIGHT (0 passages: none)"))
     filter: dict[str, Any] | None = Field(None, description=FILTER_DESCRIPTION)
     fields: list[str] | bool = Field(False, description=(
         "metadata fields to return with each hit (`fields` of a hit: those the passage has): a list of names, or "
@@ -78,7 +103,9 @@ class RetrievalOptions(BaseModel):
 
     def retrieval(self) -> dict:
         return {"mode": self.mode, "fusion": self.fusion, "lead": self.lead, "exact": self.exact,
-                "candidates": self.candidates, "filter": self.filter, "fields": self.fields}
+                "candidates": self.candidates, "filter": self.filter, "fields": self.fields,
+                "dense_weight": self.dense_weight,
+                "feedback": None if self.feedback is None else self.feedback.feedback()}
 
 
 TRUNCATE = Field(True, description=(

@@ -131,10 +131,12 @@ class ShardedSearcher:
 
     def request(self, k: int = 10, *, mode: Mode | None = None, fusion: Fusion | None = None, lead: Lead = "dense",
                 exact: bool = False, candidates: int | None = None, structure: str | None = None, filter=None,
-                fields=None, fusion_depth: int = MAX_K) -> Retrieval:
+                fields=None, fusion_depth: int = MAX_K, dense_weight: float | None = None,
+                feedback=None) -> Retrieval:
         """A search over the shards, checked as Searcher.request checks one (the fields of every shard together;
         `structure`: none, or the kind every shard carries). A search naming no mode is dense here: shards
-        serve no BM25 (see `check`), unless `defaults` names another mode, which `check` refuses."""
+        serve no BM25 (see `check`), unless `defaults` names another mode, which `check` refuses. `dense_weight`
+        and `feedback` weigh a hybrid z-score search only, so a dense one ignores them, as Searcher's does."""
         validate_k(k)
         check_candidates(candidates)
         retrieval = Retrieval(k, *self.defaults.resolve(mode, fusion, False), lead, bool(exact), candidates,
