@@ -23,81 +23,21 @@ import time
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from models.encoder import BiEncoder  # noqa: E402
-from retrieval.evaluation import paired_bootstrap, per_query  # noqa: E402
-from retrieval.feedback import Feedback  # noqa: E402
+from retrieval.evaluation import paired_bootstrap  # noqa: E402
 from retrieval.load_options import LoadOptions  # noqa: E402
 from retrieval.readers import read_qrels, read_queries  # noqa: E402
-from retrieval.request import EVEN_WEIGHT  # noqa: E402
 from retrieval.searcher import Searcher  # noqa: E402
-
-K = 10
-WEIGHTS = [round(w, 2) for w in np.linspace(0, 1, 21)]
-DEFAULT = (EVEN_WEIGHT, None)  # (dense weight, feedback): what the service serves unless told otherwise
+from training.first_stage import DEFAULT, FEEDBACK_PASSAGES, FEEDBACK_WEIGHTS, K, Setting, adopted, grid, values  # noqa: E402,E501
 
 
-def settings(passages: list[int], weights: list[float]) -> list[tuple[float, Feedback | None]]:
-    """The grid, the default first (so that it wins ties)."""
-    feedbacks = [None] + [Feedback(p, w) for p in passages if p for w in weights]
-    grid = [(w, f) for f in feedbacks for w in WEIGHTS]
-    return [DEFAULT] + [setting for setting in grid if setting != DEFAULT]
-
-
-def values(searcher: Searcher, qrels, queries: dict[str, str], grid, batch: int = 64) -> dict[tuple, dict[str, float]]:
-    """nDCG@10 of each query under each setting, through the Searcher's own request and rank."""
-    ids = list(queries)
-    texts = [queries[q] for q in ids]
-    vectors = np.concatenate([searcher.encode(texts[start:start + batch]) for start in range(0, len(ids), batch)])
-    out = {}
-    for weight, feedback in tqdm(grid, desc="settings", unit="setting", total=len(grid)):
-        request = searcher.request(K, mode="hybrid", fusion="zscore", exact=True, dense_weight=weight,
-                                   feedback=feedback or False)
-        run = {}
-        for start in range(0, len(ids), batch):
-            part = slice(start, start + batch)
-            hits = searcher.hits(searcher.rank(texts[part], vectors[part], request))
-            run.update({q: [(hit.id, hit.score) for hit in found] for q, found in zip(ids[part], hits)})
-        out[(weight, feedback)] = per_query(qrels, run)
-    return out
-
-
-def chosen(by_setting: dict[tuple, dict[str, float]], queries: list[str], adopt: str) -> tuple[tuple, str]:
-    """The setting adopted on `queries`, and why: the best by mean nDCG@10, where its gain over the default is
-    real on them (`adopt` "real"; else the default) or in any case ("best")."""
-    mean = {setting: np.mean([found[q] for q in queries]) for setting, found in by_setting.items()}
-    best = max(by_setting, key=lambda setting: mean[setting])  # the first (the default) among equals
-    if best == DEFAULT:
-        return DEFAULT, "the default is best"
-    if adopt == "best":
-        return best, f"{name(best)}: {mean[best] - mean[DEFAULT]:+.4f}"
-    gain = paired_bootstrap({q: by_setting[DEFAULT][q] for q in queries}, {q: by_setting[best][q] for q in queries})
-    if not gain.low > 0:
-        return DEFAULT, f"best {name(best)} not shown better ({gain})"
-    return best, f"{name(best)}: {gain}"
-
-
-def name(setting: tuple) -> str:
-    weight, feedback = setting
-    return f"dense weight {weight}" + ("" if feedback is None else
-                                       f", feedback {feedback.passages} passages x {feedback.weight:g}")
-
-
-def serving(setting: tuple) -> str:
-    weight, feedback = setting
-    passages, strength = (0, 1.0) if feedback is None else (feedback.passages, feedback.weight)
-    return (f"SEARCH_DEFAULT_DENSE_WEIGHT={weight} SEARCH_DEFAULT_FEEDBACK_PASSAGES={passages} "
-            f"SEARCH_DEFAULT_FEEDBACK_WEIGHT={strength:g}")
-
-
-def ms_per_query(searcher: Searcher, queries: dict[str, str], setting: tuple) -> float:
+def ms_per_query(searcher: Searcher, queries: dict[str, str], setting: Setting) -> float:
     """p50 ms of one query at a time, encoding included, under `setting`."""
-    weight, feedback = setting
-    request = searcher.request(K, mode="hybrid", fusion="zscore", exact=True, dense_weight=weight,
-                               feedback=feedback or False)
+    request = searcher.request(K, mode="hybrid", fusion="zscore", exact=True, dense_weight=setting.dense_weight,
+                               feedback=setting.feedback or False)
     searcher.run([next(iter(queries.values()))], request)  # warm
     times = []
     for text in queries.values():
@@ -115,9 +55,9 @@ def main() -> None:
     parser.add_argument("--folds", type=int, default=5, help="cross-validate over --queries (without --choose-*)")
     parser.add_argument("--choose-queries", type=Path, help="choose on these queries instead")
     parser.add_argument("--choose-qrels", type=Path)
-    parser.add_argument("--feedback-passages", type=int, nargs="+", default=[3, 5, 10],
+    parser.add_argument("--feedback-passages", type=int, nargs="+", default=list(FEEDBACK_PASSAGES),
                         help="feedback passages to try; 0 alone: the dense weight only")
-    parser.add_argument("--feedback-weights", type=float, nargs="+", default=[1.0, 2.0, 4.0])
+    parser.add_argument("--feedback-weights", type=float, nargs="+", default=list(FEEDBACK_WEIGHTS))
     parser.add_argument("--adopt", choices=("real", "best"), default="real",
                         help="real: the best setting only where its gain is real on the choosing queries; best: it")
     parser.add_argument("--seed", type=int, default=0)
@@ -132,21 +72,22 @@ def main() -> None:
     if args.folds < 2:
         parser.error(f"--folds must be 2 or more, got {args.folds}")
     try:
-        grid = settings(args.feedback_passages, args.feedback_weights)
+        settings = grid(args.feedback_passages, args.feedback_weights)
     except ValueError as error:
         parser.error(str(error))
+    only_real = args.adopt == "real"
     started = time.perf_counter()
     searcher = Searcher(args.index, BiEncoder(device=args.device), load=LoadOptions(device=args.device))
     if searcher.bm25 is None:
         parser.error(f"--index {args.index}: no BM25 index (built with --no-bm25)")
     qrels = read_qrels(args.qrels)
     queries = {q: text for q, text in read_queries(args.queries).items() if q in qrels}
-    reported = values(searcher, qrels, queries, grid)
+    reported = values(searcher, qrels, queries, settings)
     result: dict[str, float] = {}
     if args.choose_queries:
         choose_qrels = read_qrels(args.choose_qrels)
         choosing = {q: text for q, text in read_queries(args.choose_queries).items() if q in choose_qrels}
-        serve, why = chosen(values(searcher, choose_qrels, choosing, grid), list(choosing), args.adopt)
+        serve, why = adopted(values(searcher, choose_qrels, choosing, settings), list(choosing), only_real)
         result = reported[serve]
         print(f"chosen on {len(choosing)} queries of {args.choose_queries.name}: {why}")
     else:
@@ -154,17 +95,18 @@ def main() -> None:
         random.Random(args.seed).shuffle(order)
         for fold in range(args.folds):
             held_out = order[fold::args.folds]
-            setting, why = chosen(reported, sorted(set(order) - set(held_out)), args.adopt)
+            setting, why = adopted(reported, sorted(set(order) - set(held_out)), only_real)
             result.update({q: reported[setting][q] for q in held_out})
             gain = np.mean([reported[setting][q] - reported[DEFAULT][q] for q in held_out])
             print(f"fold {fold + 1} of {args.folds}: {why}; held out {len(held_out)}: {gain:+.4f}")
-        serve, why = chosen(reported, order, args.adopt)
+        serve, why = adopted(reported, order, only_real)
         print(f"on all {len(order)} queries: {why}")
     difference = paired_bootstrap(reported[DEFAULT], result)
-    print(f"to serve: {serving(serve)}; ms/query (p50, one at a time): default "
+    serving = " ".join(f"{name}={value}" for name, value in serve.env().items())
+    print(f"to serve: {serving}; ms/query (p50, one at a time): default "
           f"{ms_per_query(searcher, queries, DEFAULT):.1f}, this {ms_per_query(searcher, queries, serve):.1f}")
     print(f"first_stage: chosen settings against the default on {len(queries)} reported queries: "
-          f"{difference.base:.4f} -> {difference.other:.4f}, difference {difference}, {len(grid)} settings "
+          f"{difference.base:.4f} -> {difference.other:.4f}, difference {difference}, {len(settings)} settings "
           f"in {time.perf_counter() - started:.0f} s")
 
 

@@ -11,6 +11,7 @@ from pydantic import ValidationError
 
 from retrieval.feedback import Feedback
 from service.settings import ServiceSettings
+from training.first_stage import DEFAULT, Setting, adopted
 from tests.test_service import one
 from tests.test_training import serving
 
@@ -92,3 +93,20 @@ def app(small_index, engine):
     from tests.test_service import settings_for
 
     return create_app(settings_for(small_index), engine)
+
+
+def test_a_tuned_setting_is_adopted_only_where_its_gain_is_real_on_the_queries_that_choose_it():
+    queries = [f"q{i}" for i in range(40)]
+    default = {q: 0.5 for q in queries}
+    better = Setting(0.7, Feedback(3, 2.0))
+    clearly = {q: 0.6 for q in queries}  # better on every query
+    barely = {q: 0.5 + (0.2 if i % 2 else -0.19) for i, q in enumerate(queries)}  # a small mean gain, half worse
+    assert adopted({DEFAULT: default, better: clearly}, queries)[0] == better
+    kept, why = adopted({DEFAULT: default, better: barely}, queries)
+    assert kept == DEFAULT and "not shown better" in why
+    assert adopted({DEFAULT: default, better: barely}, queries, only_real=False)[0] == better
+    assert adopted({DEFAULT: default, better: default}, queries)[0] == DEFAULT  # a tie keeps the default
+    assert better.env() == {"SEARCH_DEFAULT_DENSE_WEIGHT": "0.7", "SEARCH_DEFAULT_FEEDBACK_PASSAGES": "3",
+                            "SEARCH_DEFAULT_FEEDBACK_WEIGHT": "2"}
+    assert ServiceSettings(index_dir=".", **{name.removeprefix("SEARCH_").lower(): value
+                                             for name, value in better.env().items()}).defaults == better.defaults()

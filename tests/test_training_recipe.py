@@ -12,13 +12,17 @@ from pathlib import Path
 import pytest
 
 from models.reranker import load_reranker
+from retrieval.evaluation import per_query
+from retrieval.feedback import Feedback
 from retrieval.index_format import read_manifest
+from retrieval.load_options import LoadOptions
 from retrieval.readers import read_qrels, read_queries, relevant
 from retrieval.rerank import reranked_list
-from retrieval.searcher import Hit
+from retrieval.searcher import Hit, Searcher
 from service.settings import ServiceSettings
 from tests.conftest import DEMO, SMALL_CORPUS_LINES, head
 from tests.test_training import serving
+from training.first_stage import DEFAULT, Setting
 from training.recipe import K, Pipeline, main
 from training.trainer import checkpoints
 
@@ -29,7 +33,9 @@ ROOT = Path(__file__).resolve().parents[1]
 def recipe_args(folder: Path, *extra: str) -> list[str]:
     return ["--corpus", str(folder / "corpus.tsv"), "--queries", str(folder / "queries.tsv"),
             "--qrels", str(folder / "qrels.txt"), "--out", str(folder / "out"), "--steps", "2", "--save-every", "1",
-            "--depths", "2", "4", "--weights", "0", "1", "--timing-queries", "5", "--budget-ms", "100000", "--max-tokens", "96", "--biencoder-steps", "1", "--device", "cpu", *extra]
+            "--depths", "2", "4", "--weights", "0", "1", "--timing-queries", "5", "--budget-ms", "100000", "--max-tokens", "96", "--biencoder-steps", "1", "--device", "cpu",
+            # the tuned first stage adopted even where its gain is not shown on 38 training queries, to follow it
+            "--tune-adopt", "best", *extra]
 
 
 @pytest.fixture(scope="module")
@@ -116,17 +122,43 @@ def test_the_service_started_from_its_settings_ranks_as_the_recipe_measured(reci
 def test_a_bi_encoder_fine_tuned_on_the_training_queries_is_a_second_first_stage_chosen_on_validation(recipe_out):
     summary = json.loads((recipe_out / "recipe.json").read_text())
     first_stages = {row["first_stage"]: row["mean"] for row in summary["validation"] if row["checkpoint"] is None}
-    assert list(first_stages) == ["default", "biencoder"]
+    assert list(first_stages) == ["default", "tuned", "biencoder"]
     manifest = read_manifest(recipe_out / "index-biencoder")
     assert Path(manifest.encoder.path).resolve().parent == (recipe_out / "biencoder").resolve()
     assert manifest.count == SMALL_CORPUS_LINES
-    # The reranker reranks the first stage that reads better on validation (a tie keeps the default).
+    # The reranker reranks the first stage that reads best on validation (a tie keeps the earlier, the default first).
     reranked_over = {row["first_stage"] for row in summary["validation"] if row["checkpoint"]}
-    assert reranked_over == {"biencoder" if first_stages["biencoder"] > first_stages["default"] else "default"}
+    assert reranked_over == {max(first_stages, key=lambda name: round(first_stages[name], 10))}
     fine_tuned = summary["held_out"]["fine-tuned first stage"]
     assert fine_tuned["settings"] == {"SEARCH_INDEX_DIR": str((recipe_out / "index-biencoder").resolve()),
                                       "SEARCH_RERANKERS": "[]"}
     assert fine_tuned["default"] == summary["held_out"]["default"]["held_out"]
+
+
+def test_the_first_stage_tuned_on_the_training_queries_is_served_as_the_recipe_searched_it(recipe_out, monkeypatch):
+    summary = json.loads((recipe_out / "recipe.json").read_text())
+    tuned = summary["held_out"]["tuned first stage"]
+    assert tuned["first_stage"] == "tuned" and set(summary["tuned"]) == {
+        "SEARCH_DEFAULT_DENSE_WEIGHT", "SEARCH_DEFAULT_FEEDBACK_PASSAGES", "SEARCH_DEFAULT_FEEDBACK_WEIGHT"}
+    assert tuned["settings"] == {"SEARCH_INDEX_DIR": str((recipe_out / "index").resolve()), "SEARCH_RERANKERS": "[]",
+                                 **summary["tuned"]}
+    setting = Setting(float(summary["tuned"]["SEARCH_DEFAULT_DENSE_WEIGHT"]), None if not int(
+        summary["tuned"]["SEARCH_DEFAULT_FEEDBACK_PASSAGES"]) else Feedback(
+        int(summary["tuned"]["SEARCH_DEFAULT_FEEDBACK_PASSAGES"]), float(summary["tuned"]["SEARCH_DEFAULT_FEEDBACK_WEIGHT"])))
+    assert setting != DEFAULT
+    # The held-out figure is the tuned searcher's: scored again here from its own answers.
+    queries = read_queries(recipe_out / "split" / "queries-dev.tsv")
+    searcher = Searcher(recipe_out / "index", load=LoadOptions(device="cpu"), defaults=setting.defaults())
+    hits = searcher.batch_search(list(queries.values()), K)
+    values = per_query(read_qrels(recipe_out / "split" / "qrels-dev.txt"),
+                       {qid: [(hit.id, hit.score) for hit in found] for qid, found in zip(queries, hits)})
+    assert values == pytest.approx(tuned["per_query"])
+    for name, value in tuned["settings"].items():
+        monkeypatch.setenv(name, value)
+    query = next(iter(queries.values()))
+    with serving(ServiceSettings(device="cpu")) as client:
+        answer = client.post("/search", json={"query": query, "k": K}).json()
+    assert [hit["id"] for hit in answer["results"]] == [hit.id for hit in hits[0]]
 
 
 def test_the_reranker_trains_and_serves_at_the_asked_token_limit(recipe_out):
@@ -204,7 +236,7 @@ def test_queries_sharing_passages_in_one_group_are_cross_validated_at_random_the
     # Each pipeline reads on every judged query, each query under its own fold's pipeline.
     summaries = [json.loads((out / f"fold-{k}" / "recipe.json").read_text()) for k in (1, 2)]
     pooled = json.loads((out / "recipe.json").read_text())["pooled"]
-    assert list(pooled) == ["default", "fine-tuned first stage", "chosen", "fast"]
+    assert list(pooled) == ["default", "tuned first stage", "fine-tuned first stage", "chosen", "fast"]
     for label, row in pooled.items():
         values = {q: v for s in summaries for q, v in s["held_out"][label]["per_query"].items()}
         base = {q: v for s in summaries for q, v in s["held_out"]["default"]["per_query"].items()}

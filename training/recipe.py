@@ -10,9 +10,11 @@
    parts are drawn at random instead, and their relevant passages are withheld from every training
    (DIR/split/validation/withheld.txt, the trainers' `--withhold`).
 2. Takes each query's top max(`--depths`) by the index's default retrieval (hybrid with z-score fusion where
-   the index has BM25): INDEX, or the packaged encoder's index of C built into DIR/index. With
-   `--biencoder-steps`, also by a second first stage: the packaged MiniLM fine-tuned on the training queries
-   (DIR/biencoder) and its index of C (DIR/index-biencoder); the one reading better on validation is reranked.
+   the index has BM25): INDEX, or the packaged encoder's index of C built into DIR/index. Unless
+   `--no-tune-first-stage`, also by the same retrieval tuned on the training queries (training.first_stage: its
+   dense weight and pseudo-relevance feedback, adopted only where the gain is real on them). With
+   `--biencoder-steps`, also by the packaged MiniLM fine-tuned on the training queries (DIR/biencoder) and its
+   index of C (DIR/index-biencoder). The first stage reading best on validation is reranked.
 3. Trains the residual monoBERT from the packaged MiniLM (or `--init-reranker`: a reranker trained on another
    collection, such as another recipe's checkpoint, which then competes untrained here too) on the training
    queries' lists (training.train_cross_encoder --objective residual: each logit plus 0.5 x the first stage's
@@ -23,9 +25,9 @@
    ms/query (first stage and rerank, one query at a time, p50) is measured on validation queries. The chosen
    pipeline is the best one (the default retrieval alone where no reranking beats it); the fast one the best
    within `--budget-ms`.
-5. Reports once on held-out: the default retrieval, the fine-tuned first stage, the chosen pipeline with and
-   without blending, and the fast one, each difference from the default with a paired bootstrap 95% interval
-   over queries.
+5. Reports once on held-out: the default retrieval, the tuned first stage (the default itself where the tuning
+   kept the defaults), the fine-tuned first stage, the chosen pipeline with and without blending, and the fast
+   one, each difference from the default with a paired bootstrap 95% interval over queries.
 6. Writes DIR/serve.env and DIR/serve-fast.env (the service's settings for each pipeline: `set -a; .
    DIR/serve.env; set +a; python -m service`) and DIR/recipe.json (every figure above, and each held-out
    query's value under each reported pipeline).
@@ -43,6 +45,7 @@ the pipeline that fold measured (fold 1's is the one a run without `--folds` wri
 from __future__ import annotations
 
 import argparse
+import copy
 import hashlib
 import json
 import statistics
@@ -64,6 +67,7 @@ from retrieval.load_options import LoadOptions
 from retrieval.readers import InputFileError, Qrels, read_qrels, read_queries, write_run
 from retrieval.rerank import reranked_list
 from retrieval.searcher import Hit, Searcher, encoder_for
+from training import first_stage as tuning
 from training import train_biencoder, train_cross_encoder
 from training.data import TrainingDataError
 from training.split import SPLITS, WITHHELD_FILE, read_withheld, write_split
@@ -74,10 +78,12 @@ K = 10  # the list a pipeline answers and the measure reads
 PRIOR_WEIGHT = 0.5  # the first stage's weight in the residual training (scripts/scifact.sh's)
 SETTINGS_FILE = "recipe-settings.json"
 SUMMARY_FILE = "recipe.json"
-DEFAULT, BIENCODER = "default", "biencoder"
-# The first stages a pipeline starts from: the index's own default retrieval, and the same retrieval over an
-# index of the corpus encoded by the bi-encoder fine-tuned on the training queries (--biencoder-steps).
-FIRST_STAGES = {DEFAULT: "default retrieval", BIENCODER: "fine-tuned bi-encoder's retrieval"}
+DEFAULT, TUNED, BIENCODER = "default", "tuned", "biencoder"
+# The first stages a pipeline starts from: the index's own default retrieval, the same with its dense weight and
+# feedback tuned on the training queries, and the default retrieval over an index of the corpus encoded by the
+# bi-encoder fine-tuned on the training queries (--biencoder-steps).
+FIRST_STAGES = {DEFAULT: "default retrieval", TUNED: "tuned default retrieval",
+                BIENCODER: "fine-tuned bi-encoder's retrieval"}
 
 
 class RecipeError(ValueError):
@@ -104,13 +110,14 @@ class Pipeline:
         checkpoint = f"untrained {self.checkpoint}" if self.untrained else self.checkpoint.name
         return f"{on}{checkpoint} {self.backend} depth {self.depth} weight {self.weight:g}"
 
-    def settings(self, indexes: Mapping[str, Path]) -> dict[str, str]:
+    def settings(self, indexes: Mapping[str, Path], tuned: Mapping[str, str] | None = None) -> dict[str, str]:
         """The service's environment that serves this pipeline (requests ask `"rerank": true`); `indexes`: each
-        first stage's index."""
+        first stage's index; `tuned`: the settings of the tuned first stage (training.first_stage.Setting.env)."""
         index = indexes[self.first_stage]
+        stage = dict(tuned or {}) if self.first_stage == TUNED else {}
         if self.checkpoint is None:
-            return {"SEARCH_INDEX_DIR": str(index.resolve()), "SEARCH_RERANKERS": "[]"}
-        return {"SEARCH_INDEX_DIR": str(index.resolve()),
+            return {"SEARCH_INDEX_DIR": str(index.resolve()), "SEARCH_RERANKERS": "[]", **stage}
+        return {"SEARCH_INDEX_DIR": str(index.resolve()), **stage,
                 "SEARCH_RERANKERS": json.dumps([str(self.checkpoint.resolve())]),
                 "SEARCH_RERANK_DEPTH": str(self.depth), "SEARCH_RERANK_RETRIEVAL_WEIGHT": f"{self.weight:g}",
                 "SEARCH_RERANK_BACKEND": self.backend}
@@ -218,9 +225,9 @@ def _check_settings(out: Path, settings: dict) -> None:
     file.write_text(json.dumps(settings, indent=1) + "\n")
 
 
-def _env_file(path: Path, pipeline: Pipeline, indexes: Mapping[str, Path], about: str) -> None:
+def _env_file(path: Path, pipeline: Pipeline, indexes: Mapping[str, Path], tuned: Mapping[str, str], about: str) -> None:
     lines = [f"# {about}", f"# serve: set -a; . {path}; set +a; python -m service (requests ask \"rerank\": true)"]
-    lines += [f"{name}='{value}'" for name, value in pipeline.settings(indexes).items()]
+    lines += [f"{name}='{value}'" for name, value in pipeline.settings(indexes, tuned).items()]
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -263,18 +270,29 @@ def run_recipe(args: argparse.Namespace) -> dict:
                     {DEFAULT: retrieve(searchers[DEFAULT], queries, request.k)})
 
     fit, validation, held_out = part(inner, "train"), part(inner, "dev"), part(split, "dev")
-    indexes, stage = {DEFAULT: index}, DEFAULT
+    indexes, stage, tuned = {DEFAULT: index}, DEFAULT, {}
+    if args.tune_first_stage and searchers[DEFAULT].bm25 is not None:
+        setting, why = tuning.adopted(tuning.values(searchers[DEFAULT], fit.qrels, fit.queries, tuning.grid()),
+                                      list(fit.queries), only_real=args.tune_adopt == "real")
+        print(f"first stage tuned on the {len(fit.queries)} training queries ({MEASURE}): {why}", file=sys.stderr)
+        if setting != tuning.DEFAULT:
+            searchers[TUNED] = copy.copy(searchers[DEFAULT])  # the same index loaded once, other defaults
+            searchers[TUNED].defaults = setting.defaults()
+            indexes[TUNED], tuned = index, setting.env()
+            for each in (fit, validation, held_out):
+                each.lists[TUNED] = retrieve(searchers[TUNED], each.queries, request.k)
     if args.biencoder_steps:
         indexes[BIENCODER] = _biencoder(args, fit, inner, searchers[DEFAULT], first_stage)
         searchers[BIENCODER] = Searcher(indexes[BIENCODER], encoder_for(read_manifest(indexes[BIENCODER]), args.device),
                                         load=LoadOptions(device=args.device))
         for each in (fit, validation, held_out):
             each.lists[BIENCODER] = retrieve(searchers[BIENCODER], each.queries, request.k)
+    if len(searchers) > 1:
         means = {name: statistics.fmean(validation.scored(Pipeline(first_stage=name), None).values())
-                 for name in (DEFAULT, BIENCODER)}
-        stage = max(means, key=lambda name: round(means[name], 10))  # a tie keeps the default
-        print(f"first stage reranked, chosen on validation ({MEASURE}): {FIRST_STAGES[stage]} "
-              f"({means[BIENCODER]:.4f} fine-tuned against {means[DEFAULT]:.4f})", file=sys.stderr)
+                 for name in searchers}
+        stage = max(means, key=lambda name: round(means[name], 10))  # a tie keeps the earlier, the default first
+        print(f"first stage reranked, chosen on validation ({MEASURE}): {FIRST_STAGES[stage]} ("
+              + ", ".join(f"{FIRST_STAGES[name]} {mean:.4f}" for name, mean in means.items()) + ")", file=sys.stderr)
     saved = ([args.init_reranker] if args.init_reranker else []) + _train(args, fit, inner, first_stage, stage)
     loaded: dict[tuple[Path, str], Reranker] = {}  # (checkpoint, backend): kept from validation for held-out
     rows = _validation_rows(args, searchers, stage, saved, validation, depths, weights, loaded)
@@ -286,20 +304,23 @@ def run_recipe(args: argparse.Namespace) -> dict:
         and (row.pipeline.weight == 0) != (best.pipeline.weight == 0)])
     blending = "chosen, without blending" if best.pipeline.weight else "chosen, with blending"
     fine_tuned = [row for row in rows if row.pipeline == Pipeline(first_stage=BIENCODER)]
-    reported = {"default": rows[0], **({"fine-tuned first stage": fine_tuned[0]} if fine_tuned else {}),
+    # Where the tuning kept the defaults, the tuned first stage is the default retrieval itself.
+    tuned_row = next((row for row in rows if row.pipeline == Pipeline(first_stage=TUNED)), rows[0])
+    reported = {"default": rows[0], **({"tuned first stage": tuned_row} if args.tune_first_stage else {}),
+                **({"fine-tuned first stage": fine_tuned[0]} if fine_tuned else {}),
                 "chosen": best, **({blending: counterpart} if counterpart else {}), **({"fast": fast} if fast else {})}
     report = _held_out(args, reported, held_out, stage, max(depths), loaded)
 
-    summary = _summary(args, first_stage, counts, outer, len(saved), rows, report, indexes)
+    summary = _summary(args, first_stage, counts, outer, len(saved), rows, report, indexes, tuned)
     print(_table(report, len(held_out.queries), validation, first_stage))
     for label, row, file in (("serve", best, "serve.env"), ("serve fast", fast, "serve-fast.env")):
         (out / file).unlink(missing_ok=True)
         if row is None:
             print(f"{label}: no pipeline answered within {args.budget_ms:g} ms/query (p50) on this machine")
             continue
-        _env_file(out / file, row.pipeline, indexes, f"{label}: {row.pipeline.name}")
+        _env_file(out / file, row.pipeline, indexes, tuned, f"{label}: {row.pipeline.name}")
         settings = " ".join(f"{name}='{value}'" if name == "SEARCH_RERANKERS" else f"{name}={value}"
-                            for name, value in row.pipeline.settings(indexes).items())
+                            for name, value in row.pipeline.settings(indexes, tuned).items())
         print(f"{label}: {settings}  ({row.ms:.1f} ms/query p50 on validation; {out / file})")
     _write_json(out / SUMMARY_FILE, summary)
     print(f"recipe: {len(saved)} checkpoints x {len(depths)} depths x {len(weights)} weights chosen on "
@@ -344,7 +365,7 @@ def run_folds(args: argparse.Namespace) -> dict:
     return summary
 
 
-POOLED = ("default", "fine-tuned first stage", "chosen", "fast")  # the rows every fold reports
+POOLED = ("default", "tuned first stage", "fine-tuned first stage", "chosen", "fast")  # the rows every fold reports
 
 
 def pool(summaries: Sequence[dict], seed: int) -> dict[str, Difference]:
@@ -359,8 +380,13 @@ def pool(summaries: Sequence[dict], seed: int) -> dict[str, Difference]:
 def _described(reported: dict) -> str:
     """The name of a pipeline a summary reports."""
     checkpoint = reported["checkpoint"]
-    return Pipeline(Path(checkpoint) if checkpoint else None, reported["backend"], reported["depth"],
+    name = Pipeline(Path(checkpoint) if checkpoint else None, reported["backend"], reported["depth"],
                     reported["weight"], reported["first_stage"], reported["untrained"]).name
+    settings = reported.get("settings", {})
+    if reported["first_stage"] == TUNED:
+        name += (f" (dense weight {settings['SEARCH_DEFAULT_DENSE_WEIGHT']}, feedback "
+                 f"{settings['SEARCH_DEFAULT_FEEDBACK_PASSAGES']} x {settings['SEARCH_DEFAULT_FEEDBACK_WEIGHT']})")
+    return name
 
 
 def _pooled_table(pooled: Mapping[str, dict], queries: int, first_stage: str) -> str:
@@ -425,7 +451,8 @@ def _check_arguments(args: argparse.Namespace, depths: list[int], weights: list[
         **({"folds": args.folds} if args.fold is None and args.folds > 1 else {}),
         **({"fold": f"{args.fold}/{args.folds}"} if args.fold is not None and args.fold > 1 else {}),
         "steps": args.steps, "save_every": args.save_every, "max_depth": max(depths), "max_tokens": args.max_tokens,
-        "biencoder_steps": args.biencoder_steps,
+        "biencoder_steps": args.biencoder_steps, "tune_first_stage": args.tune_first_stage,
+        **({"tune_adopt": args.tune_adopt} if args.tune_adopt != "real" else {}),
         "init_reranker": str(args.init_reranker.resolve()) if args.init_reranker else None})
 
 
@@ -566,10 +593,10 @@ def _table(report: Mapping[str, Reported], queries: int, validation: Part, first
 
 
 def _summary(args, first_stage: str, counts: dict, outer: dict, checkpoints_seen: int, rows: Sequence[Row],
-             report: Mapping[str, Reported], indexes: Mapping[str, Path]) -> dict:
+             report: Mapping[str, Reported], indexes: Mapping[str, Path], tuned: Mapping[str, str]) -> dict:
     return {
         "date": time.strftime("%Y-%m-%d"), "default_retrieval": first_stage, "index": str(indexes[DEFAULT]),
-        "indexes": {name: str(index) for name, index in indexes.items()},
+        "indexes": {name: str(index) for name, index in indexes.items()}, "tuned": dict(tuned),
         "split": args.split,
         "queries": {"train": counts["train"], "validation": counts["dev"], "held_out": outer["dev"]},
         **({"withheld_passages": counts["withheld"]} if "withheld" in counts else {}),
@@ -578,7 +605,7 @@ def _summary(args, first_stage: str, counts: dict, outer: dict, checkpoints_seen
         "held_out": {label: {**row.pipeline.as_json(), "validation": row.mean, "ms": row.ms,
                              "held_out": difference.other, "default": difference.base, "difference": difference.mean,
                              "interval": [difference.low, difference.high], "real": difference.real,
-                             "settings": row.pipeline.settings(indexes), "per_query": values}
+                             "settings": row.pipeline.settings(indexes, tuned), "per_query": values}
                      for label, (row, difference, values) in report.items()},
     }
 
@@ -607,6 +634,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--biencoder-steps", type=int, default=200,
                         help="steps of 16 queries fine-tuning the bi-encoder into a second first stage (default "
                              "200; 0: none)")
+    parser.add_argument("--tune-first-stage", action=argparse.BooleanOptionalAction, default=True,
+                        help="also try the default retrieval with its dense weight and feedback tuned on the "
+                             "training queries (default on)")
+    parser.add_argument("--tune-adopt", choices=("real", "best"), default="real",
+                        help="real: the tuned setting only where its gain is real on the training queries "
+                             "(default); best: the best setting there in any case")
     parser.add_argument("--max-tokens", type=int, default=256,
                         help="tokens of a (query, passage) pair, in training and serving (default 256)")
     parser.add_argument("--init-reranker", type=Path, metavar="DIR",
