@@ -117,8 +117,6 @@ class FusionRule:
     fuse: Callable[[Scored, Scored, int, str], list[tuple[Hashable, float]]]
     deep: bool
     led: bool = False
-    # The same fusion over (rows, scores) arrays, where a rule has one: fuse_rows(dense, lexical, depth).
-    fuse_rows: Callable[[RowScores, RowScores, int], list[tuple[int, float]]] | None = None
 
 
 def _keys(ranking: Scored) -> list[Hashable]:
@@ -132,5 +130,5 @@ FUSION_RULES: dict[str, FusionRule] = {
     "rrf": FusionRule(lambda dense, lexical, depth, lead: reciprocal_rank_fusion([_keys(dense), _keys(lexical)], depth),
                       deep=True),
     "zscore": FusionRule(lambda dense, lexical, depth, lead: standardised_score_fusion([dense, lexical], depth),
-                         deep=True, fuse_rows=standardised_row_fusion),
+                         deep=True),
 }

@@ -332,19 +332,18 @@ class Searcher:
         rule = FUSION_RULES[retrieval.fusion]  # hybrid: the two composed
         depth = max(k, min(retrieval.fusion_depth, MAX_K)) if rule.deep else k
         dense_lists, lexical_lists = retrievers["dense"](depth), retrievers["bm25"](depth)
-        if retrieval.weighs:
-            weight, feedback = retrieval.dense_weight, retrieval.feedback
+        if retrieval.weighs:  # z-score: both lists as arrays to the end (standardised_row_fusion)
+            feedback = retrieval.feedback
             if feedback is not None:  # searched again from the even hybrid's top passages (retrieval.feedback)
-                relevant = [self.vectors_of([row for row, _ in standardised_row_fusion(dense, lexical, feedback.passages)])
+                relevant = [self.vectors_of([row for row, _ in standardised_row_fusion(dense, lexical,
+                                                                                       feedback.passages)])
                             for dense, lexical in zip(dense_lists, lexical_lists)]
-                vectors = fed_back(vectors, relevant, feedback.weight)
-                dense_lists = self._dense(vectors, depth, restriction, chosen, retrieval.candidates, written)
-            return [standardised_row_fusion(dense, lexical, k, weight)
+                dense_lists = self._dense(fed_back(vectors, relevant, feedback.weight), depth, restriction, chosen,
+                                          retrieval.candidates, written)
+            return [standardised_row_fusion(dense, lexical, k, retrieval.dense_weight)
                     for dense, lexical in zip(dense_lists, lexical_lists)]
-        lists = zip(dense_lists, lexical_lists)
-        if rule.fuse_rows is not None:  # both lists as arrays to the end
-            return [rule.fuse_rows(dense, lexical, k) for dense, lexical in lists]
-        return [rule.fuse(as_pairs(dense), as_pairs(lexical), k, retrieval.lead) for dense, lexical in lists]
+        return [rule.fuse(as_pairs(dense), as_pairs(lexical), k, retrieval.lead)
+                for dense, lexical in zip(dense_lists, lexical_lists)]
 
     def vectors_of(self, rows: Sequence[int]) -> np.ndarray:
         """The stored vectors of collection `rows` (the generation's, or its segment's written passages'), in
