@@ -114,8 +114,10 @@ class Connection(asyncio.Protocol):
     requests, delays the next answer's clock): httpx costs about a core for a thousand clients, asyncio
     streams about 60 us a request, this about half of that."""
 
-    def __init__(self, host: str, port: int | str, timeout_s: float | None = None) -> None:
+    def __init__(self, host: str, port: int | str, timeout_s: float | None = None, key: str | None = None) -> None:
+        """`key`: an API key sent as the bearer of every request."""
         self.host, self.port, self.timeout_s = host, int(port), timeout_s
+        self.authorization = f"Authorization: Bearer {key}\r\n" if key else ""
         self.transport: asyncio.Transport | None = None
         self.buffer = bytearray()
         self.waiter: asyncio.Future | None = None
@@ -158,7 +160,7 @@ class Connection(asyncio.Protocol):
             await loop.create_connection(lambda: self, self.host, self.port)
         self.waiter = loop.create_future()
         self.transport.write((f"{method} {path} HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: application/json\r\n"
-                              f"Content-Length: {len(body)}\r\n\r\n").encode() + body)
+                              f"{self.authorization}Content-Length: {len(body)}\r\n\r\n").encode() + body)
         try:
             return await asyncio.wait_for(self.waiter, self.timeout_s)
         except TimeoutError:  # an OSError: counted as a failure; the late answer must not be read as the next

@@ -7,11 +7,13 @@ then the live written passages in write order (retrieval.segment), each with its
 encoded again); BM25 and the candidate structures (with the old ones' parameters) are built again, and the
 manifest records the last write folded in (`write_sequence`). It is written in `.NAME.compacting` beside the
 folder while writes go on; a kill leaves the old generation and the log, which replays every write again.
+A compaction that fails (a full disk) leaves the served generation and the log as they were.
 """
 
 from __future__ import annotations
 
 import itertools
+import os
 import shutil
 import threading
 import time
@@ -29,6 +31,12 @@ from retrieval.writes import Writes
 BLOCK = 65_536  # rows read and written at a time
 
 _compacting = threading.Lock()  # one compaction at a time in a process
+
+
+class FolderReplaced(RuntimeError):
+    """The index folder at the writer's path is no longer the generation it serves (removed, or another copied
+    there): a compaction would read a folder that is gone and swap its result over another's. It stays so until
+    the writer is restarted."""
 
 
 @dataclass(frozen=True)
@@ -57,6 +65,7 @@ def compact(writes: Writes, progress: bool = False) -> CompactionReport | None:
         if not segment.changes:
             return None
         index_dir = searcher.index_dir
+        _refuse_replaced(searcher)
         work = index_dir.parent / f".{index_dir.name}.compacting"
         if work.exists():  # left by a compaction that was killed: written again
             shutil.rmtree(work)
@@ -71,6 +80,18 @@ def compact(writes: Writes, progress: bool = False) -> CompactionReport | None:
         writes.rebase(fresh)
         return CompactionReport(index_dir, segment.seq, segment.written, segment.hidden_count, count,
                                 generation_id(fresh.manifest), time.perf_counter() - started)
+
+
+def _refuse_replaced(searcher: Searcher) -> None:
+    """FolderReplaced where `searcher`'s folder (held open: retrieval.pinned) is not the one at its path."""
+    try:
+        served, named = os.stat(searcher.dense.pinned.root), os.stat(searcher.index_dir)
+        replaced = served.st_nlink == 0 or (served.st_dev, served.st_ino) != (named.st_dev, named.st_ino)
+    except FileNotFoundError:
+        replaced = True
+    if replaced:
+        raise FolderReplaced(f"{searcher.index_dir} is no longer the folder this writer loaded (removed or replaced "
+                             "under it): nothing compacted; restart the writer")
 
 
 def _write(work: Path, searcher: Searcher, progress: bool) -> int:

@@ -26,6 +26,7 @@ RESERVED = ("id", "_id", "title", "text")  # a JSONL record's own keys, never fi
 BEIR_METADATA = "metadata"  # BEIR corpus.jsonl's object: its supported members become fields
 MAX_NAME_CHARS = 256
 MAX_FIELDS = 256  # the fields an index may declare by default (build and update --max-fields raise it)
+MAX_SCOPE_FIELDS = 32  # the fields one API key's passages may hold, written over HTTP (SEARCH_MAX_SCOPE_FIELDS)
 
 
 def value_type(value) -> FieldType | None:
@@ -227,6 +228,14 @@ class Column:
             return self.present
         return self.data >= 0
 
+    def exists_at(self, rows: np.ndarray) -> np.ndarray:
+        """`exists()` at `rows` alone, in time of their number."""
+        if self.kind == "number":
+            return ~np.isnan(self.data[rows])
+        if self.kind == "string[]":
+            return self.present[rows]
+        return self.data[rows] >= 0
+
 
 class FieldColumns:
     """Every field of an index as a column over its `count` rows (see Column); `types` as the manifest lists them."""
@@ -321,15 +330,26 @@ def merged_types(named: Iterable[tuple[str, Mapping[str, str]]]) -> dict[str, st
 SHOWN_FIELDS = 8  # an unknown field's message names at most this many of the index's
 
 
+class ScopeFields(dict):
+    """The fields one scope (an API key's filter) sees, name: type: those the live passages inside it hold and
+    those the scope itself reads. Checked against these, a request's errors name nothing outside the scope."""
+
+
 def known_fields(name: str, types: Mapping[str, str]) -> str:
-    """What an error about an unknown field `name` says of the index's fields: all of them where they are
-    few, else the closest few (an answer stays small however many fields an index declares)."""
+    """What an error about an unknown field `name` says of the index's fields (or, for ScopeFields, of the
+    scope's): all of them where they are few, else the closest few (an answer stays small however many fields
+    an index declares)."""
+    scoped = isinstance(types, ScopeFields)
     if not types:
-        return "this index has no fields: it was built without metadata fields"
+        return ("the passages this key may read hold no fields" if scoped
+                else "this index has no fields: it was built without metadata fields")
     if len(types) <= SHOWN_FIELDS:
-        return f"this index's fields: {', '.join(types)}"
+        whose = "the fields of the passages this key may read" if scoped else "this index's fields"
+        return f"{whose}: {', '.join(types)}"
     close = difflib.get_close_matches(name, list(types), n=3, cutoff=0.6)
     closest = f"closest: {', '.join(close)}; " if close else ""
+    if scoped:
+        return f"{closest}the passages this key may read hold {len(types)} fields"
     return f"{closest}this index has {len(types)} fields, listed in /ready"
 
 

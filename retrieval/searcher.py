@@ -172,6 +172,7 @@ class Searcher:
         self.generation = loaded.generation_id
         self.field_types = dict(self.manifest.fields)
         self.segment = Segment(self.manifest.count)  # what writes over HTTP changed since (none here)
+        self.scope_counts: dict = {}  # per scope, the generation's rows holding each field (retrieval.scopes)
 
     def with_segment(self, segment: Segment) -> "Searcher":
         """This generation with `segment` (its writes since) searched beside it: another Searcher sharing

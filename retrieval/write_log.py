@@ -9,7 +9,8 @@ loses no acknowledged batch; a record cut short by the kill (or the last one, no
 never acknowledged, and `open` drops it with a log line; a damaged record with records after it is no write
 cut short, and `open` refuses the log (LogCorrupt) rather than drop what follows. Compaction folds the
 records up to a sequence number into a generation (whose manifest records that number) and `drop_through`
-rewrites the log without them.
+rewrites the log without them. A record the log cannot take (a full disk; the log removed or replaced under
+the writer) is LogUnwritable, and nothing of it is kept.
 """
 
 from __future__ import annotations
@@ -64,6 +65,15 @@ class LogCorrupt(ValueError):
     so nothing after it is dropped; the log is left as it is for an operator to look at."""
 
 
+class LogUnwritable(OSError):
+    """A record the log did not take, nothing of it kept; `errno` the system's reason where it gave one (ENOSPC:
+    a full disk), and `lasting` where the log takes no record again until the writer is restarted."""
+
+    def __init__(self, message: str, errno: int | None = None, lasting: bool = False) -> None:
+        super().__init__(message)
+        self.errno, self.lasting = errno, lasting
+
+
 class WriteLog:
     """The log of one index, open for appending; `records` are those it held when opened (a torn tail dropped).
     Written with unbuffered system calls, so a write refused (a full disk) leaves nothing behind to be written
@@ -73,7 +83,13 @@ class WriteLog:
         self.path, self.records = path, records
         self._lock = threading.Lock()
         self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        self._broken: str | None = None  # why appends are refused: a failed write that could not be cut off
+        self._broken: str | None = None  # why appends are refused for good (see `refused`)
+
+    @property
+    def refused(self) -> str | None:
+        """Why the log takes no record again until the writer is restarted (a failed write it could not cut off;
+        the file at its path no longer the one it writes); None while it takes them."""
+        return self._broken
 
     @classmethod
     def open(cls, index_dir: Path) -> "WriteLog":
@@ -97,13 +113,13 @@ class WriteLog:
         return self.records[-1].seq if self.records else 0
 
     def append(self, record: Record) -> None:
-        """`record` on disk (written and fsynced) when this returns; OSError otherwise, and then the log is as it
-        was (a partial write is cut off, so the next record starts where a reader expects one; where even that
-        fails, every later append is refused)."""
+        """`record` on disk (written and fsynced) in the file at the log's path when this returns; LogUnwritable
+        otherwise, and then the log is as it was (a partial write is cut off, so the next record starts where a
+        reader expects one; where even that fails, or the file at the path is not the one open, every later
+        append is refused: `refused`)."""
         data = record.encode()
         with self._lock:
-            if self._broken is not None:
-                raise OSError(f"{self.path}: the log takes no more writes: {self._broken}")
+            self._check_in_place()
             start = os.lseek(self._fd, 0, os.SEEK_END)
             try:
                 view = memoryview(data)
@@ -115,8 +131,25 @@ class WriteLog:
                     os.ftruncate(self._fd, start)
                 except OSError as cut:
                     self._broken = f"a failed write ({error}) could not be cut off ({cut})"
-                raise
+                raise LogUnwritable(f"the write log {self.path} could not be written: {error}", error.errno,
+                                    self._broken is not None) from error
+            self._check_in_place()  # removed meanwhile: the record is in a file a restart never reads
             self.records.append(record)
+
+    def _check_in_place(self) -> None:
+        """LogUnwritable (lasting) where the log takes no more records: refused before, or the file open is no
+        longer the one at the path (removed, or another put there), whose records a restart would not find."""
+        if self._broken is None:
+            try:
+                opened, named = os.fstat(self._fd), os.stat(self.path)
+                moved = opened.st_nlink == 0 or (opened.st_dev, opened.st_ino) != (named.st_dev, named.st_ino)
+            except FileNotFoundError:
+                moved = True
+            if moved:
+                self._broken = ("it was removed or replaced since this writer opened it (a restart replays only "
+                                "what the file now at that path holds)")
+        if self._broken is not None:
+            raise LogUnwritable(f"the write log {self.path} takes no more writes: {self._broken}", lasting=True)
 
     def drop_through(self, seq: int) -> None:
         """The log rewritten without the records up to `seq` (folded into a generation): written beside, fsynced,
@@ -124,11 +157,15 @@ class WriteLog:
         with self._lock:
             kept = [record for record in self.records if record.seq > seq]
             tmp = self.path.with_name(self.path.name + ".tmp")
-            with open(tmp, "wb") as handle:
-                for record in kept:
-                    handle.write(record.encode())
-                handle.flush()
-                os.fsync(handle.fileno())
+            try:
+                with open(tmp, "wb") as handle:
+                    for record in kept:
+                        handle.write(record.encode())
+                    handle.flush()
+                    os.fsync(handle.fileno())
+            except BaseException:  # a full disk: the old log stands, and the space the copy took is freed
+                tmp.unlink(missing_ok=True)
+                raise
             try:
                 os.replace(tmp, self.path)
             finally:  # appends go to the file at the log's name from now on, whatever fails below

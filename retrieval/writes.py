@@ -24,8 +24,9 @@ import numpy as np
 
 from retrieval import out_lock
 from retrieval.corpus import DEFAULT_MAX_PASSAGE_BYTES, BadLine, parse_record
-from retrieval.fields import MAX_FIELDS, FieldColumns, FieldTypes
-from retrieval.filters import Filter, conjunction, evaluate
+from retrieval.fields import MAX_FIELDS, MAX_SCOPE_FIELDS, FieldColumns, value_type
+from retrieval.filters import Filter, conjunction, evaluate, parse_filter
+from retrieval.scopes import scope_fields
 from retrieval.searcher import Searcher
 from retrieval.segment import Passage, Segment
 from retrieval.write_log import Record, WriteLog
@@ -47,7 +48,8 @@ class Writes:
     such searcher, in write order, before the write returns. Thread-safe."""
 
     def __init__(self, searcher: Searcher, log: WriteLog, publish: Callable[[Searcher], None] | None = None,
-                 held: ExitStack | None = None) -> None:
+                 held: ExitStack | None = None, max_scope_fields: int = MAX_SCOPE_FIELDS) -> None:
+        self.max_scope_fields = max_scope_fields  # the fields one scope's passages may hold (refuse_fields)
         self.log, self.publish, self._folder_lock = log, None, held  # published once replayed
         self._lock = threading.Lock()
         segment = Segment(searcher.manifest.count, searcher.manifest.write_sequence)
@@ -61,14 +63,15 @@ class Writes:
             publish(self.searcher)
 
     @classmethod
-    def open(cls, searcher: Searcher, publish: Callable[[Searcher], None] | None = None) -> "Writes":
+    def open(cls, searcher: Searcher, publish: Callable[[Searcher], None] | None = None,
+             max_scope_fields: int = MAX_SCOPE_FIELDS) -> "Writes":
         """The writes to `searcher`'s index: the folder's writer lock taken (retrieval.out_lock: out_lock.InUse while
         a build, update or other writer holds it), its log opened (created where there is none; a torn last record
         dropped), and the writes the generation does not hold replayed."""
         held = ExitStack()
         held.enter_context(out_lock.hold(searcher.index_dir, "writer"))
         try:
-            return cls(searcher, WriteLog.open(searcher.index_dir), publish, held)
+            return cls(searcher, WriteLog.open(searcher.index_dir), publish, held, max_scope_fields)
         except BaseException:
             held.close()
             raise
@@ -81,10 +84,10 @@ class Writes:
     def check_upsert(self, items: Sequence[Mapping], max_bytes: int = DEFAULT_MAX_PASSAGE_BYTES,
                      scope: dict | None = None) -> list[Passage]:
         """`items` (JSON objects) as passages; WriteError naming the first item and field that cannot be one: not
-        a passage (an empty text, an id missing or over MAX_ID_CHARS), over `max_bytes` as a JSON line, an id twice,
-        a field whose type differs from the collection's, or outside `scope` (a filter every passage written must
-        match; the fields it fixes by equality at its top level are set where a passage lacks them)."""
-        types = self._field_types()
+        a passage (an id that is not a non-empty string or over MAX_ID_CHARS, an empty text), over `max_bytes` as a
+        JSON line, an id twice, a field that cannot join the collection (`refuse_fields`), or outside `scope` (a
+        filter every passage written must match; the fields it fixes by equality at its top level are set where a
+        passage lacks them)."""
         implied = fixed_fields(scope, self.searcher.field_types) if scope is not None else {}
         passages, seen = [], {}
         for i, item in enumerate(items):
@@ -95,6 +98,7 @@ class Writes:
             size = len(json.dumps(item, ensure_ascii=False).encode("utf-8", "surrogatepass"))
             if size > max_bytes:
                 raise WriteError(where, f"{size} bytes as JSON, over the limit of {max_bytes} bytes a passage may have")
+            _refuse_loose_types(where, item)
             parsed = parse_record(dict(item), i)
             if isinstance(parsed, BadLine):
                 raise WriteError(where + (_field_named(parsed.reason),), parsed.reason)
@@ -104,9 +108,8 @@ class Writes:
             if parsed.id in seen:
                 raise WriteError(where + ("id",), f"id {parsed.id!r} is also item {seen[parsed.id]} of this batch")
             seen[parsed.id] = i
-            _refuse_conflict(types, where, parsed.fields or {})
-            types.add(parsed.fields, i)
             passages.append(Passage(parsed.id, parsed.text, dict(parsed.fields or {})))
+        self.refuse_fields(self.searcher, passages, scope)
         if scope is not None:
             outside = np.flatnonzero(~self._matches(self.searcher.parse_filter(scope), [p.fields for p in passages]))
             if len(outside):
@@ -133,9 +136,7 @@ class Writes:
                     position = next(i for i, p in enumerate(passages) if p.id == taken[0])
                     raise WriteError(("passages", position, "id"), f"id {taken[0]!r} is taken by a passage this key "
                                      "may not write (ids are the collection's: give each scope its own)")
-            types = self._field_types()  # a batch written since the check may have typed a field first
-            for position, passage in enumerate(passages):
-                _refuse_conflict(types, ("passages", position), passage.fields)
+            self.refuse_fields(self.searcher, passages, scope)  # a batch written since the check may have typed a field
             record = Record(self.seq + 1, upsert=tuple(vars(p) for p in passages), vectors=vectors)
             self._commit(record)
             return record.seq
@@ -151,8 +152,9 @@ class Writes:
         with self._lock:
             searcher = self.searcher
             bound = None if scope is None else searcher.parse_filter(scope)
-            if filter is not None:
-                ids = self._matching(searcher, conjunction(bound, searcher.parse_filter(filter)))
+            if filter is not None:  # checked against the fields the scope sees, so a refusal names none outside it
+                seen = searcher.field_types if bound is None else scope_fields(searcher, bound)
+                ids = self._matching(searcher, conjunction(bound, parse_filter(filter, seen)))
             held = self._held(list(dict.fromkeys(ids)), bound, inside=True)
             if not held:
                 return self.seq, 0
@@ -191,11 +193,38 @@ class Writes:
         matched = self._matches(scope, [hit.fields for hit in found])
         return [hit.id for hit, match in zip(found, matched) if match == inside]
 
-    def _field_types(self) -> FieldTypes:
-        """The collection's field types, as a batch's fields are checked against."""
-        types = FieldTypes(max_fields=max(MAX_FIELDS, len(self.searcher.field_types)))
-        types.know(self.searcher.field_types, "the index")
-        return types
+    def refuse_fields(self, searcher: Searcher, passages: Sequence[Passage], scope: dict | None) -> None:
+        """WriteError naming the first passage and field that cannot join `searcher`'s collection: a field of
+        another type than its name has there, or one field too many. Fields are counted over the live passages
+        that hold them (a delete frees a field at once): for a write without `scope`, the collection's, at most
+        the index's --max-fields (MAX_FIELDS at least); for a scoped one, those inside the scope, at most
+        `max_scope_fields`, whatever other scopes hold, and its refusals name nothing outside the scope."""
+        bound = None if scope is None else searcher.parse_filter(scope)
+        held, types = dict(scope_fields(searcher, bound)), searcher.field_types
+        if bound is None:
+            cap = max(MAX_FIELDS, len(searcher.manifest.fields))
+            over = "of the collection, over the {cap} an index may declare (raise it with --max-fields)"
+        else:
+            cap = self.max_scope_fields
+            over = "of the passages this key may write, over the {cap} one key's passages may hold " \
+                   "(SEARCH_MAX_SCOPE_FIELDS)"
+        for position, passage in enumerate(passages):
+            for name, value in passage.fields.items():
+                kind, where = value_type(value), ("passages", position, name)
+                known = held.get(name, types.get(name))
+                if known is None:
+                    held[name] = kind
+                    if len(held) > cap:
+                        raise WriteError(where, f'field "{name}" would be field {len(held)} ' + over.format(cap=cap))
+                elif known != kind:
+                    if bound is not None and name not in held:  # another scope's field: neither it nor its type named
+                        raise WriteError(where, f'field "{name}" cannot be a {kind}: the collection holds the name '
+                                                "with another type (a field has one type across the collection); "
+                                                "choose another name")
+                    raise WriteError(where, f'field "{name}" is a {kind} here but a {known} in the collection (a field '
+                                            "has one type across the collection)")
+                else:
+                    held.setdefault(name, kind)
 
     def _matches(self, scope: Filter, fields: list[dict]) -> np.ndarray:
         columns = FieldColumns.of_rows(len(fields), self.searcher.field_types, enumerate(fields))
@@ -243,12 +272,22 @@ class Writes:
             self._folder_lock.close()
 
 
-def _refuse_conflict(types: FieldTypes, where: tuple, fields: Mapping) -> None:
-    """WriteError at `where` (and the field it names) where `fields` do not fit `types` (FieldTypes.conflict)."""
-    conflict = types.conflict(fields)
-    if conflict is not None:
-        name = next((name for name in fields if f'"{name}"' in conflict), None)
-        raise WriteError(where + ((name,) if name else ()), conflict)
+JSON_NAMES = {str: "a string", int: "a number", float: "a number", bool: "a boolean", list: "a list",
+              dict: "an object", type(None): "null"}
+
+
+def _refuse_loose_types(where: tuple, item: Mapping) -> None:
+    """WriteError naming the key where an item's id, text or title is not a JSON string (a corpus line's number id
+    is read as its digits; a write's is refused, so that what is stored is what was sent)."""
+    named = "id" if "id" in item else "_id" if "_id" in item else None
+    if named is None:
+        raise WriteError(where + ("id",), 'missing "id": every passage needs a string id')
+    for key in (named, "text", "title"):
+        value = item.get(key, "")
+        if not isinstance(value, str) and not (key == "title" and value is None):
+            raise WriteError(where + (key,), f"{key} must be a string, not {JSON_NAMES.get(type(value), 'that')}")
+    if not item[named].strip():
+        raise WriteError(where + (named,), f"{named} is empty: every passage needs a string id")
 
 
 def fixed_fields(scope: dict, types: Mapping[str, str]) -> dict:

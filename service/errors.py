@@ -20,6 +20,10 @@ class OverLimit(ServiceError, ValueError):
         self.field, self.value = field, value
 
 
+class Ambiguous(ServiceError):
+    """A request that says one thing twice and could be read two ways (two Authorization headers): 400."""
+
+
 class NotFound(ServiceError):
     """A name that names nothing here (an index folder to reload): 404."""
 
@@ -54,6 +58,16 @@ class Stopping(Overloaded):
 
 class NotReady(ServiceError):
     """No index loaded yet, or loading failed: 503."""
+
+
+class WritesUnavailable(ServiceError):
+    """A write the log could not take, nothing of it kept: 507 where the disk holding the log is full
+    (`storage_full`), 503 otherwise, with Retry-After where a retry may succeed (`retry_after_s`; None where
+    only a restart of the writer helps)."""
+
+    def __init__(self, message: str, storage_full: bool, retry_after_s: int | None) -> None:
+        super().__init__(message)
+        self.storage_full, self.retry_after_s = storage_full, retry_after_s
 
 
 class ShardsUnavailable(ServiceError):

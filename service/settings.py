@@ -10,6 +10,7 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from models.backends import Backend
+from retrieval.fields import MAX_SCOPE_FIELDS
 from retrieval.load_options import LoadOptions
 from retrieval.feedback import MAX_PASSAGES, MAX_WEIGHT, Feedback
 from retrieval.request import EVEN_WEIGHT, MODES, Defaults, Fusion
@@ -130,6 +131,11 @@ class ServiceSettings(BaseSettings):
         "and not with watch_index.",
     )
     max_write_passages: int = Field(256, ge=1, description="Most passages in one POST /passages.")
+    max_scope_fields: int = Field(
+        MAX_SCOPE_FIELDS, ge=1, description="With writes and a keys file: most metadata fields the live passages "
+        "inside one key's scope may hold (a field counts while one of them holds it); a scoped write is never "
+        "refused for fields other scopes hold.",
+    )
     compact_passages: int = Field(
         10_000, ge=1, description="With writes, a compaction (the written passages folded into a new generation of "
         "the index, swapped in for replicas to follow, and the log truncated) starts once this many passages were "

@@ -1,6 +1,7 @@
 """Admission control on a real uvicorn server: past the cap a search is refused at once with 429 and
-Retry-After; a queued request whose client has gone never reaches the model; half-sent heads and
-bodies and unread answers do not hold the service; a micro-batch keeps to its token budget."""
+Retry-After, unless its key is below its fair share of the cap, when it waits for the next place; a queued
+request whose client has gone never reaches the model; half-sent heads and bodies and unread answers do not
+hold the service; a micro-batch keeps to its token budget."""
 
 from __future__ import annotations
 
@@ -18,11 +19,14 @@ from contextlib import contextmanager
 import httpx
 import pytest
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from bench.ports import unclaimed_ports
 from service.engine.batcher import MicroBatcher
 from service.http.app import create_app
 from service.http.protocol import timeout_protocol
+from tests.test_keys import keys_file
 from tests.test_service import call, one, settings_for
 
 READ_TIMEOUT_S = 0.5
@@ -30,9 +34,10 @@ WRITE_TIMEOUT_S = 1.0
 
 
 @contextmanager
-def serving(small_index, engine, entered: list | None = None, **overrides):
+def serving(small_index, engine, entered: list | None = None, protocol=HttpToolsProtocol, **overrides):
     """The app on a loopback port, served by uvicorn as `python -m service` serves it; `entered` collects
-    the path of every HTTP request that reached the app."""
+    the path of every HTTP request that reached the app; `protocol`: the uvicorn protocol extended (h11's
+    leaves admission to the app's middleware)."""
     settings = settings_for(small_index, **{"read_timeout_s": READ_TIMEOUT_S, "write_timeout_s": WRITE_TIMEOUT_S,
                                             **overrides})
     app = create_app(settings, engine)
@@ -45,7 +50,7 @@ def serving(small_index, engine, entered: list | None = None, **overrides):
     port = unclaimed_ports(1)[0]
     server = uvicorn.Server(uvicorn.Config(entry, host="127.0.0.1", port=port, log_level="warning",
                                            http=timeout_protocol(settings.read_timeout_s, settings.write_timeout_s,
-                                                                 app.state.occupancy,
+                                                                 app.state.occupancy, protocol,
                                                                  max_head_bytes=settings.max_head_bytes,
                                                                  max_headers=settings.max_headers)))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -65,18 +70,19 @@ def wait_until(condition, seconds: float = 10.0) -> None:
         time.sleep(0.01)
 
 
-def send_search(port: int, query: str, path: str = "/search") -> socket.socket:
+def send_search(port: int, query: str, path: str = "/search", key: str | None = None) -> socket.socket:
     """A /search (or, with `path` /v1/embeddings, an embeddings request) sent whole on its own
-    connection, its answer left unread."""
+    connection, with `key` as its bearer where given, its answer left unread."""
     body = json.dumps({"query": query, "k": 3} if path == "/search" else {"input": query}).encode()
+    authorization = b"Authorization: Bearer %s\r\n" % key.encode() if key else b""
     sock = socket.create_connection(("127.0.0.1", port))
-    sock.sendall(b"POST %s HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: %d\r\n\r\n%s" % (path.encode(), len(body), body))
+    sock.sendall(b"POST %s HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n%s"
+                 b"Content-Length: %d\r\n\r\n%s" % (path.encode(), authorization, len(body), body))
     return sock
 
 
-def metric(base: str, name: str) -> float:
-    for line in httpx.get(f"{base}/metrics", trust_env=False).text.splitlines():
+def metric(base: str, name: str, headers: dict | None = None) -> float:
+    for line in httpx.get(f"{base}/metrics", headers=headers, trust_env=False).text.splitlines():
         if line.startswith(name + " "):
             return float(line.split()[1])
     raise AssertionError(f"{name} not in /metrics")
@@ -205,6 +211,124 @@ def test_requests_without_the_key_take_no_place_under_the_cap(small_index, engin
         assert answer.status_code == 200
         for sock in stalled:
             sock.close()
+
+
+# Two tenants' keys, and an operator's to read /metrics (it searches nothing, so takes no share).
+FAIR_KEYS = {"A": ("a-secret", ["search"], None), "B": ("b-secret", ["search"], None),
+             "ops": ("ops-secret", ["admin"], None)}
+OPS = {"Authorization": "Bearer ops-secret"}
+
+
+def search_as(base: str, key: str, query: str) -> httpx.Response:
+    return httpx.post(f"{base}/search", json={"query": query, "k": 3}, headers={"Authorization": f"Bearer {key}"},
+                      timeout=60, trust_env=False)
+
+
+def answered(sock: socket.socket) -> bytes:
+    """The status line's start of the answer on `sock`, which is then closed."""
+    sock.settimeout(60)
+    try:
+        return sock.recv(64)
+    finally:
+        sock.close()
+
+
+@contextmanager
+def a_holding_the_cap(small_index, engine, tmp_path, queries, cap: int = 4, **overrides):
+    """Key A's searches filling the cap and key B's one search past it, in its place of its own, all held on the
+    model thread until `release()`: yields (app, base, port, the sockets of their unread answers, release)."""
+    keys = keys_file(tmp_path / "keys.json", FAIR_KEYS)
+    with serving(small_index, engine, max_concurrent_requests=cap, api_keys_file=keys, **overrides) as (app, base, port):
+        occupancy, gate = app.state.occupancy, threading.Event()
+        app.state.runtime.executor.submit(gate.wait)
+        try:
+            held = [send_search(port, query, key="a-secret") for query in queries[:cap]]
+            wait_until(lambda: occupancy.in_flight == cap)
+            held.append(send_search(port, queries[cap], key="b-secret"))
+            wait_until(lambda: occupancy.held["B"] == 1)
+            yield app, base, port, held, gate.set
+        finally:
+            gate.set()
+
+
+@pytest.mark.parametrize("protocol", [HttpToolsProtocol, H11Protocol], ids=["protocol", "middleware"])
+def test_a_flooding_key_cannot_starve_another_key_of_the_cap(small_index, engine, demo_queries, tmp_path, protocol):
+    # Before: with key A's requests filling the cap, every search of key B was answered 429 (issue 75).
+    queries = list(demo_queries.values())
+    # A Retry-After longer than the test: B's wait for a place ends with one, not with its bound.
+    with ThreadPoolExecutor(1) as pool, a_holding_the_cap(small_index, engine, tmp_path, queries, protocol=protocol,
+                                                          retry_after_s=60) as (app, base, port, held, release):
+        occupancy = app.state.occupancy
+        assert occupancy.in_flight == 5  # B's first search is in at once, past the cap, in a place of its own
+        b = pool.submit(search_as, base, "b-secret", queries[5])
+        wait_until(lambda: b.done() or occupancy.waiting["B"] == 1)
+        assert not b.done()  # B's second waits for a place below the cap, below its share (2 keys: 2 each)
+        refused = search_as(base, "a-secret", queries[6])  # A, over its share, is refused at once
+        assert refused.status_code == 429 and "SEARCH_MAX_CONCURRENT_REQUESTS" in refused.json()["detail"]
+        assert metric(base, 'search_key_in_flight_requests{key="A"}', OPS) == 4
+        assert metric(base, 'search_key_in_flight_requests{key="B"}', OPS) == 1
+        assert metric(base, 'search_key_rejected_requests_total{key="A"}', OPS) == 1
+        release()
+        assert b.result(60).status_code == 200  # a place below the cap went to B, not to a new arrival
+        assert [answered(sock)[:12] for sock in held] == [b"HTTP/1.1 200"] * 5
+        wait_until(lambda: occupancy.in_flight == 0)
+        assert metric(base, 'search_key_in_flight_requests{key="A"}', OPS) == 0
+        assert metric(base, 'search_key_in_flight_requests{key="B"}', OPS) == 0
+        assert 'search_key_rejected_requests_total{key="B"}' not in httpx.get(f"{base}/metrics", headers=OPS,
+                                                                               trust_env=False).text
+
+
+def test_without_keys_the_cap_binds_every_search_alike(small_index, engine, demo_queries):
+    with serving(small_index, engine, max_concurrent_requests=1) as (app, base, port):
+        with model_busy(app):
+            held = send_search(port, demo_queries["q0001"])
+            wait_until(lambda: app.state.occupancy.in_flight == 1)
+            assert httpx.post(f"{base}/search", json={"query": "x"}, trust_env=False).status_code == 429
+        assert answered(held).startswith(b"HTTP/1.1 200")
+
+
+def test_a_search_waiting_for_its_share_is_refused_429_when_no_place_frees_within_the_retry_after(
+        small_index, engine, demo_queries, tmp_path):
+    queries = list(demo_queries.values())
+    with a_holding_the_cap(small_index, engine, tmp_path, queries) as (app, base, port, held, release):
+        occupancy = app.state.occupancy
+        refused = search_as(base, "b-secret", queries[5])  # the model held past B's wait
+        assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
+        assert "no place came free within the Retry-After" in refused.json()["detail"]
+        assert occupancy.waiting["B"] == 0 and occupancy.in_flight == 5
+        release()
+        assert [answered(sock)[:12] for sock in held] == [b"HTTP/1.1 200"] * 5
+        wait_until(lambda: occupancy.in_flight == 0)
+        assert metric(base, 'search_key_rejected_requests_total{key="B"}', OPS) == 1
+        assert metric(base, 'search_http_requests_total{route="/search",status="429"}', OPS) == 1
+        assert search_as(base, "b-secret", queries[5]).status_code == 200
+
+
+def test_a_waiting_search_whose_client_has_gone_gives_its_place_back(small_index, engine, demo_queries, tmp_path):
+    # A place leaked here would lower the cap for good: every way out of the wait must give it back.
+    queries = list(demo_queries.values())
+    with a_holding_the_cap(small_index, engine, tmp_path, queries, retry_after_s=60) as (app, base, port, held,
+                                                                                         release):
+        occupancy = app.state.occupancy
+        gone = send_search(port, queries[5], key="b-secret")
+        wait_until(lambda: occupancy.waiting["B"] == 1)
+        gone.close()
+        release()
+        assert [answered(sock)[:12] for sock in held] == [b"HTTP/1.1 200"] * 5  # a place went to B's gone client
+        wait_until(lambda: occupancy.in_flight == 0)
+        assert dict(occupancy.held) == {"A": 0, "B": 0} and not occupancy.waiters
+        with model_busy(app):  # the whole cap is there again: a draining service answers a waiting search 503
+            held = [send_search(port, query, key="a-secret") for query in queries[:4]]
+            held.append(send_search(port, queries[4], key="b-secret"))
+            wait_until(lambda: occupancy.in_flight == 5)
+            waiting = send_search(port, queries[5], key="b-secret")
+            wait_until(lambda: occupancy.waiting["B"] == 1)
+            server_loop = occupancy.waiters[0].granted.get_loop()  # where the stop's drain runs
+            drained = asyncio.run_coroutine_threadsafe(occupancy.drain(60), server_loop)
+            assert answered(waiting).startswith(b"HTTP/1.1 503")
+        assert [answered(sock)[:12] for sock in held] == [b"HTTP/1.1 200"] * 5
+        assert drained.result(timeout=60) == 0
+        assert dict(occupancy.held) == {"A": 0, "B": 0} and not occupancy.waiters
 
 
 def statuses_read(stream, count: int) -> list[int]:
@@ -373,7 +497,7 @@ def test_latency_counts_the_wait_for_the_model_thread_on_paths_that_do_not_micro
         asking = threading.Thread(target=lambda: answers.append(httpx.post(base + path, json=body, trust_env=False,
                                                                            timeout=60)))
         asking.start()
-        wait_until(lambda: executor._work_queue.qsize() == 1)  # the search waits for the thread
+        wait_until(lambda: executor.waiting == 1)  # the search waits for the thread
         time.sleep(0.3)
         gate.set()
         asking.join(60)

@@ -5,6 +5,7 @@ fill the model's batch (text-embeddings-inference's queue, in miniature)."""
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
 import time
 from concurrent.futures import Executor
@@ -148,7 +149,8 @@ class MicroBatcher:
         if self._loop is not loop:  # first use, or a new event loop (test clients start one per session)
             self._loop, self._queue, self._held, self._unanswered = loop, asyncio.Queue(), None, set()
             self._running, self._overlapping = 0, False
-            self._worker = loop.create_task(self._serve())
+            # In no request's context: its batches mix every key's requests (service/engine/fair_queue.py).
+            self._worker = loop.create_task(self._serve(), context=contextvars.Context())
         future = loop.create_future()
         self._unanswered.add(future)
         future.add_done_callback(self._unanswered.discard)

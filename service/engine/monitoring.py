@@ -5,9 +5,11 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
+from typing import Callable, Mapping
 
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
 
 from service.engine.search_engine import STAGES, StageTimings
 
@@ -55,6 +57,11 @@ class Monitor:
         self.queued = Gauge("search_queue_size", "Search requests waiting for the model", registry=self.registry)
         self.in_flight = Gauge("search_in_flight_requests", "Search requests in the service (queued or running)",
                                registry=self.registry)
+        self.key_rejected = Counter(
+            "search_key_rejected_requests", "Search requests refused by admission (429, or 503 while stopping), by API "
+            "key name (\"open\" where no key is configured)", ["key"], registry=self.registry,
+        )
+        self._key_rejected_children: dict[str, Counter] = {}
         # Children looked up once: `labels()` on every request is a locked dict lookup per stage.
         self._stage_children = {stage: self.stage_seconds.labels(stage=stage) for stage in STAGES}
         self._window = {stage: deque(maxlen=window) for stage in STAGES}
@@ -65,6 +72,20 @@ class Monitor:
 
     def observe_key(self, name: str, outcome: str) -> None:
         self.key_requests.labels(key=name, outcome=outcome).inc()
+
+    def observe_key_refusal(self, name: str) -> None:
+        # A child per key, looked up once, as observe_request's: refusals come in waves.
+        counter = self._key_rejected_children.get(name)
+        if counter is None:
+            counter = self._key_rejected_children[name] = self.key_rejected.labels(key=name)
+        counter.inc()
+
+    def watch_key_in_flight(self, read: Callable[[], Mapping[str, int]]) -> None:
+        """Exposes `read()` (key name -> its search requests in the service) as search_key_in_flight_requests,
+        read when /metrics is scraped rather than kept up to date on every request."""
+        self.registry.register(_PerKeyGauge(
+            "search_key_in_flight_requests", "Search requests in the service (queued or running), by API key name "
+            "(\"open\" where no key is configured)", read))
 
     def observe_request(self, route: str, status: int) -> None:
         # One labelled child per route and status, looked up once: labels() costs several times inc(), and a
@@ -106,6 +127,19 @@ class Monitor:
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _PerKeyGauge:
+    """A Prometheus collector of one gauge labelled by key, its values read at each scrape."""
+
+    def __init__(self, name: str, documentation: str, read: Callable[[], Mapping[str, int]]) -> None:
+        self.name, self.documentation, self.read = name, documentation, read
+
+    def collect(self):
+        family = GaugeMetricFamily(self.name, self.documentation, labels=["key"])
+        for key, value in sorted(self.read().items()):
+            family.add_metric([key], value)
+        yield family
 
 
 class RequestCounter:

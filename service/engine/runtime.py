@@ -4,6 +4,8 @@ and its queue, reloaded in place. Routes call this and nothing below it."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import errno
 import functools
 import gc
 import logging
@@ -19,17 +21,19 @@ from typing import Callable, Sequence
 import numpy as np
 
 from models.encoder import Tokens
-from retrieval.compaction import compact
+from retrieval.compaction import FolderReplaced, compact
 from retrieval.index_format import Manifest
 from retrieval.searcher import Searcher
 from retrieval.segment import Passage
+from retrieval.write_log import LogUnwritable
 from retrieval.writes import Writes
 from service.engine.batcher import MicroBatcher, completed
+from service.engine.fair_queue import FairExecutor
 from service.engine.index_watch import IndexWatch
 from service.engine.monitoring import Monitor
 from service.engine.search_engine import ReloadError, Run, SearchEngine, SearchPlan, SearchResult
 from service.engine.tracing import Stage, Tracing
-from service.errors import NotReady, NotServable
+from service.errors import NotReady, NotServable, WritesUnavailable
 from service.settings import ServiceSettings
 
 log = logging.getLogger("service")
@@ -43,6 +47,9 @@ WRITE_SLICE_TOKENS = 256
 WRITE_YIELD_S = 0.05
 # A failed compaction is tried again after 30 s, then twice as long each time, up to an hour.
 COMPACT_BACKOFF_MIN_S, COMPACT_BACKOFF_MAX_S = 30.0, 3600.0
+# A write the log refused for a passing reason (not a full disk, nothing lasting): the Retry-After it is answered with.
+WRITE_RETRY_AFTER_S = 5
+STORAGE_FULL = (errno.ENOSPC, errno.EDQUOT)
 STATS_WINDOW = 1000  # requests /stats takes its percentiles over; /metrics' histograms count every one
 
 
@@ -71,9 +78,11 @@ class Runtime:
         self.reload_error: str | None = None  # why the last reload failed, until one succeeds (in /ready)
         self.reload_failed: Path | None = None  # the folder that reload was of
         # One model thread: torch already spreads a forward pass over the cores, and the
-        # encoder is not re-entrant; concurrency comes from batching, not from threads.
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model",
-                                           initializer=_lower_priority, initargs=(settings.model_thread_nice,))
+        # encoder is not re-entrant; concurrency comes from batching, not from threads. Its queue is
+        # fair between keys (service/engine/fair_queue.py).
+        self.executor = FairExecutor(ThreadPoolExecutor(max_workers=1, thread_name_prefix="model",
+                                                        initializer=_lower_priority,
+                                                        initargs=(settings.model_thread_nice,)))
         # Where a reload reads the new index beside the serving one: niced as the model thread is, so the
         # load, and the thread pool ONNX Runtime starts with a new encoder's session, yield to serving.
         self.loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reload",
@@ -99,6 +108,8 @@ class Runtime:
         self.writes: Writes | None = None  # with SEARCH_WRITES, once the engine is loaded
         self.compacting: Future | None = None  # the last compaction started, on the loader thread
         self.compact_backoff_s, self.compact_not_before = COMPACT_BACKOFF_MIN_S / 2, 0.0  # after failed ones
+        self.write_failure: str | None = None  # why the last write was not logged, until one is (in /ready)
+        self.compact_failure: str | None = None  # why the last compaction failed, until one succeeds (in /ready)
         self.compactor: asyncio.Task | None = None  # starts one when the oldest write is SEARCH_COMPACT_AGE_S old
         if engine is not None:
             # On the model thread: torch's OpenMP workers spin after each call, and two threads that
@@ -243,7 +254,7 @@ class Runtime:
             raise ValueError(f"SEARCH_WRITES needs the index's own encoder backend "
                              f"({searcher.manifest.encoder.backend}) to encode written passages as its others were, "
                              f"not {searcher.encoder.backend} (SEARCH_BACKEND)")
-        self.writes = Writes.open(searcher, publish=engine.serve)
+        self.writes = Writes.open(searcher, publish=engine.serve, max_scope_fields=self.settings.max_scope_fields)
 
     def ready_writes(self) -> Writes:
         self.ready_engine()
@@ -273,7 +284,9 @@ class Runtime:
             while self.batcher.busy and time.monotonic() < deadline:
                 await asyncio.sleep(0.002)
             parts.append(await self._on_model_thread(encoder.encode_tokens, list(tokens[start:end])))
-        seq = await asyncio.to_thread(functools.partial(writes.upsert, list(passages), np.concatenate(parts), scope))
+        write = functools.partial(writes.upsert, list(passages), np.concatenate(parts), scope)
+        with self._logging_writes():
+            seq = await asyncio.to_thread(write)
         self._compact_when_due()
         return seq
 
@@ -281,15 +294,47 @@ class Runtime:
                      scope: dict | None = None) -> tuple[int, int]:
         """(sequence number, passages deleted): see retrieval.writes.Writes.delete."""
         writes = self.ready_writes()
-        done = await asyncio.get_running_loop().run_in_executor(self.filter_thread, writes.delete, ids, filter, scope)
+        loop = asyncio.get_running_loop()
+        with self._logging_writes():
+            done = await loop.run_in_executor(self.filter_thread, writes.delete, ids, filter, scope)
         self._compact_when_due()
         return done
+
+    @contextlib.contextmanager
+    def _logging_writes(self):
+        """A write the log did not take as WritesUnavailable naming why, kept for /ready until a write is logged:
+        answered as a ServiceError, so the client's connection stays open for its next request."""
+        try:
+            yield
+        except LogUnwritable as error:
+            full = error.errno in STORAGE_FULL
+            advice = ("restart the writer" if error.lasting else "retry once space is freed on its disk" if full
+                      else f"retry in {WRITE_RETRY_AFTER_S} s")
+            self.write_failure = f"{error}; nothing of this write was kept; {advice}"
+            log.error("write refused: %s", self.write_failure)
+            raise WritesUnavailable(self.write_failure, full,
+                                    None if error.lasting or full else WRITE_RETRY_AFTER_S) from None
+        if self.writes.log.refused is None:  # a delete of nothing logs nothing, and mends no lasting refusal
+            self.write_failure = None
+
+    def write_path_problems(self) -> str | None:
+        """Why the write path is degraded (writes refused, compaction failing), for /ready: searches answer
+        either way. None while both work."""
+        problems = [] if self.write_failure is None else [f"the write path is degraded: {self.write_failure}"]
+        if self.compact_failure is not None:
+            wait = self.compact_not_before - time.monotonic()
+            retry = ("not tried again until the writer is restarted" if wait == float("inf")
+                     else f"next try in {wait:.0f} s" if wait > 0 else "next try when one is next due")
+            problems.append(f"compaction failed: {self.compact_failure}; the writes stay logged and searched; {retry}")
+        return "; ".join(problems) or None
 
     def _compact_when_due(self) -> None:
         """Starts a compaction (retrieval.compaction, on the loader thread, niced) when the segment holds
         SEARCH_COMPACT_PASSAGES or its oldest write is SEARCH_COMPACT_AGE_S old, and none runs."""
         writes, settings = self.writes, self.settings
         if writes is None or (self.compacting is not None and not self.compacting.done()):
+            return
+        if writes.log.refused is not None:  # its log gone: only a restart helps, and it replays what a log holds
             return
         if time.monotonic() < self.compact_not_before:  # a failed one: tried again once the backoff is over
             return
@@ -301,13 +346,19 @@ class Runtime:
     def _compact(self) -> None:
         try:
             report = compact(self.writes)
-        except Exception:  # noqa: BLE001 - the writes stay in the segment and the log; a later one tries again
+        except FolderReplaced as error:  # lasting: tried again, it would fail the same way every time
+            self.compact_failure, self.compact_not_before = str(error), float("inf")
+            log.error("compaction failed; the writes stay logged and searched; not tried again: %s", error)
+            return
+        except Exception as error:  # noqa: BLE001 - the writes stay in the segment and the log; a later one tries again
             self.compact_backoff_s = min(2 * self.compact_backoff_s, COMPACT_BACKOFF_MAX_S)
             self.compact_not_before = time.monotonic() + self.compact_backoff_s
+            self.compact_failure = str(error) or type(error).__name__
             log.exception("compaction failed; the writes stay logged and searched; next try in %.0f s",
                           self.compact_backoff_s)
             return
         self.compact_backoff_s, self.compact_not_before = COMPACT_BACKOFF_MIN_S / 2, 0.0
+        self.compact_failure = None
         if report is not None:
             log.info(report.summary())
 

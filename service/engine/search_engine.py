@@ -14,12 +14,13 @@ import numpy as np
 from models.backends import Backend
 from models.encoder import InputType, Tokens
 from models.reranker import Reranker, load_reranker, reranker_kind
-from retrieval.fields import UnknownField
-from retrieval.filters import FilterError, conjunction
+from retrieval.fields import UnknownField, chosen_fields
+from retrieval.filters import Filter, FilterError, conjunction, parse_filter
 from retrieval.index_format import INDEX_FILE, PASSAGES_FILE, Manifest, read_manifest
 from retrieval.load_options import LoadOptions
 from retrieval.request import Defaults, Retrieval
 from retrieval.rerank import BLEND, rerank
+from retrieval.scopes import scope_fields
 from retrieval.searcher import EncoderMismatch, Hit, Searcher, encoder_for, own_backend, reranker_backend
 from service.errors import NotServable, OverLimit
 
@@ -231,11 +232,30 @@ class SearchEngine:
                                             f"{max_rerank_depth} (SEARCH_MAX_RERANK_DEPTH)", rerank_depth)
             reranker = reranker or self.default_reranker
         with refusals():
+            bound = None if scope is None else self._searcher.parse_filter(scope)
+            if bound is not None:
+                options = self._within_scope(bound, options)
             retrieval = self._searcher.request(max(rerank_depth or 0, k), **options)
-            if scope is not None:
-                retrieval = replace(retrieval, filter=conjunction(self._searcher.parse_filter(scope), retrieval.filter))
+            if bound is not None:
+                retrieval = replace(retrieval, filter=conjunction(bound, retrieval.filter))
         return SearchPlan(k, retrieval, rerank_depth=rerank_depth, reranker=reranker, allow_partial=allow_partial,
                           retrieval_weight=retrieval_weight if rerank_depth is not None else 0.0)
+
+    def _within_scope(self, scope: Filter, options: dict) -> dict:
+        """`options` with their filter and fields checked against the fields `scope` sees (retrieval.scopes), so
+        that a refusal names no field outside it, and `fields: true` meaning those. Over shards (which take no
+        writes, so hold only an operator's fields) against the collection's."""
+        searcher = self._searcher
+        if not isinstance(searcher, Searcher):
+            return options
+        seen, checked = scope_fields(searcher, scope), dict(options)
+        if options.get("filter") is not None:
+            checked["filter"] = parse_filter(options["filter"], seen)
+        if options.get("fields") is True:
+            checked["fields"] = list(seen)
+        elif options.get("fields"):
+            chosen_fields(options["fields"], seen)
+        return checked
 
     def evaluate_filter(self, plan: SearchPlan) -> None:
         """The plan's filter evaluated over the served index's rows now (kept in its Searcher's restrictions),

@@ -54,6 +54,7 @@ def create_app(settings: ServiceSettings | None = None, engine: SearchEngine | N
     # The searches in the service, against the cap: what the protocol and the middleware count and refuse.
     app.state.occupancy = Occupancy(settings.max_concurrent_requests, settings.retry_after_s, runtime.monitor, keys)
     runtime.monitor.in_flight.set_function(lambda: app.state.occupancy.in_flight)
+    runtime.monitor.watch_key_in_flight(lambda: dict(app.state.occupancy.held))
     access = Access(settings, keys, runtime.monitor, tracing)
     page.mount_page(app, settings)
     routers = [admin.router(runtime, access), search.router(runtime, access), embeddings.router(runtime, access),

@@ -1,7 +1,7 @@
 """The API keys: who may call which routes, over which passages.
 
 `SEARCH_API_KEY` is one key with every route and every passage. `SEARCH_API_KEYS_FILE` names a JSON file of
-scoped keys, re-read when it changes:
+scoped keys, re-read on the request after its content changes:
 
     [{"name": "acme", "key_sha256": "<hex sha256 of the key>", "routes": ["search", "write"],
       "filter": {"tenant": "acme"}}]
@@ -11,7 +11,7 @@ groups of routes (ROUTE_GROUPS); `filter` (the search grammar, retrieval.filters
 ANDs it with every search's own filter, a write must fall inside it, and a passage outside it is answered as
 one that does not exist (service/http/routes). A file that does not parse, names an unknown route or filters on
 a field the index lacks is refused: at start (the service exits naming the entry), and on a re-read, where the
-keys read before stay and /ready says why.
+keys read before stay and /ready says why; a file that is gone lets none of its keys in (fails closed).
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import hashlib
 import hmac
 import json
 import logging
-import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,8 +71,17 @@ def read_keys_file(path: Path, field_types: Callable[[], Mapping[str, str]]) -> 
     """(sha256, key) of every entry of `path`; KeysFileError naming the first entry that is not usable (a
     filter is checked against `field_types()`, the index's fields)."""
     try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        content = path.read_bytes()
+    except OSError as error:
+        raise KeysFileError(f"{path}: {error}") from None
+    return parse_keys(content, path, field_types)
+
+
+def parse_keys(content: bytes, path: Path, field_types: Callable[[], Mapping[str, str]]) -> list[tuple[bytes, Key]]:
+    """`read_keys_file` of the file's `content`."""
+    try:
+        raw = json.loads(content.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
         raise KeysFileError(f"{path}: {error}") from None
     if not isinstance(raw, list):
         raise KeysFileError(f"{path}: expected a JSON list of keys")
@@ -101,15 +109,23 @@ def read_keys_file(path: Path, field_types: Callable[[], Mapping[str, str]]) -> 
 class Keys:
     """The keys a request may carry (thread-safe): SERVICE_KEY where SEARCH_API_KEY is set, and the entries of
     SEARCH_API_KEYS_FILE (`field_types()`: the fields their filters are checked against), re-read by `refresh`
-    when the file changes; `error`: why the last re-read was refused (the keys before it stay)."""
+    when the file's content changes; `error`: why the file's keys are not what it says (a re-read refused, the
+    keys before it staying; or the file gone, and none of its keys let in)."""
 
     def __init__(self, api_key: str | None, path: Path | None, field_types: Callable[[], Mapping[str, str]]) -> None:
         self.path, self.field_types = path, field_types
         self.service_key = [(digest(api_key), SERVICE_KEY)] if api_key is not None else []
         self.error: str | None = None
         self._lock = threading.Lock()
-        self._seen = self._stat()
-        self._file = read_keys_file(path, field_types) if path is not None else []
+        self._seen: bytes | None = None  # the sha256 of the content last read
+        self._refused: str | None = None  # why that content was not taken
+        self._file: list[tuple[bytes, Key]] = []
+        if path is not None:
+            try:
+                content = path.read_bytes()
+            except OSError as error:
+                raise KeysFileError(f"{path}: {error}") from None
+            self._file, self._seen = parse_keys(content, path, field_types), digest(content)
 
     @property
     def required(self) -> bool:
@@ -134,34 +150,39 @@ class Keys:
         return found
 
     def of_header(self, authorization: str | bytes) -> Key | None:
-        """The key an Authorization header carries (`Bearer KEY`), or None."""
+        """The key an Authorization header carries (`Bearer KEY`, the scheme in any case), or None."""
         value = authorization.decode("latin-1") if isinstance(authorization, bytes) else authorization
         scheme, _, credentials = value.partition(" ")
         return self.identify(credentials.strip()) if scheme.lower() == "bearer" else None
 
     def refresh(self) -> None:
-        """Re-reads the keys file where it changed since it was last read."""
+        """Re-reads the keys file where its content changed since it was last read (its sha256, not its inode,
+        size or time, which a rewrite may keep). A file that does not parse leaves the keys before it; a file
+        that is gone lets none of its keys in until it is back (a revocation must not fail open)."""
         if self.path is None:
-            return
-        seen = self._stat()
-        if seen == self._seen:
             return
         with self._lock:
+            try:
+                content = self.path.read_bytes()
+            except FileNotFoundError:
+                if self._file or self._seen is not None:
+                    self._file, self._seen = [], None
+                    self.error = f"the keys file {self.path} is gone: none of its keys is let in until it is back"
+                    log.error(self.error)
+                return
+            except OSError as error:  # unreadable for now (permissions, I/O): the keys before it stay
+                self.error = f"the keys file was not re-read, the keys before it stay: {self.path}: {error}"
+                return
+            seen = digest(content)
+            if seen == self._seen:
+                self.error = self._refused  # an unreadable spell over
+                return
             self._seen = seen
             try:
-                self._file = read_keys_file(self.path, self.field_types)
+                self._file = parse_keys(content, self.path, self.field_types)
             except KeysFileError as error:
-                self.error = f"the keys file was not re-read, the keys before it stay: {error}"
+                self.error = self._refused = f"the keys file was not re-read, the keys before it stay: {error}"
                 log.error(self.error)
                 return
-            self.error = None
+            self.error = self._refused = None
             log.info("keys file %s re-read: %d keys", self.path, len(self._file))
-
-    def _stat(self) -> tuple | None:
-        if self.path is None:
-            return None
-        try:
-            stat = os.stat(self.path)
-        except OSError:
-            return None
-        return stat.st_ino, stat.st_size, stat.st_mtime_ns

@@ -5,7 +5,9 @@
 - A connection that has not sent a whole request head within the read timeout is closed, so half-sent
   requests cannot hold connections forever (the body's timeout is in `limits.BodyLimits`); one whose
   client stops reading its answer is aborted after the write timeout, so unread answers cannot pin memory.
-- A search past the admission cap (service.http.admission) is refused 429 here, as soon as its head is in."""
+- A search past the admission cap (service.http.admission) is refused 429 here, as soon as its head is in,
+  unless its key has none in the service (let in) or is below its fair share of the cap (it then waits for
+  the next place)."""
 
 from __future__ import annotations
 
@@ -49,14 +51,16 @@ def timeout_protocol(read_timeout_s: float, write_timeout_s: float, occupancy: O
     nothing of a response for `write_timeout_s`: the kernel's send buffer is full and asyncio's holds
     the rest of the body (a batch answer at k = 1000 runs to megabytes), freed only when the connection goes.
 
-    With `occupancy`, a search POST whose head arrives when the service is full is answered 429 by
-    the protocol itself, with one write and before any of the app runs: no task, no middleware, no
-    route (uvicorn answers its own limit_concurrency 503 the same way, with a stand-in app). A refusal
-    then costs the event loop a fraction of one through the app, and in a wave of refusals each one
-    waits for every refusal before it (see docs/benchmarks.md, bench/overload.py). A request let in is
-    counted in at once, not when its task first runs, or a burst of heads would all find room. The
-    app's `Admission` counts and refuses where no protocol did (h11, whose protocol does not start
-    requests through `_start_asgi_task`; an app served some other way).
+    With `occupancy`, a search POST whose head arrives when the service is full, from a key holding its
+    fair share of the cap or more, is answered 429 by the protocol itself, with one write and before
+    any of the app runs: no task, no middleware, no route (uvicorn answers its own limit_concurrency
+    503 the same way, with a stand-in app). A refusal then costs the event loop a fraction of one
+    through the app, and in a wave of refusals each one waits for every refusal before it (see
+    docs/benchmarks.md, bench/overload.py). A request let in is counted in at once, not when its task
+    first runs, or a burst of heads would all find room; one below its key's share is queued at once
+    and waits for a place in its task (`Occupancy.serve`). The app's `Admission` counts, refuses and
+    queues where no protocol did (h11, whose protocol does not start requests through
+    `_start_asgi_task`; an app served some other way).
 
     A request head of more than `max_head_bytes` (request line and headers) or `max_headers` header
     lines is answered 431 and the connection closed; the bytes of a head still arriving are counted
@@ -98,30 +102,30 @@ def timeout_protocol(read_timeout_s: float, write_timeout_s: float, occupancy: O
             if HEAD_REFUSED in cycle.scope:
                 cycle.response_started = cycle.response_complete = True  # its body, if any, is not read
                 self._refuse_head(cycle.scope[HEAD_REFUSED])
-            elif occupancy is None or not occupancy.counts(cycle.scope):
+            elif occupancy is None or (key := occupancy.key_of(cycle.scope)) is None:
                 super()._start_asgi_task(cycle, app)
             elif self._completing:
                 # A pipelined request, started from inside the previous one's last send: decided on the
                 # loop's next turn, once that request has left the service (and not by recursion).
-                self.loop.call_soon(self._admit, cycle, app)
+                self.loop.call_soon(self._admit, cycle, app, key)
             else:
-                self._admit(cycle, app)
+                self._admit(cycle, app, key)
 
-        def _admit(self, cycle, app) -> None:
+        def _admit(self, cycle, app, key: str) -> None:
             if self.transport.is_closing():
                 return
-            if occupancy.full():
-                self._refuse(cycle)
-            else:
-                occupancy.in_flight += 1
+            place = occupancy.enter(key)
+            if place is None:
+                self._refuse(cycle, key)
+            else:  # in, or waiting for its key's share (service.http.admission), in a task as any request
                 cycle.scope[ADMITTED] = True
-                super()._start_asgi_task(cycle, functools.partial(occupancy.serve, app))
+                super()._start_asgi_task(cycle, functools.partial(occupancy.serve, app, place, unrouted=True))
 
-        def _refuse(self, cycle) -> None:
+        def _refuse(self, cycle, key: str) -> None:
             """Answers `cycle`'s request 429 (503 while stopping) whole; its body, if any, is skipped as it
             arrives (uvicorn drops the body of a request whose response is complete), and the connection stays
             open for the next."""
-            error = occupancy.refuse(cycle.scope["path"])
+            error = occupancy.refuse(cycle.scope["path"], key)
             # A client waiting for 100 Continue may send the body anyway, or not: the connection cannot be reused.
             keep_alive = cycle.keep_alive and not cycle.waiting_for_100_continue
             # The answer's bytes change only with the Date header, which uvicorn renews once a second.

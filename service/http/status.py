@@ -14,8 +14,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from service.errors import (Forbidden, HeadTooLarge, NotFound, NotReady, NotServable, Overloaded, OverLimit,
-                            ServiceError, ShardsUnavailable, Stopping, TimedOut, Unauthorized)
+from service.errors import (Ambiguous, Forbidden, HeadTooLarge, NotFound, NotReady, NotServable, Overloaded, OverLimit,
+                            ServiceError, ShardsUnavailable, Stopping, TimedOut, Unauthorized, WritesUnavailable)
 
 
 def _json_safe(value):
@@ -38,10 +38,13 @@ def answer(error: ServiceError) -> tuple[int, dict, dict[str, str]]:
     if isinstance(error, Overloaded):  # Stopping too, 503
         status = 503 if isinstance(error, Stopping) else 429
         return status, {"detail": str(error)}, {"Retry-After": str(error.retry_after_s)}
+    if isinstance(error, WritesUnavailable):  # 507 Insufficient Storage: RFC 4918, section 11.5
+        retry = {} if error.retry_after_s is None else {"Retry-After": str(error.retry_after_s)}
+        return 507 if error.storage_full else 503, {"detail": str(error)}, retry
     if isinstance(error, Unauthorized):
         return 401, {"detail": str(error)}, {"WWW-Authenticate": "Bearer"}
-    status = {NotServable: 400, Forbidden: 403, NotFound: 404, TimedOut: 408, HeadTooLarge: 431, NotReady: 503,
-              ShardsUnavailable: 503}[type(error)]
+    status = {NotServable: 400, Ambiguous: 400, Forbidden: 403, NotFound: 404, TimedOut: 408, HeadTooLarge: 431,
+              NotReady: 503, ShardsUnavailable: 503}[type(error)]
     return status, {"detail": str(error)}, {}
 
 

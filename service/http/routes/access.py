@@ -10,7 +10,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from service.engine.monitoring import Monitor
 from service.engine.tracing import Tracing
-from service.errors import Forbidden, Unauthorized
+from service.errors import Ambiguous, Forbidden, Unauthorized
 from service.http.keys import OPEN, Key, Keys
 from service.settings import ServiceSettings
 
@@ -34,6 +34,9 @@ class Access:
         keys, monitor, tracing = self.keys, self.monitor, self.tracing
 
         def require_key(request: Request, credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
+            if len(request.headers.getlist("authorization")) > 1:  # one proxy may read the first, another the last
+                monitor.observe_key("unknown", "refused")
+                raise Ambiguous("two Authorization headers: send one")
             keys.refresh()
             key = keys.identify(credentials.credentials if credentials is not None else None)
             if key is None:

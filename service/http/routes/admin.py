@@ -26,18 +26,24 @@ def router(runtime: Runtime, access: Access) -> APIRouter:
     @routes.get("/ready", response_model=Status, responses={503: {"model": Status}},
                 summary="the index is loaded and a real query has run")
     async def ready(response: Response, request: Request) -> Status:
+        # Where a key is required, what is wrong and the index's details (paths, pids, its size) only to an admin
+        # key: a probe without one learns the state alone.
+        told = not access.keys.required or admin_key(request)
         if runtime.engine is None:
             response.status_code = 503
-            return Status(status="failed" if runtime.load_error else "loading", detail=runtime.load_error)
-        # Ready either way: a failed reload leaves the previous index serving, and says why here; where keys are
-        # scoped, the index's details (its size) only to an admin key, and a keys file's refusal too.
-        if access.keys.scoped and not admin_key(request):
+            return Status(status="failed" if runtime.load_error else "loading",
+                          detail=runtime.load_error if told else None)
+        # Ready either way: a failed reload leaves the previous index serving, and says why here.
+        if not told:
             return Status(status="ready")
-        detail = "; ".join(reason for reason in (runtime.reload_error, access.keys.error) if reason) or None
+        detail = "; ".join(reason for reason in (runtime.reload_error, runtime.write_path_problems(), access.keys.error)
+                           if reason) or None
         return Status(status="ready", detail=detail, index=IndexInfo(**runtime.engine.describe()))
 
     def admin_key(request: Request) -> bool:
-        key = access.keys.of_header(request.headers.get("authorization", ""))
+        access.keys.refresh()
+        given = request.headers.getlist("authorization")
+        key = access.keys.of_header(given[0]) if len(given) == 1 else None
         return key is not None and key.allows("admin")
 
     # HEAD too, as load balancers' and probes' checks often ask (uvicorn sends no body for it).

@@ -1,5 +1,6 @@
 """/passages: writes over HTTP (SEARCH_WRITES), logged before they are answered and searched at once
-(retrieval.writes): upsert a batch, delete by id or by filter, read one passage back."""
+(retrieval.writes): upsert a batch, delete by id or by filter, read one passage back. A write the log cannot
+take is the runtime's WritesUnavailable (507 on a full disk, else 503)."""
 
 from __future__ import annotations
 
@@ -37,9 +38,12 @@ def router(runtime: Runtime, access: Access) -> APIRouter:
         return None if scope is not None else runtime.ready_engine().searcher.count
 
     refusals = {400: "this instance takes no writes (SEARCH_WRITES)"}
+    unlogged = {**refusals, 503: "the index is loading, or the write log takes no writes now (the detail says why; "
+                                 "Retry-After where a retry may succeed)",
+                507: "the disk holding the write log is full: nothing of the write was kept"}
 
     @routes.post("/passages", response_model=WriteResponse, include_in_schema=shown,
-                 responses=access.responses(refusals), summary="upsert passages: logged, then searched at once")
+                 responses=access.responses(unlogged), summary="upsert passages: logged, then searched at once")
     async def upsert(request: UpsertRequest, http: Request) -> WriteResponse:
         scope = key_of(http).scope
         if len(request.passages) > settings.max_write_passages:
@@ -58,7 +62,7 @@ def router(runtime: Runtime, access: Access) -> APIRouter:
         return WriteResponse(seq=seq, upserted=len(passages), count=collection_count(scope))
 
     @routes.post("/passages/delete", response_model=WriteResponse, include_in_schema=shown,
-                 responses=access.responses(refusals), summary="delete passages by id or by filter")
+                 responses=access.responses(unlogged), summary="delete passages by id or by filter")
     async def delete(request: DeleteRequest, http: Request) -> WriteResponse:
         if (request.ids is None) == (request.filter is None):
             raise OverLimit(("ids",), "send ids or a filter (one of them)")

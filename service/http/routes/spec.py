@@ -11,8 +11,8 @@ from service.settings import ServiceSettings
 
 def spec_with_limits(app: FastAPI, spec, settings: ServiceSettings, runtime: Runtime) -> dict:
     """FastAPI's spec (`spec()`), with the limits that are settings written into the request schemas,
-    and the served encoder's dimension once an index is in, so that every request the spec allows is
-    one this service accepts."""
+    and the served encoder's dimension and (without scoped keys) its fields once an index is in, so that every
+    request the spec allows is one this service accepts."""
     if app.openapi_schema is None:
         schemas = spec()["components"]["schemas"]
         for name in ("SearchRequest", "BatchSearchRequest"):
@@ -44,8 +44,10 @@ def spec_with_limits(app: FastAPI, spec, settings: ServiceSettings, runtime: Run
         app.openapi_schema["components"]["schemas"]["EmbeddingsRequest"]["properties"]["dimensions"] = {
             "anyOf": [{"const": dimension}, {"type": "null"}], "default": None,
             "description": "OpenAI's: only the encoder's own dimension is served (the vectors are not shortened)"}
-        types = runtime.engine.searcher.field_types
-        for name in ("SearchRequest", "BatchSearchRequest"):
+        # With scoped keys the spec names no field (any key may read it; tenants' fields are theirs): the filter
+        # and fields keep their generic schemas.
+        types = runtime.engine.searcher.field_types if settings.api_keys_file is None else None
+        for name in ("SearchRequest", "BatchSearchRequest") if types is not None else ():
             fields = app.openapi_schema["components"]["schemas"][name]["properties"]
             fields["filter"] = {"anyOf": [filter_schema(types), {"type": "null"}], "default": None,
                                 "description": fields["filter"]["description"]}

@@ -33,7 +33,7 @@ function reason(status, body) {
 
 async function describeIndex() {
   try {
-    const answer = await fetch("/ready");
+    const answer = await fetch("/ready", { headers: headers() });  // where a key is set, only its holder sees the index
     const body = await answer.json();
     if (!answer.ok || !body.index) {
       $("index").textContent = `index ${body.status}${body.detail ? ": " + body.detail : ""}`;
@@ -170,5 +170,6 @@ async function search(event) {
 $("key").value = sessionStorage.getItem(KEY) || "";
 $("key-box").hidden = !keyRequired;
 $("key").addEventListener("input", () => sessionStorage.setItem(KEY, $("key").value));
+$("key").addEventListener("change", describeIndex);
 $("search").addEventListener("submit", search);
 describeIndex();
