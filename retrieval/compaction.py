@@ -25,6 +25,7 @@ import faiss
 from retrieval import index_writer
 from retrieval.fields import encode_fields
 from retrieval.index_format import INDEX_FILE, generation_id
+from retrieval.pinned import replaced
 from retrieval.searcher import Searcher
 from retrieval.writes import Writes
 
@@ -84,12 +85,7 @@ def compact(writes: Writes, progress: bool = False) -> CompactionReport | None:
 
 def _refuse_replaced(searcher: Searcher) -> None:
     """FolderReplaced where `searcher`'s folder (held open: retrieval.pinned) is not the one at its path."""
-    try:
-        served, named = os.stat(searcher.dense.pinned.root), os.stat(searcher.index_dir)
-        replaced = served.st_nlink == 0 or (served.st_dev, served.st_ino) != (named.st_dev, named.st_ino)
-    except FileNotFoundError:
-        replaced = True
-    if replaced:
+    if replaced(os.stat(searcher.dense.pinned.root), searcher.index_dir):
         raise FolderReplaced(f"{searcher.index_dir} is no longer the folder this writer loaded (removed or replaced "
                              "under it): nothing compacted; restart the writer")
 

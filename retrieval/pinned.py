@@ -15,6 +15,16 @@ from urllib.parse import quote
 from retrieval.index_format import MANIFEST_FILE, IndexFormatError
 
 
+def replaced(opened: os.stat_result, path: Path) -> bool:
+    """Whether the file or folder `opened` (its stat, taken through a descriptor held open) is no longer the one
+    at `path`: removed, or another put there."""
+    try:
+        named = os.stat(path)
+    except FileNotFoundError:
+        return True
+    return opened.st_nlink == 0 or (opened.st_dev, opened.st_ino) != (named.st_dev, named.st_ino)
+
+
 class PinnedFolder:
     """`root`: where the generation's files are opened (Linux's /proc/self/fd/N, the descriptor's folder,
     whatever name it has meanwhile; where /proc is missing, the folder's path, unpinned). `index_dir`: the

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
+from retrieval.pinned import replaced
+
 log = logging.getLogger("retrieval")
 HEADER = struct.Struct("<III")  # JSON bytes, vector bytes, CRC-32 of the JSON bytes then the vector bytes
 
@@ -139,15 +141,9 @@ class WriteLog:
     def _check_in_place(self) -> None:
         """LogUnwritable (lasting) where the log takes no more records: refused before, or the file open is no
         longer the one at the path (removed, or another put there), whose records a restart would not find."""
-        if self._broken is None:
-            try:
-                opened, named = os.fstat(self._fd), os.stat(self.path)
-                moved = opened.st_nlink == 0 or (opened.st_dev, opened.st_ino) != (named.st_dev, named.st_ino)
-            except FileNotFoundError:
-                moved = True
-            if moved:
-                self._broken = ("it was removed or replaced since this writer opened it (a restart replays only "
-                                "what the file now at that path holds)")
+        if self._broken is None and replaced(os.fstat(self._fd), self.path):
+            self._broken = ("it was removed or replaced since this writer opened it (a restart replays only what "
+                            "the file now at that path holds)")
         if self._broken is not None:
             raise LogUnwritable(f"the write log {self.path} takes no more writes: {self._broken}", lasting=True)
 

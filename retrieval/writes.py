@@ -109,7 +109,7 @@ class Writes:
                 raise WriteError(where + ("id",), f"id {parsed.id!r} is also item {seen[parsed.id]} of this batch")
             seen[parsed.id] = i
             passages.append(Passage(parsed.id, parsed.text, dict(parsed.fields or {})))
-        self.refuse_fields(self.searcher, passages, scope)
+        self.refuse_fields(passages, scope)
         if scope is not None:
             outside = np.flatnonzero(~self._matches(self.searcher.parse_filter(scope), [p.fields for p in passages]))
             if len(outside):
@@ -136,7 +136,7 @@ class Writes:
                     position = next(i for i, p in enumerate(passages) if p.id == taken[0])
                     raise WriteError(("passages", position, "id"), f"id {taken[0]!r} is taken by a passage this key "
                                      "may not write (ids are the collection's: give each scope its own)")
-            self.refuse_fields(self.searcher, passages, scope)  # a batch written since the check may have typed a field
+            self.refuse_fields(passages, scope)  # a batch written since the check may have typed a field first
             record = Record(self.seq + 1, upsert=tuple(vars(p) for p in passages), vectors=vectors)
             self._commit(record)
             return record.seq
@@ -193,12 +193,13 @@ class Writes:
         matched = self._matches(scope, [hit.fields for hit in found])
         return [hit.id for hit, match in zip(found, matched) if match == inside]
 
-    def refuse_fields(self, searcher: Searcher, passages: Sequence[Passage], scope: dict | None) -> None:
-        """WriteError naming the first passage and field that cannot join `searcher`'s collection: a field of
+    def refuse_fields(self, passages: Sequence[Passage], scope: dict | None) -> None:
+        """WriteError naming the first passage and field that cannot join the collection: a field of
         another type than its name has there, or one field too many. Fields are counted over the live passages
         that hold them (a delete frees a field at once): for a write without `scope`, the collection's, at most
         the index's --max-fields (MAX_FIELDS at least); for a scoped one, those inside the scope, at most
         `max_scope_fields`, whatever other scopes hold, and its refusals name nothing outside the scope."""
+        searcher = self.searcher
         bound = None if scope is None else searcher.parse_filter(scope)
         held, types = dict(scope_fields(searcher, bound)), searcher.field_types
         if bound is None:

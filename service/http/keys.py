@@ -67,18 +67,9 @@ def digest(key: str | bytes) -> bytes:
     return hashlib.sha256(key.encode("utf-8") if isinstance(key, str) else key).digest()
 
 
-def read_keys_file(path: Path, field_types: Callable[[], Mapping[str, str]]) -> list[tuple[bytes, Key]]:
-    """(sha256, key) of every entry of `path`; KeysFileError naming the first entry that is not usable (a
-    filter is checked against `field_types()`, the index's fields)."""
-    try:
-        content = path.read_bytes()
-    except OSError as error:
-        raise KeysFileError(f"{path}: {error}") from None
-    return parse_keys(content, path, field_types)
-
-
 def parse_keys(content: bytes, path: Path, field_types: Callable[[], Mapping[str, str]]) -> list[tuple[bytes, Key]]:
-    """`read_keys_file` of the file's `content`."""
+    """(sha256, key) of every entry of the keys file `path`, whose `content` was read; KeysFileError naming the
+    first entry that is not usable (a filter is checked against `field_types()`, the index's fields)."""
     try:
         raw = json.loads(content.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
