@@ -93,7 +93,7 @@ class CrossEncoder:
             input_ids=ids, attention_mask=mask, token_type_ids=types).logits
         if backend != "torch":
             onnx_file = exported(self.model, weights_sha256(self.path), backend, "logits", onnx_cache)
-            self._transformer = OnnxTransformer(onnx_file)
+            self._transformer = OnnxTransformer(onnx_file, per_sequence=backend == "onnx-int8")
 
     def score(self, query: str, passages: Sequence[str]) -> np.ndarray:
         """P(relevant) of each passage to `query`, float32, in the order of `passages`."""

@@ -221,7 +221,8 @@ class BiEncoder:
         transformer, export_sha256 = self._torch_transformer, None
         if backend != "torch":
             onnx_file = exported(self.model, self.spec.weights_sha256, backend, "last_hidden_state", onnx_cache)
-            transformer, export_sha256 = OnnxTransformer(onnx_file), file_sha256(onnx_file)
+            transformer = OnnxTransformer(onnx_file, per_sequence=backend == "onnx-int8")
+            export_sha256 = file_sha256(onnx_file)
         self.backend, self._transformer = backend, transformer
         self.export_sha256: str | None = export_sha256  # the ONNX file's, recorded by an index built with it
 

@@ -97,10 +97,13 @@ def exported(model: torch.nn.Module, weights_sha256: str, backend: Backend, outp
 
 
 class OnnxTransformer:
-    """Called as the torch model's forward is, with token tensors on the CPU; returns the one
-    exported output (hidden states, or a classifier's logits) as a float32 tensor."""
+    """Called as the torch model's forward is, with token tensors on the CPU (padded on the right); returns the
+    one exported output (hidden states, or a classifier's logits) as a float32 tensor. With `per_sequence`
+    (the int8 backend) each sequence runs alone, unpadded: dynamic quantisation scales a product's input by its
+    whole tensor, so in a batch a sequence's output would shift with its neighbours and their padding, and a
+    passage's score with the other passages reranked beside it."""
 
-    def __init__(self, file: Path, threads: int | None = None) -> None:
+    def __init__(self, file: Path, threads: int | None = None, per_sequence: bool = False) -> None:
         import onnxruntime
 
         options = onnxruntime.SessionOptions()
@@ -109,11 +112,22 @@ class OnnxTransformer:
             options.intra_op_num_threads = threads
         # Idle pool threads would spin for the next run, taking the cores torch encodes the next query on.
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        self.file = file
+        self.file, self.per_sequence = file, per_sequence
         self.session = onnxruntime.InferenceSession(str(file), options, providers=["CPUExecutionProvider"])
 
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                  token_type_ids: torch.Tensor) -> torch.Tensor:
-        feed = {name: np.ascontiguousarray(tensor.numpy(), dtype=np.int64)
-                for name, tensor in zip(INPUTS, (input_ids, attention_mask, token_type_ids))}
-        return torch.from_numpy(self.session.run(None, feed)[0])
+        inputs = [np.ascontiguousarray(tensor.numpy(), dtype=np.int64)
+                  for tensor in (input_ids, attention_mask, token_type_ids)]
+        if not self.per_sequence:
+            return torch.from_numpy(self._run(inputs))
+        outputs = []
+        for row, length in enumerate(inputs[1].sum(axis=1)):
+            output = self._run([tensor[row:row + 1, :length] for tensor in inputs])
+            if output.ndim == 3:  # hidden states: padded back to the batch's tokens, zeros where masked
+                output = np.pad(output, ((0, 0), (0, input_ids.shape[1] - length), (0, 0)))
+            outputs.append(output)
+        return torch.from_numpy(np.concatenate(outputs))
+
+    def _run(self, inputs: list[np.ndarray]) -> np.ndarray:
+        return self.session.run(None, dict(zip(INPUTS, inputs)))[0]

@@ -106,6 +106,24 @@ def test_a_monobert_may_run_int8_beside_full_precision_queries(tmp_path, monkeyp
     assert (unset.searcher.encoder.backend, unset.rerankers["monobert"].backend) == ("onnx", "torch")
 
 
+def test_an_int8_score_does_not_depend_on_the_passages_scored_beside_it(tmp_path, onnx_cache):
+    # Dynamic quantisation scales a product's input by the whole batch: a passage batched with others (and their
+    # padding) would score otherwise than alone, and a rerank of depth 10 otherwise than the head of depth 20's.
+    reranker = load_reranker(tiny_bert(tmp_path / "tiny-monobert"), device="cpu", backend="onnx-int8")
+    together = reranker.score(QUERY, PASSAGES)
+    for i, passage in enumerate(PASSAGES):
+        assert reranker.score(QUERY, [passage])[0] == together[i]
+    assert list(reranker.score(QUERY, PASSAGES[:2])) == list(together[:2])
+
+
+def test_an_int8_query_vector_does_not_depend_on_the_queries_encoded_beside_it(onnx_cache, demo_queries):
+    encoder = BiEncoder(device="cpu", backend="onnx-int8", onnx_cache=onnx_cache)
+    queries = list(demo_queries.values())[:8]
+    together = encoder.encode_queries(queries)
+    for i, query in enumerate(queries):
+        np.testing.assert_array_equal(encoder.encode_queries([query])[0], together[i])
+
+
 def test_a_backend_that_cannot_run_is_refused_naming_it():
     with pytest.raises(ValueError, match="backend must be one of torch, onnx, onnx-int8"):
         BiEncoder(device="cpu", backend="tensorrt")

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from models.reranker import load_reranker
@@ -17,13 +18,13 @@ from retrieval.feedback import Feedback
 from retrieval.index_format import read_manifest
 from retrieval.load_options import LoadOptions
 from retrieval.readers import read_qrels, read_queries, relevant
-from retrieval.rerank import reranked_list
-from retrieval.searcher import Hit, Searcher
+from retrieval.searcher import Searcher
 from service.settings import ServiceSettings
 from tests.conftest import DEMO, SMALL_CORPUS_LINES, head
 from tests.test_training import serving
 from training.first_stage import DEFAULT, Setting
-from training.recipe import K, Pipeline, main
+from training.recipe import ANSWER_K, K, Pipeline, main
+from training.served import read_answers
 from training.trainer import checkpoints
 
 QUERIES = 60  # q0001..q0060: their relevant passages are within the first 300 corpus lines
@@ -96,27 +97,45 @@ def test_it_prints_the_held_out_table_and_the_settings_to_serve(recipe_out):
     assert "SEARCH_INDEX_DIR=" in env and "SEARCH_RERANKERS=" in env
 
 
-def test_the_service_started_from_its_settings_ranks_as_the_recipe_measured(recipe_out, monkeypatch):
-    # The best reranked row on validation, served: whether or not it was chosen, the service must rank as the
-    # recipe scored it, so the figures printed are the service's.
+def served_env(file: Path) -> dict[str, str]:
+    """The variables a serve.env sets, as `set -a; . FILE` sets them."""
+    lines = [line for line in file.read_text().splitlines() if line and not line.startswith("#")]
+    return {name: value.strip("'") for name, value in (line.split("=", 1) for line in lines)}
+
+
+def test_each_reported_pipeline_served_from_its_settings_answers_as_the_recipe_recorded_and_scored(
+        recipe_out, monkeypatch):
+    # The held-out figures are the service's: each reported pipeline, started from its settings (serve.env and
+    # serve-fast.env for the chosen and the fast one), answers every held-out query, asked with a k above any
+    # rerank depth as users ask, with the answers the recipe recorded, and they score what the recipe printed.
     summary = json.loads((recipe_out / "recipe.json").read_text())
-    row = max((r for r in summary["validation"] if r["checkpoint"] and r["backend"] == "torch" and r["weight"]),
-              key=lambda r: r["mean"])
-    pipeline = Pipeline(Path(row["checkpoint"]), row["backend"], row["depth"], row["weight"], row["first_stage"])
-    for name, value in pipeline.settings({stage: Path(index) for stage, index in summary["indexes"].items()}).items():
-        monkeypatch.setenv(name, value)
-    settings = ServiceSettings(device="cpu")
-    assert (settings.rerank_depth, settings.rerank_retrieval_weight) == (pipeline.depth, pipeline.weight)
-    query = next(iter(read_queries(recipe_out / "split" / "queries-dev.tsv").values()))
-    with serving(settings) as client:
-        plain = client.post("/search", json={"query": query, "k": K}).json()
-        answer = client.post("/search", json={"query": query, "k": K, "rerank": True}).json()
-    assert plain["mode"] == "hybrid" and answer["score_kind"] == "blend"
-    hits = [Hit(hit["id"], hit["text"], hit["score"], hit["rank"]) for hit in plain["results"]]
-    reranker = load_reranker(pipeline.checkpoint, device="cpu")
-    scores = reranker.score(query, [hit.text for hit in hits[:pipeline.depth]])
-    expected = reranked_list(hits, scores, K, pipeline.weight)
-    assert [hit["id"] for hit in answer["results"]] == [docid for docid, _ in expected]
+    reported = summary["held_out"]
+    assert "default" in reported and any(row["checkpoint"] for row in reported.values())
+    assert served_env(recipe_out / "serve.env") == reported["chosen"]["settings"]
+    assert served_env(recipe_out / "serve-fast.env") == reported["fast"]["settings"]
+    queries = read_queries(recipe_out / "split" / "queries-dev.tsv")
+    qrels = read_qrels(recipe_out / "split" / "qrels-dev.txt")
+    for label, row in reported.items():
+        reranks = row["checkpoint"] is not None
+        with monkeypatch.context() as environment:
+            for name, value in row["settings"].items():
+                environment.setenv(name, value)
+            with serving(ServiceSettings(device="cpu")) as client:
+                answers = {qid: client.post("/search", json={"query": text, "k": ANSWER_K, "rerank": reranks}).json()
+                           for qid, text in queries.items()}
+        recorded = read_answers(Path(row["answers"]))
+        assert set(recorded) == set(queries)
+        for qid, answer in answers.items():
+            results = answer["results"]
+            assert len(results) == ANSWER_K > row["depth"]
+            if reranks:
+                assert answer["score_kind"] == ("blend" if row["weight"] else "probability")
+            assert [hit["id"] for hit in results] == [hit["id"] for hit in recorded[qid]], (label, qid)
+            np.testing.assert_allclose([hit["score"] for hit in results], [hit["score"] for hit in recorded[qid]],
+                                       atol=1e-5, err_msg=f"{label}, {qid}")
+        served = per_query(qrels, {qid: [(hit["id"], -hit["rank"]) for hit in answer["results"]]
+                                   for qid, answer in answers.items()})
+        assert served == pytest.approx(row["per_query"], abs=1e-9), label
 
 
 def test_a_bi_encoder_fine_tuned_on_the_training_queries_is_a_second_first_stage_chosen_on_validation(recipe_out):

@@ -27,7 +27,10 @@
    within `--budget-ms`.
 5. Reports once on held-out: the default retrieval, the tuned first stage (the default itself where the tuning
    kept the defaults), the fine-tuned first stage, the chosen pipeline with and without blending, and the fast
-   one, each difference from the default with a paired bootstrap 95% interval over queries.
+   one (and the best reranked one where none of these reranks), each difference from the default with a paired
+   bootstrap 95% interval over queries. Each is measured on the service's answers: its engine under the
+   pipeline's serve settings, each query a /search request with k 100 (training.served), as a user would
+   serve it; the answers are kept in DIR/answers/LABEL.jsonl.
 6. Writes DIR/serve.env and DIR/serve-fast.env (the service's settings for each pipeline: `set -a; .
    DIR/serve.env; set +a; python -m service`) and DIR/recipe.json (every figure above, and each held-out
    query's value under each reported pipeline).
@@ -70,11 +73,13 @@ from retrieval.searcher import Hit, Searcher, encoder_for
 from training import first_stage as tuning
 from training import train_biencoder, train_cross_encoder
 from training.data import TrainingDataError
+from training.served import ranked_run, served_answers, write_answers
 from training.split import SPLITS, WITHHELD_FILE, read_withheld, write_split
 from training.trainer import checkpoints
 
 MEASURE = "nDCG@10"
-K = 10  # the list a pipeline answers and the measure reads
+K = 10  # the list the measure reads
+ANSWER_K = 100  # the k each held-out query asks the service for: deeper than any rerank depth, as users ask
 PRIOR_WEIGHT = 0.5  # the first stage's weight in the residual training (scripts/scifact.sh's)
 SETTINGS_FILE = "recipe-settings.json"
 SUMMARY_FILE = "recipe.json"
@@ -294,8 +299,7 @@ def run_recipe(args: argparse.Namespace) -> dict:
         print(f"first stage reranked, chosen on validation ({MEASURE}): {FIRST_STAGES[stage]} ("
               + ", ".join(f"{FIRST_STAGES[name]} {mean:.4f}" for name, mean in means.items()) + ")", file=sys.stderr)
     saved = ([args.init_reranker] if args.init_reranker else []) + _train(args, fit, inner, first_stage, stage)
-    loaded: dict[tuple[Path, str], Reranker] = {}  # (checkpoint, backend): kept from validation for held-out
-    rows = _validation_rows(args, searchers, stage, saved, validation, depths, weights, loaded)
+    rows = _validation_rows(args, searchers, stage, saved, validation, depths, weights)
     best, fast = chosen(rows), chosen(rows, args.budget_ms)
     # With and without blending: the chosen pipeline on the other side of weight 0, its best on validation.
     counterpart = chosen([row for row in rows if best.pipeline.checkpoint is not None and (
@@ -306,10 +310,13 @@ def run_recipe(args: argparse.Namespace) -> dict:
     fine_tuned = [row for row in rows if row.pipeline == Pipeline(first_stage=BIENCODER)]
     # Where the tuning kept the defaults, the tuned first stage is the default retrieval itself.
     tuned_row = next((row for row in rows if row.pipeline == Pipeline(first_stage=TUNED)), rows[0])
+    # Where no reranking was chosen, the best that was not: what reranking gives, reported beside the rest.
+    reranked = chosen([row for row in rows if row.pipeline.checkpoint is not None])
     reported = {"default": rows[0], **({"tuned first stage": tuned_row} if args.tune_first_stage else {}),
                 **({"fine-tuned first stage": fine_tuned[0]} if fine_tuned else {}),
-                "chosen": best, **({blending: counterpart} if counterpart else {}), **({"fast": fast} if fast else {})}
-    report = _held_out(args, reported, held_out, stage, max(depths), loaded)
+                "chosen": best, **({blending: counterpart} if counterpart else {}), **({"fast": fast} if fast else {}),
+                **({"best reranked": reranked} if best.pipeline.checkpoint is None and reranked else {})}
+    report = _held_out(args, reported, held_out, max(depths), indexes, tuned)
 
     summary = _summary(args, first_stage, counts, outer, len(saved), rows, report, indexes, tuned)
     print(_table(report, len(held_out.queries), validation, first_stage))
@@ -521,11 +528,9 @@ def _train(args: argparse.Namespace, fit: Part, inner: Path, first_stage: str, s
 
 
 def _validation_rows(args: argparse.Namespace, searchers: Mapping[str, Searcher], stage: str, saved: Sequence[Path],
-                     validation: Part, depths: list[int], weights: list[float],
-                     loaded: dict[tuple[Path, str], Reranker]) -> list[Row]:
+                     validation: Part, depths: list[int], weights: list[float]) -> list[Row]:
     """Each first stage's row (the default retrieval's first), then every checkpoint's over `stage` at every
-    depth and weight on torch, then the best checkpoint's on each other backend, each with its ms/query; the
-    rerankers timed are left in `loaded`."""
+    depth and weight on torch, then the best checkpoint's on each other backend, each with its ms/query."""
     rerankers: dict[str, Reranker] = {}
     candidates: list[tuple[Pipeline, dict[str, float]]] = [
         (Pipeline(first_stage=name), validation.scored(Pipeline(first_stage=name), None)) for name in searchers]
@@ -551,28 +556,31 @@ def _validation_rows(args: argparse.Namespace, searchers: Mapping[str, Searcher]
         candidates = [(p, v) for p, v in candidates if p.backend != "torch" or p.checkpoint is None]
         del rerankers["torch"]
     first_ms, times = timed_ms(searchers, stage, rerankers, validation, depths, args.timing_queries)
-    loaded.update({(best_checkpoint, backend): reranker for backend, reranker in rerankers.items()})
     return [Row(p, v, first_ms[p.first_stage] if p.checkpoint is None else times[(p.backend, p.depth)])
             for p, v in candidates]
 
 
-def _held_out(args: argparse.Namespace, reported: Mapping[str, Row], held_out: Part, stage: str, depth: int,
-              loaded: Mapping[tuple[Path, str], Reranker]) -> dict[str, Reported]:
-    """Each reported pipeline scored once on `held_out`, against the default retrieval; each reranker
-    (checkpoint and backend; from `loaded` where validation left it) reads each list once."""
-    scores: dict[tuple[Path, str], dict[str, list[float]]] = {}
-    for row in reported.values():
-        key = (row.pipeline.checkpoint, row.pipeline.backend)
-        if row.pipeline.checkpoint is not None and key not in scores:
-            reranker = loaded.get(key) or load_reranker(row.pipeline.checkpoint, device=args.device,
-                                                        backend=row.pipeline.backend)
-            scores[key] = reranker_scores(reranker, held_out, stage, depth, f"held-out, {row.pipeline.backend}")
-    base = held_out.scored(Pipeline(), None)
-    report = {}
+def _held_out(args: argparse.Namespace, reported: Mapping[str, Row], held_out: Part, depth: int,
+              indexes: Mapping[str, Path], tuned: Mapping[str, str]) -> dict[str, Reported]:
+    """Each reported pipeline's answers to the held-out queries from the service's engine under its settings
+    (training.served; written to DIR/answers/LABEL.jsonl), scored once against the default retrieval's."""
+    k = max(ANSWER_K, depth)
+    values: dict[str, dict[str, float]] = {}
     for label, row in reported.items():
-        values = held_out.scored(row.pipeline, scores.get((row.pipeline.checkpoint, row.pipeline.backend)))
-        report[label] = Reported(row, paired_bootstrap(base, values, seed=args.seed), values)
-    return report
+        try:
+            answers = served_answers(row.pipeline.settings(indexes, tuned), args.device, held_out.queries, k,
+                                     row.pipeline.checkpoint is not None, f"held-out, {label}")
+        except ValueError as error:
+            raise RecipeError(f"held-out, {label}: {error}") from None
+        write_answers(_answers_file(args.out, label), answers)
+        values[label] = per_query(held_out.qrels, ranked_run(answers), MEASURE)
+    return {label: Reported(row, paired_bootstrap(values["default"], values[label], seed=args.seed), values[label])
+            for label, row in reported.items()}
+
+
+def _answers_file(out: Path, label: str) -> Path:
+    """Where a reported pipeline's held-out answers are kept: DIR/answers/LABEL.jsonl (spaces and commas as -)."""
+    return out / "answers" / f"{'-'.join(label.replace(',', ' ').split())}.jsonl"
 
 
 def _table(report: Mapping[str, Reported], queries: int, validation: Part, first_stage: str) -> str:
@@ -605,7 +613,8 @@ def _summary(args, first_stage: str, counts: dict, outer: dict, checkpoints_seen
         "held_out": {label: {**row.pipeline.as_json(), "validation": row.mean, "ms": row.ms,
                              "held_out": difference.other, "default": difference.base, "difference": difference.mean,
                              "interval": [difference.low, difference.high], "real": difference.real,
-                             "settings": row.pipeline.settings(indexes, tuned), "per_query": values}
+                             "settings": row.pipeline.settings(indexes, tuned),
+                             "answers": str(_answers_file(args.out, label)), "per_query": values}
                      for label, (row, difference, values) in report.items()},
     }
 

@@ -23,6 +23,7 @@ from retrieval.rerank import BLEND, rerank
 from retrieval.scopes import scope_fields
 from retrieval.searcher import EncoderMismatch, Hit, Searcher, encoder_for, own_backend, reranker_backend
 from service.errors import NotServable, OverLimit
+from service.settings import ServiceSettings
 
 STAGES = ("queue", "encode", "retrieve", "rerank", "total")
 
@@ -205,6 +206,14 @@ class SearchEngine:
         loaded = load_rerankers(rerankers, load.device,
                                 reranker_backend(manifest, load.device, backend, rerank_backend))
         return cls(Searcher(index_dir, encoder, load, defaults), loaded, query_max_tokens, backend)
+
+    @classmethod
+    def served(cls, settings: ServiceSettings) -> "SearchEngine":
+        """The engine `python -m service` serves under `settings` (its index, models and defaults): the
+        one place they are read, for the service and for offline evaluations that must answer as it does."""
+        return cls.open(settings.index_dir, load=settings.load, query_max_tokens=settings.query_max_tokens,
+                        rerankers=settings.rerankers, backend=settings.backend, rerank_backend=settings.rerank_backend,
+                        defaults=settings.defaults, encodes_passages=settings.writes)
 
     @property
     def searcher(self) -> Searcher:

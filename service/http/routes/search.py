@@ -33,6 +33,17 @@ def plan(settings: ServiceSettings, engine: SearchEngine, request: SearchRequest
                        allow_partial=request.allow_partial, scope=scope, **retrieval)
 
 
+def answer(settings: ServiceSettings, engine: SearchEngine, request: SearchRequest) -> SearchResult:
+    """One /search request answered in this thread by the steps the route takes, less the micro-batcher (whose
+    company changes no answer): for offline evaluations that must answer as the service does."""
+    limits.check_query(settings, request.query)
+    tokens = engine.tokenize(request.query, request.truncate)
+    planned = plan(settings, engine, request)
+    if request.filter is not None:
+        engine.evaluate_filter(planned)
+    return engine.run([request.query], planned, [tokens])[0]
+
+
 def _shards(result: SearchResult) -> dict:
     """The `shards` field of a sharded engine's answer; nothing for one index, whose answers keep their shape."""
     return {"shards": result.shards} if result.shards is not None else {}
