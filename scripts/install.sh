@@ -33,4 +33,8 @@ fi
 if ! .venv/bin/python -c 'import ctypes.util, sys; sys.exit(ctypes.util.find_library("jemalloc") is None)'; then
     debian_install 300 "the service will run on the C library's malloc" libjemalloc2
 fi
+# promtool (Debian's prometheus package) tests the alert rules of docker/prometheus (tests/test_deployment.py).
+if ! command -v promtool >/dev/null; then
+    debian_install 300 "the alert rules' tests will be skipped" prometheus
+fi
 echo "installed into .venv ($(.venv/bin/python -c 'import torch, faiss; print("torch", torch.__version__, "faiss", faiss.__version__)'))"

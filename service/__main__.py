@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None, *, reexec: bool = False) -> int:
     protocol = timeout_protocol(settings.read_timeout_s, settings.write_timeout_s, app.state.occupancy,
                                 max_head_bytes=settings.max_head_bytes, max_headers=settings.max_headers)
     uvicorn.run(app, host=settings.host, port=settings.port, log_level="info", access_log=settings.access_log,
-                http=protocol)
+                http=protocol, timeout_graceful_shutdown=settings.drain_timeout_s)
     return 0
 
 

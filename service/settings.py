@@ -197,10 +197,10 @@ class ServiceSettings(BaseSettings):
         "allow_partial).",
     )
     drain_timeout_s: float = Field(
-        25.0, gt=0, description="Sharded serving (--ray) only: how long, in seconds, a stop (Ctrl-C, SIGTERM) lets "
-        "the ingress replicas answer the searches they hold before the application is deleted (a search still in "
-        "one then is cut off), to be kept under the grace period of whatever sends SIGTERM (Kubernetes' "
-        "terminationGracePeriodSeconds).",
+        25.0, gt=0, description="How long, in seconds, a stop (Ctrl-C, SIGTERM) lets the requests in the service "
+        "(with --ray, in the ingress replicas) be answered while it takes no new ones, before it exits (a request "
+        "still in it then is cut off): keep it under the grace period of whatever sends SIGTERM (docker stop's 10 s "
+        "unless stop_grace_period says more, Kubernetes' terminationGracePeriodSeconds).",
     )
 
     access_log: bool = Field(

@@ -1,5 +1,5 @@
-"""Deployment files, checked without a Docker engine (these machines have none): the compose files
-parse and wire the services, volumes, health checks and GPU reservation together, and the images'
+"""Deployment files, checked without a Docker engine (tests/test_deployment.py runs them with one): the compose
+files parse and wire the services, volumes, health checks and GPU reservation together, and the images'
 command serves an index outside a container and passes the images' own health check."""
 
 from __future__ import annotations
@@ -21,30 +21,22 @@ from service.settings import ServiceSettings
 from tests.conftest import ROOT
 
 COMPOSE = ROOT / "docker-compose.yml"
-CPU_OVERRIDE = ROOT / "docker-compose.cpu.yml"
+OVERRIDES = {"ports": ROOT / "docker-compose.override.yml", "gpu": ROOT / "docker-compose.gpu.yml",
+             "host": ROOT / "docker-compose.host.yml"}
 DOCKERFILES = {"cpu": ROOT / "docker" / "Dockerfile.cpu", "gpu": ROOT / "docker" / "Dockerfile.gpu"}
 VARIABLE = re.compile(r"\$\{(\w+)(?::-([^}]*))?\}")
-RESET = object()  # what compose's `!reset` tag stands for in an override file
-
-
-class ComposeLoader(yaml.SafeLoader):
-    """PyYAML plus compose's `!reset` tag."""
-
-
-ComposeLoader.add_constructor("!reset", lambda loader, node: RESET)
+INSTANCES = ("search", "search-2", "writer")
 
 
 def load(path: Path) -> dict:
-    return yaml.load(path.read_text(), Loader=ComposeLoader)
+    return yaml.safe_load(path.read_text())  # `<<` merge keys resolved, as compose resolves them
 
 
 def merge(base: dict, override: dict) -> dict:
-    """Compose's merge rules as far as the override uses them: mappings merge, `!reset` removes, values replace."""
+    """Compose's merge rules as far as the overrides use them: mappings merge, values replace."""
     merged = dict(base)
     for key, value in override.items():
-        if value is RESET:
-            merged.pop(key, None)
-        elif isinstance(value, dict) and isinstance(merged.get(key), dict):
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
             merged[key] = merge(merged[key], value)
         else:
             merged[key] = value
@@ -93,57 +85,76 @@ def environment(path: Path) -> dict[str, str]:
     return dict(token.split("=", 1) for env in instruction(path, "ENV") for token in shlex.split(env))
 
 
-def test_compose_builds_the_index_into_a_named_volume_then_serves_it():
+def test_compose_builds_the_index_into_a_named_volume_then_serves_it_read_only_beside_one_writer():
     compose = load(COMPOSE)
-    assert set(compose["services"]) == {"index-builder", "search"}
+    assert set(compose["services"]) == {"index-builder", *INSTANCES, "prometheus"}
     assert "indexes" in compose["volumes"]
     builder, search = compose["services"]["index-builder"], compose["services"]["search"]
     assert builder["command"][:4] == ["python", "-m", "index_builder", "build"]
     arguments = builder["command"][4:]
     out = defaults(arguments[arguments.index("--out") + 1])
     assert out == "/indexes/main" and "--if-missing" in arguments
-    assert "indexes:/indexes" in builder["volumes"] and "indexes:/indexes" in search["volumes"]
+    assert "indexes:/indexes" in builder["volumes"]
     corpus_mount = next(v for v in builder["volumes"] if ":/corpus" in v)
     assert defaults(corpus_mount) == "./data/demo:/corpus:ro"
     assert (ROOT / "data" / "demo" / defaults(arguments[arguments.index("--corpus") + 1]).split("/")[-1]).is_file()
-    assert search["depends_on"] == {"index-builder": {"condition": "service_completed_successfully"}}
-    assert defaults(search["environment"]["SEARCH_INDEX_DIR"]) == out
-    assert search["environment"]["SEARCH_INDEX_ROOT"] == "/indexes"
-    assert [defaults(p) for p in search["ports"]] == ["8000:8000"]
-    assert builder["image"] == search["image"] and builder["build"] == search["build"]
-    assert (ROOT / builder["build"]["context"] / builder["build"]["dockerfile"]) == DOCKERFILES["gpu"]
+    ports = set()
+    for name in INSTANCES:
+        instance = compose["services"][name]
+        assert instance["depends_on"] == {"index-builder": {"condition": "service_completed_successfully"}}
+        assert defaults(instance["environment"]["SEARCH_INDEX_DIR"]) == out
+        assert instance["environment"]["SEARCH_INDEX_ROOT"] == "/indexes"
+        assert instance["image"] == builder["image"] and "build" not in instance
+        port = instance["environment"]["SEARCH_PORT"]
+        assert "ports" not in instance  # published by the default override, refused on the host's network
+        published = load(OVERRIDES["ports"])["services"][name]["ports"]
+        assert [defaults(p) for p in published] == [f"{port}:{8000 if name == 'search' else port}"]
+        ports.add(port)
+        writes = instance["environment"].get("SEARCH_WRITES") == "true"
+        assert ("indexes:/indexes:ro" in instance["volumes"]) != writes, name  # only the writer writes
+        assert writes == (name == "writer")
+    assert len(ports) == len(INSTANCES)  # one port each, so they share the host's network too
+    assert (ROOT / builder["build"]["context"] / builder["build"]["dockerfile"]) == DOCKERFILES["cpu"]
 
 
-def test_both_services_reserve_gpus_and_the_cpu_override_drops_that():
-    compose, override = load(COMPOSE), load(CPU_OVERRIDE)
-    for name, service in compose["services"].items():
-        (device,) = service["deploy"]["resources"]["reservations"]["devices"]
+def test_the_gpu_override_reserves_every_gpu_for_the_builder_and_each_instance():
+    compose, override = load(COMPOSE), load(OVERRIDES["gpu"])
+    for name in ("index-builder", *INSTANCES):
+        assert "deploy" not in compose["services"][name]
+        gpu = merge(compose["services"][name], override["services"][name])
+        (device,) = gpu["deploy"]["resources"]["reservations"]["devices"]
         assert device == {"driver": "nvidia", "count": "all", "capabilities": ["gpu"]}, name
-        cpu = merge(service, override["services"][name])
-        assert "deploy" not in cpu
-        assert (ROOT / cpu["build"]["context"] / cpu["build"]["dockerfile"]) == DOCKERFILES["cpu"]
-        assert defaults(cpu["image"]) == "dense-search:cpu"
+        assert defaults(gpu["image"]) == "dense-search:gpu"
+    build = override["services"]["index-builder"]["build"]
+    assert (ROOT / build["context"] / build["dockerfile"]) == DOCKERFILES["gpu"]
 
 
-def test_search_health_check_is_the_images_check_of_ready():
+def test_the_host_override_puts_every_container_and_build_on_the_hosts_network():
+    compose, override = load(COMPOSE), load(OVERRIDES["host"])
+    for name in compose["services"]:
+        assert override["services"][name]["network_mode"] == "host", name
+    assert override["services"]["index-builder"]["build"]["network"] == "host"
+
+
+def test_instances_are_checked_by_the_images_check_of_ready():
     services = load(COMPOSE)["services"]
-    check = services["search"]["healthcheck"]
     _, image_check = healthcheck(DOCKERFILES["cpu"])
-    assert check["test"] == ["CMD", *image_check]
     assert "/ready" in image_check[-1]
+    assert all("healthcheck" not in services[name] for name in INSTANCES)  # the image's own
     assert services["index-builder"]["healthcheck"] == {"disable": True}
 
 
-def test_every_service_setting_can_reach_the_search_container():
-    given = set(load(COMPOSE)["services"]["search"]["environment"])
-    fixed_by_the_image = {"SEARCH_HOST", "SEARCH_PORT"}
+def test_every_service_setting_can_reach_the_instances():
+    services = load(COMPOSE)["services"]
+    given = set(services["search"]["environment"]) | set(services["writer"]["environment"])
+    fixed_by_the_image = {"SEARCH_HOST"}
     missing = {f"SEARCH_{name.upper()}" for name in ServiceSettings.model_fields} - fixed_by_the_image - given
-    assert not missing, f"pass {sorted(missing)} through in the search service's environment (docker-compose.yml)"
+    assert not missing, f"pass {sorted(missing)} through in x-search-environment (docker-compose.yml)"
 
 
 def test_every_compose_variable_is_documented_in_the_deployment_page():
     readme = (ROOT / "docs" / "deployment.md").read_text()
-    variables = {match.group(1) for path in (COMPOSE, CPU_OVERRIDE) for match in VARIABLE.finditer(path.read_text())}
+    variables = {match.group(1) for path in (COMPOSE, *OVERRIDES.values()) for match in VARIABLE.finditer(path.read_text())}
     assert variables
     assert [v for v in sorted(variables) if f"`{v}`" not in readme] == []
 
@@ -158,11 +169,14 @@ def test_images_run_as_a_user_with_model_and_index_volumes_and_check_ready():
         assert "--start-period" in options and "/ready" in check[-1], kind
         assert environment(path)["SEARCH_HOST"] == "0.0.0.0", kind
         for copy in instruction(path, "COPY"):
+            if copy.startswith("--from="):
+                continue  # from a build stage
             for source in copy.split()[:-1]:
                 assert (ROOT / source).exists() and source not in ignored, (kind, source)
         assert any("apt-get install" in run and "libjemalloc2" in run for run in instruction(path, "RUN")), kind
-    assert instruction(DOCKERFILES["cpu"], "FROM") == ["python:3.11-slim"]
-    assert any("download.pytorch.org/whl/cpu" in run for run in instruction(DOCKERFILES["cpu"], "RUN"))
+    assert instruction(DOCKERFILES["cpu"], "FROM") == ["${BASE_IMAGE} AS build", "${BASE_IMAGE}"]
+    assert {"BASE_IMAGE=python:3.11-slim", "WHEELS=index", "TORCH_INDEX=https://download.pytorch.org/whl/cpu"} <= set(
+        instruction(DOCKERFILES["cpu"], "ARG"))
     assert any(arg.startswith("CUDA_IMAGE=nvidia/cuda:") for arg in instruction(DOCKERFILES["gpu"], "ARG"))
     assert any('".[gpu,tracing]"' in run and "uninstall -y faiss-cpu" in run for run in instruction(DOCKERFILES["gpu"], "RUN"))
 

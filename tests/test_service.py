@@ -6,6 +6,7 @@ import asyncio
 import gc
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import threading
 import time
 import weakref
 from contextlib import contextmanager
+from datetime import datetime
 from pathlib import Path
 
 import httpx
@@ -195,6 +197,18 @@ def test_metrics_count_requests_by_route_and_status_and_time_each_stage(small_in
     assert 'search_http_requests_total{route="/search",status="422"} 1.0' in text
     for stage in ("encode", "retrieve", "total"):
         assert f'search_stage_seconds_count{{stage="{stage}"}} 1.0' in text
+
+
+def test_metrics_tell_what_ready_tells_for_alerts(small_index, engine):
+    # Read at each scrape: an alert pages on a replica not ready, one behind the newest generation, a write path
+    # degraded or a reload failed (docker/prometheus/alerts.yml).
+    text = one(create_app(settings_for(small_index), engine), "GET", "/metrics").text
+    manifest = engine.searcher.manifest
+    assert "search_ready 1.0" in text
+    assert f'search_index_generation_info{{generation="{engine.searcher.generation}"}} 1.0' in text
+    built = datetime.fromisoformat(manifest.built_at).timestamp()
+    assert float(re.search(r"^search_index_built_timestamp_seconds (\S+)$", text, re.M).group(1)) == built
+    assert "search_reload_failed 0.0" in text and "search_write_path_degraded 0.0" in text
 
 
 def test_stats_give_percentiles_per_stage_and_the_index(small_index, engine):

@@ -62,6 +62,11 @@ def exchange(connection: HTTPConnection, method: str, path: str, body: dict | No
     return response.status, dict(response.getheaders()), json.loads(response.read())
 
 
+def exchange_text(connection: HTTPConnection, path: str) -> str:
+    connection.request("GET", path)
+    return connection.getresponse().read().decode()
+
+
 def passage(pid: str, count: int = 1) -> dict:
     return {"passages": [{"id": f"{pid}-{i}" if count > 1 else pid, "text": f"passage {pid} about joining two paths"}
                          for i in range(count)]}
@@ -90,10 +95,13 @@ def test_a_write_the_full_disk_refuses_is_a_507_naming_the_cause_on_a_connection
             status, _, ready = exchange(connection, "GET", "/ready")
             assert status == 200 and ready["status"] == "ready"
             assert "write path is degraded" in ready["detail"] and NO_SPACE in ready["detail"]
+            metrics = exchange_text(connection, "/metrics")
+            assert "search_write_log_failures_total 2.0" in metrics and "search_write_path_degraded 1.0" in metrics
             filler.unlink()
             assert exchange(connection, "POST", "/passages", passage("kept-2"))[0] == 200  # on its own, no restart
             acknowledged.append("kept-2")
             assert exchange(connection, "GET", "/ready")[2]["detail"] is None
+            assert "search_write_path_degraded 0.0" in exchange_text(connection, "/metrics")
             spec = exchange(connection, "GET", "/openapi.json")[2]
             assert {"503", "507"} <= set(spec["paths"]["/passages"]["post"]["responses"])
             connection.close()

@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
+from dataclasses import dataclass
+from datetime import datetime
 from typing import Callable, Mapping
 
 import numpy as np
@@ -57,6 +59,10 @@ class Monitor:
         self.queued = Gauge("search_queue_size", "Search requests waiting for the model", registry=self.registry)
         self.in_flight = Gauge("search_in_flight_requests", "Search requests in the service (queued or running)",
                                registry=self.registry)
+        self.write_log_failures = Counter(
+            "search_write_log_failures", "Writes the write log refused (a failed write or fsync, a full disk, a log "
+            "removed): nothing of them was kept", registry=self.registry,
+        )
         self.key_rejected = Counter(
             "search_key_rejected_requests", "Search requests refused by admission (429, or 503 while stopping), by API "
             "key name (\"open\" where no key is configured)", ["key"], registry=self.registry,
@@ -86,6 +92,12 @@ class Monitor:
         self.registry.register(_PerKeyGauge(
             "search_key_in_flight_requests", "Search requests in the service (queued or running), by API key name "
             "(\"open\" where no key is configured)", read))
+
+    def watch_state(self, read: Callable[[], "ServingState"]) -> None:
+        """Exposes `read()` (what /ready tells) as gauges read at each scrape, for alerts: search_ready,
+        search_index_generation_info{generation}, search_index_built_timestamp_seconds, search_reload_failed,
+        search_write_path_degraded."""
+        self.registry.register(_StateGauges(read))
 
     def observe_request(self, route: str, status: int) -> None:
         # One labelled child per route and status, looked up once: labels() costs several times inc(), and a
@@ -140,6 +152,44 @@ class _PerKeyGauge:
         for key, value in sorted(self.read().items()):
             family.add_metric([key], value)
         yield family
+
+
+@dataclass(frozen=True)
+class ServingState:
+    """What a scrape reads of the service's state: whether an index serves, which generation (its id and when
+    it was built, None while none serves), and whether a reload failed or the write path is degraded."""
+
+    ready: bool
+    generation: str | None = None
+    built_at: str | None = None  # ISO 8601, the manifest's
+    reload_failed: bool = False
+    write_path_degraded: bool = False
+
+
+class _StateGauges:
+    """Monitor.watch_state's collector."""
+
+    def __init__(self, read: Callable[[], ServingState]) -> None:
+        self.read = read
+
+    def collect(self):
+        state = self.read()
+        gauges = {"search_ready": ("1 where an index is loaded and serving (/ready 200), else 0", state.ready),
+                  "search_reload_failed": ("1 while the last reload failed (the previous index serving)",
+                                           state.reload_failed),
+                  "search_write_path_degraded": ("1 while writes are refused or compaction fails",
+                                                 state.write_path_degraded)}
+        for name, (documentation, value) in gauges.items():
+            yield GaugeMetricFamily(name, documentation, value=float(value))
+        if state.generation is not None:
+            info = GaugeMetricFamily("search_index_generation_info", "The generation served (always 1)",
+                                     labels=["generation"])
+            info.add_metric([state.generation], 1.0)
+            yield info
+            built = datetime.fromisoformat(state.built_at).timestamp()
+            yield GaugeMetricFamily("search_index_built_timestamp_seconds",
+                                    "When the generation served was built (or compacted), Unix seconds: a replica "
+                                    "below another's serves an older generation", value=built)
 
 
 class RequestCounter:

@@ -30,7 +30,7 @@ from retrieval.writes import Writes
 from service.engine.batcher import MicroBatcher, completed
 from service.engine.fair_queue import FairExecutor
 from service.engine.index_watch import IndexWatch
-from service.engine.monitoring import Monitor
+from service.engine.monitoring import Monitor, ServingState
 from service.engine.search_engine import ReloadError, Run, SearchEngine, SearchPlan, SearchResult
 from service.engine.tracing import Stage, Tracing
 from service.errors import NotReady, NotServable, WritesUnavailable
@@ -102,6 +102,7 @@ class Runtime:
             on_drop=self.monitor.dropped.inc, embed_batch=self._embed, wait_executor=self.waiter,
         )
         self.monitor.queued.set_function(lambda: self.batcher.waiting)
+        self.monitor.watch_state(self.serving_state)
         self.reload_lock = asyncio.Lock()
         self.watch = IndexWatch(settings.watch_interval_s, self.served_index, self.reload, self.served_again) \
             if settings.watch_index else None
@@ -167,11 +168,7 @@ class Runtime:
     def _load(self) -> None:
         settings = self.settings
         try:
-            engine = SearchEngine.open(
-                settings.index_dir, load=settings.load, query_max_tokens=settings.query_max_tokens,
-                rerankers=settings.rerankers, backend=settings.backend, rerank_backend=settings.rerank_backend,
-                defaults=settings.defaults, encodes_passages=settings.writes,
-            )
+            engine = SearchEngine.served(settings)
             engine.warm_up()
             self._open_writes(engine)
             self._settle()  # before the engine is served, so no request waits for its collection
@@ -307,6 +304,7 @@ class Runtime:
         try:
             yield
         except LogUnwritable as error:
+            self.monitor.write_log_failures.inc()
             full = error.errno in STORAGE_FULL
             advice = ("restart the writer" if error.lasting else "retry once space is freed on its disk" if full
                       else f"retry in {WRITE_RETRY_AFTER_S} s")
@@ -316,6 +314,15 @@ class Runtime:
                                     None if error.lasting or full else WRITE_RETRY_AFTER_S) from None
         if self.writes.log.refused is None:  # a delete of nothing logs nothing, and mends no lasting refusal
             self.write_failure = None
+
+    def serving_state(self) -> ServingState:
+        """What /metrics tells of /ready's state."""
+        engine = self.engine
+        if engine is None:
+            return ServingState(ready=False)
+        manifest = engine.searcher.manifest
+        return ServingState(True, engine.searcher.generation, manifest.built_at, self.reload_error is not None,
+                            self.write_path_problems() is not None)
 
     def write_path_problems(self) -> str | None:
         """Why the write path is degraded (writes refused, compaction failing), for /ready: searches answer

@@ -37,6 +37,9 @@ def create_app(settings: ServiceSettings | None = None, engine: SearchEngine | N
         log.info("settings: %s", settings.describe())
         runtime.start()
         yield
+        # uvicorn has stopped taking connections and waited (up to SEARCH_DRAIN_TIMEOUT_S) for those under way.
+        unanswered = app.state.occupancy.in_flight
+        log.info("drained: %s; stopping", f"{unanswered} searches cut off" if unanswered else "every search answered")
         await runtime.close()
 
     def field_types():  # what a scoped key's filter may name: the served collection's fields
