@@ -563,15 +563,20 @@ def _validation_rows(args: argparse.Namespace, searchers: Mapping[str, Searcher]
 def _held_out(args: argparse.Namespace, reported: Mapping[str, Row], held_out: Part, depth: int,
               indexes: Mapping[str, Path], tuned: Mapping[str, str]) -> dict[str, Reported]:
     """Each reported pipeline's answers to the held-out queries from the service's engine under its settings
-    (training.served; written to DIR/answers/LABEL.jsonl), scored once against the default retrieval's."""
+    (training.served; written to DIR/answers/LABEL.jsonl), scored once against the default retrieval's. A
+    pipeline reported under several labels (the chosen one is often the fast one too) is served once."""
     k = max(ANSWER_K, depth)
+    served: dict[Pipeline, dict[str, list[Hit]]] = {}
     values: dict[str, dict[str, float]] = {}
     for label, row in reported.items():
-        try:
-            answers = served_answers(row.pipeline.settings(indexes, tuned), args.device, held_out.queries, k,
-                                     row.pipeline.checkpoint is not None, f"held-out, {label}")
-        except ValueError as error:
-            raise RecipeError(f"held-out, {label}: {error}") from None
+        if row.pipeline not in served:
+            try:
+                served[row.pipeline] = served_answers(row.pipeline.settings(indexes, tuned), args.device,
+                                                      held_out.queries, k, row.pipeline.checkpoint is not None,
+                                                      f"held-out, {label}")
+            except ValueError as error:
+                raise RecipeError(f"held-out, {label}: {error}") from None
+        answers = served[row.pipeline]
         write_answers(_answers_file(args.out, label), answers)
         values[label] = per_query(held_out.qrels, ranked_run(answers), MEASURE)
     return {label: Reported(row, paired_bootstrap(values["default"], values[label], seed=args.seed), values[label])
