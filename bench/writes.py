@@ -1,7 +1,7 @@
 """Writes over HTTP: upserts a second, read-after-write latency, searches during a write stream, a replica's lag,
 and compaction against a full rebuild.
 
-    python bench/writes.py [--seconds 20] [--size 100000] [--work DIR] [--only served|compaction]
+    python bench/writes.py [--seconds 20] [--size 100000] [--work DIR] [--only served|compaction|first-search]
 
 Served (`python -m service`, SEARCH_WRITES=true, on a copy of an index of the demo corpus with BM25 and an int8
 structure, built once into --work): upserts of generated passages (bench/scale.py's texts, 40 to 80 words) at 1,
@@ -14,6 +14,9 @@ generation. Library (`retrieval.compaction`): a synthetic --size index (bench/sc
 1,000 passages upserted (encoded) and 1,000 deleted, compacted; against it, a full rebuild of the changed
 collection: encoding every passage at the rate the upserts were encoded, plus the same writes (computed, not
 run: at ~60 passages a second a real rebuild of 100k passages takes about half an hour on a 2-core CPU).
+First search (library, the same synthetic --size index with BM25): a search in each mode at rest, then after
+each of 30 one-passage upserts the first search in that mode (its query the written passage's first words);
+p50/p99 of both, and BM25 built again from the texts against the compaction's BM25 written from terms.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from bench.scale import build_synthetic, demo_centres, generated_texts, vocabula
 from index_builder.ann import AnnOptions  # noqa: E402
 from index_builder.build import BuildOptions, build_index, encoder_record  # noqa: E402
 from models.encoder import BiEncoder  # noqa: E402
+from retrieval.bm25_index import build_bm25  # noqa: E402
 from retrieval.compaction import compact  # noqa: E402
 from retrieval.load_options import LoadOptions  # noqa: E402
 from retrieval.searcher import Searcher  # noqa: E402
@@ -184,12 +188,59 @@ def compaction(args: argparse.Namespace, encoder: BiEncoder) -> None:
           f"plus the same writes); {rebuild / report.seconds:.0f}x")
 
 
+MODES = {"hybrid (default)": {}, "bm25": {"mode": "bm25"}, "dense": {"mode": "dense"}}
+
+
+def first_search(args: argparse.Namespace, encoder: BiEncoder) -> None:
+    out = args.work / f"synthetic-bm25-{args.size}"
+    record = encoder_record(encoder)
+    if not out.exists():
+        seconds = build_synthetic(out, args.size, record.dimension, record, demo_centres(encoder, record.dimension),
+                                  0.35, bm25=True)
+        print(f"built {args.size:,} passages with BM25: {seconds}")
+    work = args.work / "first-search"
+    shutil.rmtree(work, ignore_errors=True)
+    shutil.copytree(out, work)
+    writes = Writes.open(Searcher(work, encoder, LoadOptions(device="cpu")))
+    texts, rounds = Texts(3), 30
+    queries = [" ".join(p["text"].split()[:6]) for p in texts.passages(rounds)]
+    print(f"\nFirst search after a one-passage write, {args.size:,} passages ({rounds} writes, exact dense):\n")
+    print("| mode | at rest p50 ms | p99 ms | first after a write p50 ms | p99 ms | p50 ratio |")
+    print("|---|---|---|---|---|---|")
+    for name, options in MODES.items():
+        rest = []
+        for query in queries:
+            started = time.perf_counter()
+            writes.searcher.search(query, 10, exact=True, **options)
+            rest.append(time.perf_counter() - started)
+        after = []
+        for passage in texts.passages(rounds):
+            writes.upsert([passage])
+            started = time.perf_counter()
+            writes.searcher.search(" ".join(passage["text"].split()[:6]), 10, exact=True, **options)
+            after.append(time.perf_counter() - started)
+            found = writes.searcher.search(passage["text"], 1, exact=True, **options)  # seen at once
+            assert found[0].id == passage["id"], (name, passage["id"], found)
+        print(f"| {name} | {1000 * percentile(rest, 50):.1f} | {1000 * percentile(rest, 99):.1f} | "
+              f"{1000 * percentile(after, 50):.1f} | {1000 * percentile(after, 99):.1f} | "
+              f"{percentile(after, 50) / percentile(rest, 50):.2f} |")
+    report = compact(writes)
+    print(f"\n{report.summary()}")
+    writes.close()
+    store = args.work / "bm25-rebuilt"
+    shutil.rmtree(store, ignore_errors=True)
+    started = time.perf_counter()
+    searcher = Searcher(work, encoder, LoadOptions(device="cpu"))
+    build_bm25(searcher.passages.texts(), searcher.count, store)
+    print(f"BM25 built again from the {searcher.count:,} texts: {time.perf_counter() - started:.1f} s")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--size", type=int, default=100_000)
     parser.add_argument("--work", type=Path, default=None, help="where the indexes are kept (default: a temporary folder)")
-    parser.add_argument("--only", choices=["served", "compaction"], help="run one of the two parts")
+    parser.add_argument("--only", choices=["served", "compaction", "first-search"], help="run one of the parts")
     args = parser.parse_args()
     temporary = None
     if args.work is None:
@@ -198,10 +249,12 @@ def main() -> None:
     args.work.mkdir(parents=True, exist_ok=True)
     encoder = BiEncoder(device="cpu")
     try:
-        if args.only != "compaction":
+        if args.only in (None, "served"):
             served(args, encoder)
-        if args.only != "served":
+        if args.only in (None, "compaction"):
             compaction(args, encoder)
+        if args.only in (None, "first-search"):
+            first_search(args, encoder)
     finally:
         if temporary is not None:
             temporary.cleanup()

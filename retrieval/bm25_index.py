@@ -3,15 +3,18 @@ retrieval beside the dense one (paper 000 section 4.5).
 
 Stored in DIR/bm25/: bm25s's sparse index plus the tokenizer's vocabulary and stopwords, so
 queries are tokenized exactly as the passages were (lower-cased, English stopwords, Snowball
-English stemming).
+English stemming), and each passage's length in terms (`lengths.npy`), which scoring the collection
+as writes change it reads (retrieval.bm25_changes).
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
 import warnings
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 # bm25s runs a JAX top-k at import when JAX is installed; on a host with jax[cuda] that starts
 # JAX on the GPU, which takes 75% of its memory in every process, leaving too little for FAISS in a
@@ -26,12 +29,21 @@ from bm25s.tokenization import Tokenizer  # noqa: E402
 from retrieval.index_format import Bm25Record
 
 BM25_DIR = "bm25"
+TOKENIZER_VOCAB, TOKENIZER_STOPWORDS = "vocab.tokenizer.json", "stopwords.tokenizer.json"  # bm25s's names
+LENGTHS_FILE = "lengths.npy"  # each passage's terms counted (its length, which BM25 normalises by), int32
 K1, B = 1.5, 0.75
 STEMMER = "english"
+log = logging.getLogger("retrieval")
 
 
 def new_tokenizer() -> Tokenizer:
     return Tokenizer(stopwords="en", stemmer=Stemmer.Stemmer(STEMMER))
+
+
+def stems(texts: Sequence[str]) -> list[list[str]]:
+    """Each text's terms as the index holds them (tokenized as `build_bm25` tokenizes: a text with none holds the
+    empty term ""), whatever vocabulary an index has."""
+    return new_tokenizer().tokenize(list(texts), update_vocab=True, return_as="string", show_progress=False)
 
 
 def bm25_record() -> Bm25Record:
@@ -50,11 +62,11 @@ def build_bm25(texts: Iterable[str], count: int, out: Path) -> None:
     retriever.save(str(out), show_progress=False)
     tokenizer.save_vocab(str(out))
     tokenizer.save_stopwords(str(out))
+    np.save(out / LENGTHS_FILE, np.array([len(ids) for ids in tokens.ids], dtype=np.int32))
 
 
 class Bm25Index:
-    """Reads DIR/bm25 (or indexes texts in memory: `over`); `search` gives rows and scores of matching passages
-    only (score > 0)."""
+    """Reads DIR/bm25; `search` gives rows and scores of matching passages only (score > 0)."""
 
     def __init__(self, folder: Path) -> None:
         if not folder.is_dir():
@@ -64,19 +76,29 @@ class Bm25Index:
         self.tokenizer.load_vocab(str(folder))
         self.tokenizer.load_stopwords(str(folder))
         self.count = int(self.retriever.scores["num_docs"])
+        lengths = folder / LENGTHS_FILE
+        self.lengths = np.load(lengths) if lengths.is_file() else None  # None: an index built before it was kept
+        self._derived: dict[str, Any] = {}
+        self._deriving = threading.RLock()  # a derived value may derive another
 
-    @classmethod
-    def over(cls, texts: Sequence[str]) -> "Bm25Index":
-        """BM25 over `texts` (row i = texts[i]), in memory, scoring as `build_bm25`'s index of them does."""
-        index = cls.__new__(cls)
-        index.tokenizer = new_tokenizer()
-        tokens = index.tokenizer.tokenize(list(texts), return_as="tuple", show_progress=False)
-        index.retriever = bm25s.BM25(k1=K1, b=B)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)  # none: numpy's mean over nothing
-            index.retriever.index(tokens, show_progress=False)
-        index.count = len(texts)
-        return index
+    def passage_lengths(self, texts: Callable[[], Iterable[str]]) -> np.ndarray:
+        """Each passage's length in terms: as stored, or (an index built before lengths were kept) counted once from
+        `texts()`, the passages' texts in row order."""
+        if self.lengths is None:
+            def count() -> np.ndarray:
+                log.info("counting the terms of %d passages (an index built before their lengths were kept)",
+                         self.count)
+                tokens = new_tokenizer().tokenize(texts(), length=self.count, return_as="ids", show_progress=True)
+                return np.array([len(ids) for ids in tokens], dtype=np.int32)
+            self.lengths = self.derived("lengths", count)
+        return self.lengths
+
+    def derived(self, name: str, make: Callable[[], Any]) -> Any:
+        """`make()`'s result, made once for this index (what scoring it beside writes reads: retrieval.bm25_changes)."""
+        with self._deriving:
+            if name not in self._derived:
+                self._derived[name] = make()
+            return self._derived[name]
 
     def search(self, queries: Sequence[str], k: int) -> list[list[tuple[int, float]]]:
         """Best first (by score, then row), at most k (row, score) per query; no list ever holds a passage sharing

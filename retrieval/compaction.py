@@ -4,9 +4,10 @@ and the log drops the folded ones. Read-only replicas watching the folder follow
 
 The new generation holds the collection the writer searched: the old generation's live rows in their order,
 then the live written passages in write order (retrieval.segment), each with its vector as searched (nothing is
-encoded again); BM25 and the candidate structures (with the old ones' parameters) are built again, and the
-manifest records the last write folded in (`write_sequence`). It is written in `.NAME.compacting` beside the
-folder while writes go on; a kill leaves the old generation and the log, which replays every write again.
+encoded again); BM25 is written from the terms the generation and the segment hold (retrieval.bm25_changes: no
+passage tokenized again, each score as a build's), the candidate structures (with the old ones' parameters) are
+built again, and the manifest records the last write folded in (`write_sequence`). It is written in
+`.NAME.compacting` beside the folder while writes go on; a kill leaves the old generation and the log, which replays every write again.
 A compaction that fails (a full disk) leaves the served generation and the log as they were.
 """
 
@@ -22,7 +23,8 @@ from pathlib import Path
 
 import faiss
 
-from retrieval import index_writer
+from retrieval import bm25_changes, index_writer
+from retrieval.bm25_index import BM25_DIR
 from retrieval.fields import encode_fields
 from retrieval.index_format import INDEX_FILE, generation_id
 from retrieval.pinned import replaced
@@ -112,8 +114,12 @@ def _write(work: Path, searcher: Searcher, progress: bool) -> int:
         parts = itertools.chain(parts, [segment.vectors[written]])
     count = index_writer.write_vectors(work, parts, manifest.dimension)
     corpus = manifest.corpus.model_copy(update={"passages": count, "sha256": None})  # no longer one file's
+    bm25_from = None
+    if manifest.bm25 is not None:  # from the terms held: no passage tokenized again
+        base_terms, source = searcher.base_terms(), searcher.dense.pinned.path(BM25_DIR)
+        bm25_from = lambda folder: bm25_changes.write_compacted(base_terms, segment, source, folder)  # noqa: E731
     index_writer.write_manifest(work, encoder=manifest.encoder, corpus=corpus, count=count,
-                                bm25=manifest.bm25 is not None, write_sequence=segment.seq)
+                                bm25=manifest.bm25 is not None, write_sequence=segment.seq, bm25_from=bm25_from)
     for record in manifest.candidates:
         index_writer.write_candidates(work, record.kind, record.params, depth=record.depth, sample=record.sample,
                                       progress=progress)

@@ -17,7 +17,7 @@ import sqlite3
 import time
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import faiss
 import numpy as np
@@ -93,29 +93,36 @@ def _fsync(path: Path) -> None:
         os.close(descriptor)
 
 
-def write_bm25(work: Path, rows: int) -> list[str]:
+def write_bm25(work: Path, rows: int, write: Callable[[Path], None] | None = None) -> list[str]:
     """BM25 over the passages stored in `work` (row order); returns its files relative to `work`.
-    Built from the final store, never merged, because BM25's statistics belong to the whole corpus."""
+    Built from the final store, never merged, because BM25's statistics belong to the whole corpus; `write`:
+    writes the folder instead from terms already held (a compaction's: retrieval.bm25_changes)."""
     folder = work / BM25_DIR
     if folder.exists():
         shutil.rmtree(folder)
-    connection = sqlite3.connect(work / PASSAGES_FILE)
-    try:
-        build_bm25((text for (text,) in connection.execute("SELECT text FROM passages ORDER BY row")), rows, folder)
-    finally:
-        connection.close()
+    if write is not None:
+        write(folder)
+    else:
+        connection = sqlite3.connect(work / PASSAGES_FILE)
+        try:
+            build_bm25((text for (text,) in connection.execute("SELECT text FROM passages ORDER BY row")), rows,
+                       folder)
+        finally:
+            connection.close()
     for path in [*folder.iterdir(), folder]:
         _fsync(path)
     return sorted(str(path.relative_to(work)) for path in folder.iterdir())
 
 
 def write_manifest(work: Path, *, encoder: EncoderRecord, corpus: CorpusRecord, count: int, bm25: bool,
-                   shard: str | None = None, write_sequence: int = 0) -> Manifest:
-    """Builds BM25 where asked and the passages' content hashes (retrieval.text_hashes, which an update
-    matches unchanged passages by), then writes the manifest (last: it marks `work` a finished index),
-    listing the stored passages' metadata fields with their types (ValueError for a field stored with two)."""
+                   shard: str | None = None, write_sequence: int = 0,
+                   bm25_from: Callable[[Path], None] | None = None) -> Manifest:
+    """Builds BM25 where asked (`bm25_from`: write_bm25's `write`) and the passages' content hashes
+    (retrieval.text_hashes, which an update matches unchanged passages by), then writes the manifest (last: it
+    marks `work` a finished index), listing the stored passages' metadata fields with their types (ValueError for
+    a field stored with two)."""
     fields = _field_types(work)
-    files = [INDEX_FILE, PASSAGES_FILE, write_text_hashes(work)] + (write_bm25(work, count) if bm25 else [])
+    files = [INDEX_FILE, PASSAGES_FILE, write_text_hashes(work)] + (write_bm25(work, count, bm25_from) if bm25 else [])
     manifest = Manifest(
         encoder=encoder,
         count=count,

@@ -13,7 +13,7 @@ import numpy as np
 from models.backends import Backend
 from models.checkpoint import resolve_device
 from models.encoder import BiEncoder, Tokens
-from retrieval import filtered_search
+from retrieval import bm25_changes, filtered_search
 from retrieval.candidates.kind import Structure
 from retrieval.dense import check_candidates, pick_structure
 from retrieval.feedback import Feedback, fed_back
@@ -385,17 +385,15 @@ class Searcher:
 
     def _bm25(self, queries: Sequence[str], k: int, restriction: filtered_search.Restriction | None,
               written: np.ndarray) -> list[RowScores]:
+        mask = None if restriction is None else restriction.mask
         segment = self.segment
-        if segment.changes:  # BM25 over the whole changed collection (retrieval.segment)
-            index, rows = segment.bm25(self.passages.texts)
-            base = np.flatnonzero(rows < segment.base_count)
-            mask = None
-            if restriction is not None or not written.all():
-                mask = np.concatenate([np.ones(len(base), dtype=bool) if restriction is None
-                                       else restriction.mask[rows[base]],
-                                       written[rows[len(base):] - segment.base_count]])
-            return [(rows[found], scores) for found, scores in index.search_arrays(queries, k, mask)]
-        return self.bm25.search_arrays(queries, k, None if restriction is None else restriction.mask)
+        if segment.changes:  # the generation's BM25 and the segment's terms, scored over the live collection
+            return bm25_changes.search(self.base_terms(), segment, queries, k, mask, written)
+        return self.bm25.search_arrays(queries, k, mask)
+
+    def base_terms(self) -> bm25_changes.BaseTerms:
+        """What scoring BM25 beside writes reads of the generation's (retrieval.bm25_changes), derived once."""
+        return bm25_changes.BaseTerms.of(self.bm25, self.passages.texts)
 
     def hits(self, ranked: list[list[tuple[int, float]]], fields: Sequence[str] | None = None) -> list[list[Hit]]:
         """Attach ids and texts to ranked rows; with `fields` (names), HitWithFields holding those each

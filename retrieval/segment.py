@@ -8,9 +8,8 @@ one per written passage. Searched together (retrieval.searcher), the generation'
 segment's live passages are the collection a compaction writes (retrieval.compaction), in that order.
 
 Dense: the segment's live vectors scanned exactly, merged with the generation's search among its rows not
-hidden. BM25: its statistics belong to the whole collection, so a segment that changes anything answers
-BM25 from an index of every live passage's text, built in memory on its first BM25 search (`bm25`), whose
-cost grows with the collection.
+hidden. BM25: the terms of what it changes (`terms`, tokenized as each write comes: retrieval.bm25_changes)
+combined at query time with the generation's BM25, exactly as a rebuild over the live passages scores.
 """
 
 from __future__ import annotations
@@ -21,9 +20,9 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from retrieval.bm25_index import Bm25Index
 from retrieval.fields import FieldColumns, value_type
 from retrieval.filters import Filter, evaluate
+from retrieval.segment_terms import ChangedTerms
 
 
 @dataclass(frozen=True)
@@ -47,6 +46,7 @@ class Segment:
     hidden: np.ndarray | None = None  # per generation row: deleted or replaced; None: none
     by_id: Mapping[str, int] = field(default_factory=dict)  # id -> position of its live written passage
     types: Mapping[str, str] = field(default_factory=dict)  # the written passages' field types
+    terms: ChangedTerms | None = None  # the terms of what it changes, where the generation has BM25
     _made: dict = field(default_factory=dict, repr=False)  # what `made` built once for this segment
     _building: dict = field(default_factory=dict, repr=False)  # a lock per name `made` builds
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -81,6 +81,8 @@ class Segment:
         of its id, written before or in the generation (`base_rows`: the generation's row of each id it holds)."""
         live, hidden, by_id = self._drop([p.id for p in passages], base_rows)
         start = len(self.passages)
+        if self.terms is not None:
+            self.terms.write(start, [passage.text for passage in passages])
         by_id.update((passage.id, start + i) for i, passage in enumerate(passages))
         live = np.concatenate([live, np.ones(len(passages), dtype=bool)])
         stacked = vectors if self.vectors is None else np.concatenate([self.vectors, vectors])
@@ -89,23 +91,28 @@ class Segment:
             for name, value in passage.fields.items():
                 types.setdefault(name, value_type(value))
         return Segment(self.base_count, seq, self.passages + tuple(passages), np.ascontiguousarray(stacked, np.float32),
-                       live, hidden, by_id, types)
+                       live, hidden, by_id, types, self.terms)
 
     def deleted(self, ids: Sequence[str], seq: int, base_rows: Mapping[str, int]) -> "Segment":
         """The segment with `ids` deleted (those the collection does not hold are no change)."""
         live, hidden, by_id = self._drop(ids, base_rows)
-        return Segment(self.base_count, seq, self.passages, self.vectors, live, hidden, by_id, self.types)
+        return Segment(self.base_count, seq, self.passages, self.vectors, live, hidden, by_id, self.types, self.terms)
 
     def _drop(self, ids: Sequence[str], base_rows: Mapping[str, int]):
         live, by_id = self.live.copy(), dict(self.by_id)
         hidden = None if self.hidden is None else self.hidden.copy()
+        newly_hidden = []
         for pid in ids:
             if pid in by_id:
                 live[by_id.pop(pid)] = False
             if pid in base_rows:
                 if hidden is None:
                     hidden = np.zeros(self.base_count, dtype=bool)
-                hidden[base_rows[pid]] = True
+                if not hidden[base_rows[pid]]:
+                    hidden[base_rows[pid]] = True
+                    newly_hidden.append(base_rows[pid])
+        if self.terms is not None:
+            self.terms.hide(self.hidden_count, newly_hidden)
         return live, hidden, by_id
 
     def is_hidden(self, row: int) -> bool:
@@ -147,20 +154,9 @@ class Segment:
             results.append((self.base_count + positions[order].astype(np.int64), row_scores[order]))
         return results
 
-    def bm25(self, base_texts) -> tuple[Bm25Index, np.ndarray]:
-        """BM25 over every live passage (the generation's rows not hidden, then the written ones), built on first
-        use from `base_texts()` (the generation's texts in row order), and each of its rows' row in the collection."""
-        def build() -> tuple[Bm25Index, np.ndarray]:
-            base, written = self.collection()
-            texts = base_texts()
-            index = Bm25Index.over([texts[row] for row in base] + [self.passages[i].text for i in written])
-            return index, np.concatenate([base, self.base_count + written]).astype(np.int64)
-
-        return self.made("bm25", build)
-
     def made(self, name: str, build: Callable[[], Any]) -> Any:
         """`build()`'s result, built on first use and kept with this (immutable) segment; one build at a time per
-        name (a BM25 build does not hold up the dense searches' rows)."""
+        name."""
         with self._lock:
             if name in self._made:
                 return self._made[name]

@@ -29,6 +29,7 @@ from retrieval.filters import Filter, conjunction, evaluate, parse_filter
 from retrieval.scopes import scope_fields
 from retrieval.searcher import Searcher
 from retrieval.segment import Passage, Segment
+from retrieval.segment_terms import ChangedTerms
 from retrieval.write_log import Record, WriteLog
 
 MAX_ID_CHARS = 512  # a passage id's length at most, in characters
@@ -52,8 +53,7 @@ class Writes:
         self.max_scope_fields = max_scope_fields  # the fields one scope's passages may hold (refuse_fields)
         self.log, self.publish, self._folder_lock = log, None, held  # published once replayed
         self._lock = threading.Lock()
-        segment = Segment(searcher.manifest.count, searcher.manifest.write_sequence)
-        self.searcher = searcher.with_segment(segment)
+        self.searcher = searcher.with_segment(self._segment(searcher))
         self.segment_since: float | None = None  # when the segment's first write was applied (monotonic)
         for record in log.records:
             if record.seq > searcher.manifest.write_sequence:
@@ -165,9 +165,10 @@ class Writes:
     def rebase(self, searcher: Searcher) -> None:
         """Serves `searcher`, a new generation of the index holding the writes up to its manifest's write_sequence
         (retrieval.compaction), with the later ones replayed beside it; the log drops the ones it holds."""
+        segment = self._segment(searcher)
         with self._lock:
             folded = searcher.manifest.write_sequence
-            self.searcher = searcher.with_segment(Segment(searcher.manifest.count, folded))
+            self.searcher = searcher.with_segment(segment)
             self.segment_since = None
             later = [record for record in self.log.records if record.seq > folded]
             for record in later:
@@ -175,6 +176,16 @@ class Writes:
             if not later and self.publish is not None:
                 self.publish(self.searcher)
             self.log.drop_through(folded)
+
+    @staticmethod
+    def _segment(searcher: Searcher) -> Segment:
+        """The empty segment beside `searcher`'s generation, with the terms of what it will change where the
+        generation has BM25 (whose own terms are derived here, before any write waits on them)."""
+        terms = None
+        if searcher.bm25 is not None:
+            searcher.base_terms()
+            terms = ChangedTerms(lambda rows: [text for _, text in searcher.passages.get(list(rows))])
+        return Segment(searcher.manifest.count, searcher.manifest.write_sequence, terms=terms)
 
     def get(self, pid: str, scope: dict | None = None):
         """The passage `pid` with its fields (retrieval.searcher.HitWithFields), or None (also for one outside
