@@ -10,10 +10,11 @@ search for its text until it is the first hit (the time from sending the upsert)
 clients for --seconds idle, then as long with one more client streaming 16-passage upserts; a replica's lag,
 a second service on the same folder with SEARCH_WATCH_INDEX (interval 0.5 s) while the writer compacts every 64
 passages written: from the answer to the write that starts a compaction to the replica's /ready naming the new
-generation. Library (`retrieval.compaction`): a synthetic --size index (bench/scale.py's clustered vectors),
-1,000 passages upserted (encoded) and 1,000 deleted, compacted; against it, a full rebuild of the changed
-collection: encoding every passage at the rate the upserts were encoded, plus the same writes (computed, not
-run: at ~60 passages a second a real rebuild of 100k passages takes about half an hour on a 2-core CPU).
+generation. Library (`retrieval.compaction`): a synthetic --size index (bench/scale.py's clustered vectors) with BM25 and
+the --structure kinds, 1,000 passages upserted (encoded) and 1,000 deleted, compacted (its peak RSS sampled);
+against it, BM25 and each structure built afresh on the compacted generation (measured), and a full rebuild of
+the changed collection: encoding every passage at the rate the upserts were encoded (computed, not run: at ~60
+passages a second a real rebuild of 100k passages takes about half an hour on a 2-core CPU) plus those builds.
 First search (library, the same synthetic --size index with BM25): a search in each mode at rest, then after
 each of 30 one-passage upserts the first search in that mode (its query the written passage's first words);
 p50/p99 of both, and BM25 built again from the texts against the compaction's BM25 written from terms.
@@ -22,6 +23,7 @@ p50/p99 of both, and BM25 built again from the texts against the compaction's BM
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import statistics
 import sys
@@ -41,7 +43,9 @@ from index_builder.ann import AnnOptions  # noqa: E402
 from index_builder.build import BuildOptions, build_index, encoder_record  # noqa: E402
 from models.encoder import BiEncoder  # noqa: E402
 from retrieval.bm25_index import build_bm25  # noqa: E402
+from retrieval import index_writer  # noqa: E402
 from retrieval.compaction import compact  # noqa: E402
+from retrieval.index_format import read_manifest  # noqa: E402
 from retrieval.load_options import LoadOptions  # noqa: E402
 from retrieval.searcher import Searcher  # noqa: E402
 from retrieval.writes import Writes  # noqa: E402
@@ -168,10 +172,17 @@ def served(args: argparse.Namespace, encoder: BiEncoder) -> None:
 
 
 def compaction(args: argparse.Namespace, encoder: BiEncoder) -> None:
-    out = args.work / f"synthetic-{args.size}"
+    out = args.work / f"synthetic-{args.size}-{'-'.join(args.structure) or 'flat'}"
     record = encoder_record(encoder)
-    build_synthetic(out, args.size, record.dimension, record, demo_centres(encoder, record.dimension), 0.35)
-    writes = Writes.open(Searcher(out, encoder, LoadOptions(device="cpu")))
+    if not out.exists():
+        build_synthetic(out, args.size, record.dimension, record, demo_centres(encoder, record.dimension), 0.35,
+                        bm25=True)
+        for kind in args.structure:
+            index_writer.write_candidates(out, kind)
+    index = args.work / "compacted"
+    shutil.rmtree(index, ignore_errors=True)
+    shutil.copytree(out, index)
+    writes = Writes.open(Searcher(index, encoder, LoadOptions(device="cpu")))
     texts = Texts(2)
     passages = texts.passages(1000)
     started = time.perf_counter()
@@ -180,12 +191,51 @@ def compaction(args: argparse.Namespace, encoder: BiEncoder) -> None:
     for first in range(0, len(passages), 100):
         writes.upsert(passages[first:first + 100], vectors[first:first + 100])
     writes.delete(ids=[f"p{i}" for i in range(0, args.size, args.size // 1000)][:1000])
-    report = compact(writes, progress=True)
+    rss = Rss()
+    with rss:
+        report = compact(writes, progress=True)
     writes.close()
-    rebuild = report.count / rate + report.seconds
-    print(f"\ncompaction at {args.size:,} passages (1,000 upserted, 1,000 deleted): {report.seconds:.1f} s; a full "
-          f"rebuild of the {report.count:,} passages: {rebuild:,.0f} s (encoding at {rate:.0f} passages/s, computed, "
-          f"plus the same writes); {rebuild / report.seconds:.0f}x")
+    cards = {c.kind: (c.recall_at_10, c.seconds) for c in read_manifest(index).candidates}
+    started = time.perf_counter()
+    build_bm25(Searcher(index, encoder, LoadOptions(device="cpu")).passages.texts(), report.count,
+               args.work / "bm25-again")
+    bm25_again = time.perf_counter() - started
+    built = {}
+    for kind in args.structure:
+        started = time.perf_counter()
+        index_writer.write_candidates(index, kind, progress=False)
+        built[kind] = time.perf_counter() - started
+    rebuild = report.count / rate + bm25_again + sum(built.values())
+    print(f"\ncompaction at {args.size:,} passages with BM25 and {', '.join(args.structure) or 'no structure'} "
+          f"(1,000 upserted, 1,000 deleted): {report.seconds:.1f} s, peak RSS {rss.peak_gib:.2f} GiB; "
+          + "; ".join(f"{kind} extended or rebuilt in {cards[kind][1]:.1f} s (recall@10 {cards[kind][0]}), "
+                      f"built afresh {built[kind]:.1f} s" for kind in args.structure)
+          + f"; BM25 built again from the texts {bm25_again:.1f} s; a full rebuild {rebuild:,.0f} s (encoding at "
+          f"{rate:.0f} passages/s, computed, plus BM25 and the structures built): {rebuild / report.seconds:.0f}x "
+          "the compaction")
+
+
+class Rss:
+    """The process's peak resident memory while the block runs (sampled every 50 ms), in GiB."""
+
+    def __enter__(self) -> "Rss":
+        self.peak, self.done = 0, threading.Event()
+        self.thread = threading.Thread(target=self._sample, daemon=True)
+        self.thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self.done.wait(0.05):
+            with open("/proc/self/statm") as statm:
+                self.peak = max(self.peak, int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE"))
+
+    def __exit__(self, *exc) -> None:
+        self.done.set()
+        self.thread.join()
+
+    @property
+    def peak_gib(self) -> float:
+        return self.peak / 2**30
 
 
 MODES = {"hybrid (default)": {}, "bm25": {"mode": "bm25"}, "dense": {"mode": "dense"}}
@@ -240,6 +290,8 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--size", type=int, default=100_000)
     parser.add_argument("--work", type=Path, default=None, help="where the indexes are kept (default: a temporary folder)")
+    parser.add_argument("--structure", nargs="*", default=["int8"],
+                        help="candidate structures on the compaction part's index (default: int8)")
     parser.add_argument("--only", choices=["served", "compaction", "first-search"], help="run one of the parts")
     args = parser.parse_args()
     temporary = None

@@ -5,10 +5,11 @@ and the log drops the folded ones. Read-only replicas watching the folder follow
 The new generation holds the collection the writer searched: the old generation's live rows in their order,
 then the live written passages in write order (retrieval.segment), each with its vector as searched (nothing is
 encoded again); BM25 is written from the terms the generation and the segment hold (retrieval.bm25_changes: no
-passage tokenized again, each score as a build's), the candidate structures (with the old ones' parameters) are
-built again, and the manifest records the last write folded in (`write_sequence`). It is written in
-`.NAME.compacting` beside the folder while writes go on; a kill leaves the old generation and the log, which replays every write again.
-A compaction that fails (a full disk) leaves the served generation and the log as they were.
+passage tokenized again, each score as a build's), each candidate structure extended (its removed rows dropped, the
+written ones added, trained as before) or, for a graph (hnsw) and past REBUILD_SHARE of the rows changed, built
+again with the old one's parameters, its recall card measured again either way; the manifest records the last
+write folded in (`write_sequence`). It is written in `.NAME.compacting` beside the folder while writes go on; a
+kill leaves the old generation and the log, which replays every write again. A compaction that fails (a full disk) leaves the served generation and the log as they were.
 """
 
 from __future__ import annotations
@@ -22,9 +23,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import faiss
+import numpy as np
 
 from retrieval import bm25_changes, index_writer
 from retrieval.bm25_index import BM25_DIR
+from retrieval.candidates import structures
 from retrieval.fields import encode_fields
 from retrieval.index_format import INDEX_FILE, generation_id
 from retrieval.pinned import replaced
@@ -32,6 +35,9 @@ from retrieval.searcher import Searcher
 from retrieval.writes import Writes
 
 BLOCK = 65_536  # rows read and written at a time
+# Past this share of the generation's rows changed (removed and added), a structure is trained and built again;
+# below it, the one served is extended (rows removed, the written ones added: candidates.kind.Kind.extended).
+REBUILD_SHARE = 0.2
 
 _compacting = threading.Lock()  # one compaction at a time in a process
 
@@ -120,7 +126,16 @@ def _write(work: Path, searcher: Searcher, progress: bool) -> int:
         bm25_from = lambda folder: bm25_changes.write_compacted(base_terms, segment, source, folder)  # noqa: E731
     index_writer.write_manifest(work, encoder=manifest.encoder, corpus=corpus, count=count,
                                 bm25=manifest.bm25 is not None, write_sequence=segment.seq, bm25_from=bm25_from)
+    removed = np.zeros(0, dtype=np.int64) if segment.hidden is None else np.flatnonzero(segment.hidden)
+    added = segment.vectors[written] if len(written) else np.zeros((0, manifest.dimension), dtype=np.float32)
+    rebuild = len(removed) + len(added) > REBUILD_SHARE * max(manifest.count, 1)
     for record in manifest.candidates:
-        index_writer.write_candidates(work, record.kind, record.params, depth=record.depth, sample=record.sample,
-                                      progress=progress)
+        loaded = searcher.structures.get(record.kind)
+        started = time.perf_counter()
+        extended = None if rebuild or loaded is None else structures.extended(loaded, removed, added)
+        if extended is None:
+            index_writer.write_candidates(work, record.kind, record.params, depth=record.depth, sample=record.sample,
+                                          progress=progress)
+        else:
+            index_writer.write_structure(work, extended, time.perf_counter() - started, sample=record.sample)
     return count

@@ -23,8 +23,9 @@ import faiss
 import numpy as np
 
 from retrieval import dense_index
-from retrieval.candidates import recall, structures
 from retrieval.bm25_index import BM25_DIR, bm25_record, build_bm25
+from retrieval.candidates import recall, structures
+from retrieval.candidates.kind import Structure
 from retrieval.fields import stored_types
 from retrieval.index_format import (
     INDEX_FILE,
@@ -164,7 +165,21 @@ def write_candidates(work: Path, kind: str, params: dict[str, int] | None = None
     started = time.perf_counter()
     structure = structures.build(flat, kind, params, depth=depth, progress=progress, checkpoint=checkpoint,
                                  identity=manifest.files[INDEX_FILE].sha256)
-    seconds = time.perf_counter() - started
+    record = write_structure(work, structure, time.perf_counter() - started, query_vectors, queries, sample)
+    for path in (checkpoint, checkpoint.with_name(checkpoint.name + ".json")):
+        path.unlink(missing_ok=True)
+    return record
+
+
+def write_structure(work: Path, structure: Structure, seconds: float, query_vectors: np.ndarray | None = None,
+                    queries: str = recall.HELD_OUT, sample: int = recall.RECALL_SAMPLE) -> CandidateRecord:
+    """`structure` (over the finished index in `work`: built, or extended by a compaction in `seconds`) written as
+    `candidates-KIND.faiss`, its recall card measured against `work`'s vectors, and the manifest resealed listing
+    it in place of a structure of the same kind."""
+    manifest = read_manifest(work)
+    flat = dense_index.load_index(work / INDEX_FILE, "cpu", mmap=True)
+    kind = structure.kind
+    structures.kind(kind).attach(structure.index, flat)
     name = candidates_file(kind)
     tmp = work / (name + ".tmp")
     structures.write(structure, tmp)
@@ -178,8 +193,6 @@ def write_candidates(work: Path, kind: str, params: dict[str, int] | None = None
               "candidates": [*(c for c in manifest.candidates if c.kind != kind), record]}
     _fsync(work)
     write_json_atomic(work / MANIFEST_FILE, sealed(manifest.model_copy(update=update)))
-    for path in (checkpoint, checkpoint.with_name(checkpoint.name + ".json")):
-        path.unlink(missing_ok=True)
     return record
 
 

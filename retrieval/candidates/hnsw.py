@@ -49,6 +49,9 @@ class Hnsw(Kind):
             search.sel = selector
         return structure.index.search(vectors, depth, params=search)[1]
 
+    def extended(self, index, removed, vectors):
+        return None  # a graph's nodes are its rows: a removed row cannot leave it, so a compaction builds it again
+
     def attach(self, index, flat: faiss.IndexFlat) -> None:
         """Make the graph search `flat`'s vectors (which it must outlive: it keeps a reference); its own copy,
         a fresh build's, is freed."""

@@ -82,6 +82,29 @@ class Ivf(Kind):
     def propose(self, structure, vectors, depth, selector):
         return search_lists(structure, vectors, depth, selector)
 
+    def extended(self, index, removed, vectors):
+        return extended_lists(index, removed, vectors)
+
+
+def extended_lists(index, removed: np.ndarray, vectors: np.ndarray):
+    """Kind.extended for an IVF index, whose lists hold each row's id: the removed ids dropped, the others
+    renumbered down past them, the vectors filed under the next rows, into the lists trained before."""
+    copy = faiss.clone_index(index)
+    removed = np.asarray(removed, dtype=np.int64)
+    if len(removed):
+        copy.remove_ids(faiss.IDSelectorBatch(removed))
+        lists = copy.invlists
+        for number in range(copy.nlist):
+            size = lists.list_size(number)
+            if size:
+                ids = faiss.rev_swig_ptr(lists.get_ids(number), size)  # the copy's own ids, changed in place
+                ids -= np.searchsorted(removed, ids)
+    if len(vectors):
+        start = copy.ntotal
+        copy.add_with_ids(np.ascontiguousarray(vectors, dtype=np.float32),
+                          np.arange(start, start + len(vectors), dtype=np.int64))
+    return copy
+
 
 def search_lists(structure: Structure, vectors: np.ndarray, depth: int, selector) -> np.ndarray:
     nprobe = probes(structure, depth)

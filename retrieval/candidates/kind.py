@@ -83,6 +83,18 @@ class Kind:
         params = faiss.SearchParameters(sel=selector) if selector is not None else None
         return structure.index.search(self.codes(vectors), depth, params=params)[1]
 
+    def extended(self, index: Any, removed: np.ndarray, vectors: np.ndarray) -> Any | None:
+        """A copy of `index` (left as it is: searches read it) with the rows `removed` (ascending) dropped, the rows
+        after each renumbered down by one, and `vectors` added as the last rows: the structure of a compacted
+        generation (retrieval.compaction), trained as before. None where the kind cannot (built again). This
+        default suits codes held in row order (faiss IndexFlatCodes), whose remove_ids shifts the rows so."""
+        copy = faiss.clone_binary_index(index) if self.binary else faiss.clone_index(index)
+        if len(removed):
+            copy.remove_ids(faiss.IDSelectorBatch(np.asarray(removed, dtype=np.int64)))
+        if len(vectors):
+            copy.add(self.codes(np.ascontiguousarray(vectors, dtype=np.float32)))
+        return copy
+
     def attach(self, index: Any, flat: faiss.IndexFlat) -> None:
         """Called once a structure is built or loaded over `flat` (a graph that reads its vectors)."""
 

@@ -53,3 +53,6 @@ class Pq(Kind):
 
     def propose(self, structure, vectors, depth, selector):
         return ivf.search_lists(structure, vectors, depth, selector)
+
+    def extended(self, index, removed, vectors):
+        return ivf.extended_lists(index, removed, vectors)

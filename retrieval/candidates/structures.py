@@ -67,6 +67,14 @@ def build(flat: faiss.IndexFlat, name: str, params: dict[str, int] | None = None
     return Structure(name, index, params, depth or spec.default_depth(params))
 
 
+def extended(structure: Structure, removed: np.ndarray, vectors: np.ndarray) -> Structure | None:
+    """`structure` for a compacted generation: its rows `removed` (ascending) dropped and the later ones
+    renumbered down, `vectors` added as the last rows (kind.Kind.extended); None for a kind that must be built
+    again. The structure given is left as it is."""
+    index = kind(structure.kind).extended(structure.index, removed, vectors)
+    return None if index is None else Structure(structure.kind, index, dict(structure.params), structure.depth)
+
+
 def write(structure: Structure, path: Path) -> None:
     """`structure` to `path`, through Python's file object, so a failed write (a full disk) raises OSError;
     fsynced. A kind that skips its storage (hnsw's graph) is written without vectors: they are index.faiss's."""
