@@ -163,7 +163,7 @@ def write_compacted(base: BaseTerms, segment: Segment, source: Path, out: Path) 
     alive = np.flatnonzero(segment.live)
     written_row = np.full(positions, -1, dtype=np.int64)
     written_row[alive] = kept_count + np.arange(len(alive))
-    vocabulary = list(base.vocab)  # columns: the generation's terms in its order, then the written ones new to it
+    vocabulary = sorted(base.vocab, key=base.vocab.get)  # by column: the generation's terms, then the new ones
     columns = dict(base.vocab)
     for term in terms.terms():
         if term not in columns:
