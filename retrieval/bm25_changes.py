@@ -78,38 +78,23 @@ class BaseTerms:
         return self.indices[start:end], self.frequencies[start:end]
 
 
-@dataclass(frozen=True)
-class Statistics:
-    """A changed collection's BM25 statistics, as one segment sees it."""
-
-    count: int
-    average_length: float
-
-
-def statistics(base: BaseTerms, segment: Segment) -> Statistics:
-    terms = segment.terms
-    lengths = np.asarray(terms.written_lengths[:len(segment.passages)], dtype=np.float64)
-    count = base.count - segment.hidden_count + segment.written
-    total = base.total_length - terms.hidden_length(segment.hidden_count) + float(lengths[segment.live].sum())
-    return Statistics(count, total / count if count else 1.0)
-
-
 def search(base: BaseTerms, segment: Segment, queries: Sequence[str], k: int, base_mask: np.ndarray | None,
            written: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
     """Each query's best `k` (rows, scores) of the collection `segment` makes of its generation: the generation's
     rows `base_mask` keeps (None: all; the hidden ones must be out of it) and the written passages `written` keeps
     (rows base_count + position), by exact BM25 over the live collection (the module), best first, equal scores by
     row; only passages sharing a term with the query."""
-    terms, stats = segment.terms, statistics(base, segment)
-    positions = len(segment.passages)
+    terms, positions = segment.terms, len(segment.passages)
     written_lengths = np.asarray(terms.written_lengths[:positions], dtype=np.float64)
-    norm_base, norm_slope = K1 * (1 - B), K1 * B / stats.average_length
+    count = base.count - segment.hidden_count + segment.written  # the live collection's statistics
+    total = base.total_length - terms.hidden_length(segment.hidden_count) + float(written_lengths[segment.live].sum())
+    norm_base, norm_slope = K1 * (1 - B), K1 * B / (total / count if count else 1.0)
     results = []
     for query in stems(queries):
         base_scores = np.zeros(base.count, dtype=np.float64)
         written_scores = np.zeros(positions, dtype=np.float64)
         for term, (rows, frequencies), (mine, mine_frequencies), frequency in _known(base, segment, query):
-            idf = np.log(1 + (stats.count - frequency + 0.5) / (frequency + 0.5))
+            idf = np.log(1 + (count - frequency + 0.5) / (frequency + 0.5))
             if len(rows):
                 base_scores[rows] += idf * frequencies / (frequencies + norm_base + norm_slope * base.lengths[rows])
             if len(mine):

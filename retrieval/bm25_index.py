@@ -84,14 +84,15 @@ class Bm25Index:
     def passage_lengths(self, texts: Callable[[], Iterable[str]]) -> np.ndarray:
         """Each passage's length in terms: as stored, or (an index built before lengths were kept) counted once from
         `texts()`, the passages' texts in row order."""
-        if self.lengths is None:
-            def count() -> np.ndarray:
-                log.info("counting the terms of %d passages (an index built before their lengths were kept)",
-                         self.count)
-                tokens = new_tokenizer().tokenize(texts(), length=self.count, return_as="ids", show_progress=True)
-                return np.array([len(ids) for ids in tokens], dtype=np.int32)
-            self.lengths = self.derived("lengths", count)
-        return self.lengths
+        if self.lengths is not None:
+            return self.lengths
+
+        def count() -> np.ndarray:
+            log.info("counting the terms of %d passages (an index built before their lengths were kept)", self.count)
+            tokens = new_tokenizer().tokenize(texts(), length=self.count, return_as="ids", show_progress=True)
+            return np.array([len(ids) for ids in tokens], dtype=np.int32)
+
+        return self.derived("lengths", count)
 
     def derived(self, name: str, make: Callable[[], Any]) -> Any:
         """`make()`'s result, made once for this index (what scoring it beside writes reads: retrieval.bm25_changes)."""

@@ -9,7 +9,8 @@ passage tokenized again, each score as a build's), each candidate structure exte
 written ones added, trained as before) or, for a graph (hnsw) and past REBUILD_SHARE of the rows changed, built
 again with the old one's parameters, its recall card measured again either way; the manifest records the last
 write folded in (`write_sequence`). It is written in `.NAME.compacting` beside the folder while writes go on; a
-kill leaves the old generation and the log, which replays every write again. A compaction that fails (a full disk) leaves the served generation and the log as they were.
+kill leaves the old generation and the log, which replays every write again. A compaction that fails (a full
+disk) leaves the served generation and the log as they were.
 """
 
 from __future__ import annotations
