@@ -5,12 +5,13 @@ and the log drops the folded ones. Read-only replicas watching the folder follow
 The new generation holds the collection the writer searched: the old generation's live rows in their order,
 then the live written passages in write order (retrieval.segment), each with its vector as searched (nothing is
 encoded again); BM25 is written from the terms the generation and the segment hold (retrieval.bm25_changes: no
-passage tokenized again, each score as a build's), each candidate structure extended (its removed rows dropped, the
-written ones added, trained as before) or, for a graph (hnsw) and past REBUILD_SHARE of the rows changed, built
-again with the old one's parameters, its recall card measured again either way; the manifest records the last
-write folded in (`write_sequence`). It is written in `.NAME.compacting` beside the folder while writes go on; a
-kill leaves the old generation and the log, which replays every write again. A compaction that fails (a full
-disk) leaves the served generation and the log as they were.
+passage tokenized again, each score as a build's), each candidate structure extended (its removed rows dropped, or
+in a graph (hnsw) kept as paths never proposed; the written ones added, trained as before) or, past REBUILD_SHARE of
+the rows changed (or a graph's own share of deleted nodes), built again with the old one's parameters, its recall
+card measured again either way; the manifest records the last write folded in (`write_sequence`). It is written
+in `.NAME.compacting` beside the folder while writes go on; a kill leaves the old generation and the log, which
+replays every write again. A compaction that fails (a full disk) leaves the served generation and the log as
+they were.
 """
 
 from __future__ import annotations

@@ -131,6 +131,11 @@ class ServiceSettings(BaseSettings):
         "and not with watch_index.",
     )
     max_write_passages: int = Field(256, ge=1, description="Most passages in one POST /passages.")
+    write_share: float = Field(
+        0.25, gt=0, le=1, description="With writes, the most of the model thread's time that encoding written "
+        "passages takes while searches are queued or running (with none waiting, writes take all of it): lower "
+        "slows searches less under a stream of writes and the writes more under search load.",
+    )
     max_scope_fields: int = Field(
         MAX_SCOPE_FIELDS, ge=1, description="With writes and a keys file: most metadata fields the live passages "
         "inside one key's scope may hold (a field counts while one of them holds it); a scoped write is never "

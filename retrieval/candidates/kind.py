@@ -44,7 +44,7 @@ class Kind:
     summary: ClassVar[str]  # one line: what it holds, for `ann --help` and the docs
     params: ClassVar[dict[str, Param]] = {}
     depth: ClassVar[int]  # candidates rescored by default, where `default_depth` is not overridden
-    index_type: ClassVar[type]  # the FAISS class a file of this kind must hold
+    index_type: ClassVar[type | tuple[type, ...]]  # the FAISS class (or classes) a file of this kind must hold
     binary: ClassVar[bool] = False  # a faiss.IndexBinary: written and read by the binary functions
     skips_storage: ClassVar[bool] = False  # written without its vectors (IO_FLAG_SKIP_STORAGE): index.faiss's
     checkpoint_seconds: ClassVar[float | None] = None  # a build saves its state this often (`save`) to resume
@@ -94,6 +94,18 @@ class Kind:
         if len(vectors):
             copy.add(self.codes(np.ascontiguousarray(vectors, dtype=np.float32)))
         return copy
+
+    def rows(self, index: Any) -> int:
+        """The rows of index.faiss `index` covers (a load checks them against the file's)."""
+        return index.ntotal
+
+    def without_vectors(self, index: Any) -> bool:
+        """Whether `index` is written without its vectors (IO_FLAG_SKIP_STORAGE): it reads index.faiss's."""
+        return self.skips_storage
+
+    def read_flags(self) -> int:
+        """The FAISS flags a file of this kind is read with."""
+        return faiss.IO_FLAG_SKIP_STORAGE if self.skips_storage else 0
 
     def attach(self, index: Any, flat: faiss.IndexFlat) -> None:
         """Called once a structure is built or loaded over `flat` (a graph that reads its vectors)."""

@@ -77,10 +77,11 @@ def extended(structure: Structure, removed: np.ndarray, vectors: np.ndarray) -> 
 
 def write(structure: Structure, path: Path) -> None:
     """`structure` to `path`, through Python's file object, so a failed write (a full disk) raises OSError;
-    fsynced. A kind that skips its storage (hnsw's graph) is written without vectors: they are index.faiss's."""
+    fsynced. A kind that skips its storage (hnsw's graph as built) is written without vectors: they are
+    index.faiss's."""
     spec = kind(structure.kind)
     with path.open("wb") as handle:
-        write_index(structure.index, handle, binary=spec.binary, skips_storage=spec.skips_storage)
+        write_index(structure.index, handle, binary=spec.binary, skips_storage=spec.without_vectors(structure.index))
         handle.flush()
         os.fsync(handle.fileno())
 
@@ -91,7 +92,7 @@ def load(path: Path, record: CandidateRecord, flat: faiss.IndexFlat, expected: F
     checked from the bytes read (dense_index.read_verified). IndexFormatError for a file that is not that."""
     spec = KINDS[record.kind]
     reader = faiss.read_index_binary if spec.binary else faiss.read_index
-    flags = faiss.IO_FLAG_SKIP_STORAGE if spec.skips_storage else 0
+    flags = spec.read_flags()
     try:
         if expected is None:
             index = reader(str(path), flags)
@@ -100,8 +101,8 @@ def load(path: Path, record: CandidateRecord, flat: faiss.IndexFlat, expected: F
     except RuntimeError as error:  # FAISS's parse error, for a file damaged and not verified
         raise IndexFormatError(f"{path}: not a readable {record.kind} structure "
                                f"({str(error).strip().splitlines()[-1]})") from None
-    if not isinstance(index, spec.index_type) or index.ntotal != flat.ntotal or index.d != spec.dimension(flat.d):
-        raise IndexFormatError(f"{path}: a {type(index).__name__} of {index.ntotal} {index.d}-d rows, not the "
+    if not isinstance(index, spec.index_type) or spec.rows(index) != flat.ntotal or index.d != spec.dimension(flat.d):
+        raise IndexFormatError(f"{path}: a {type(index).__name__} of {spec.rows(index)} {index.d}-d rows, not the "
                                f"{record.kind} structure of index.faiss's {flat.ntotal} {flat.d}-d vectors")
     spec.attach(index, flat)
     return Structure(record.kind, index, dict(record.params), record.depth)

@@ -33,18 +33,17 @@ from service.engine.index_watch import IndexWatch
 from service.engine.monitoring import Monitor, ServingState
 from service.engine.search_engine import ReloadError, Run, SearchEngine, SearchPlan, SearchResult
 from service.engine.tracing import Stage, Tracing
+from service.engine.write_share import WriteShare
 from service.errors import NotReady, NotServable, WritesUnavailable
 from service.settings import ServiceSettings
 
 log = logging.getLogger("service")
 # A /rerank's share of the model thread before waiting batches get theirs: 16 full monoBERT pairs.
 RERANK_SLICE_TOKENS = 8192
-# A write's share of the model thread before waiting searches get theirs: one passage at the usual 256-token
-# limit (16 passages in one slice held searches 6.5x longer at p99: bench/writes.py).
+# A write's turn on the model thread before waiting searches get theirs: one passage at the usual 256-token
+# limit (16 passages in one turn held searches 6.5x longer at p99: bench/writes.py); how often writes take a turn
+# while searches wait is SEARCH_WRITE_SHARE's (service/engine/write_share.py).
 WRITE_SLICE_TOKENS = 256
-# How long a write's slice waits for the searches queued or running to be done before it takes its turn anyway:
-# searches go first, and a stream of them delays a write, never starves it.
-WRITE_YIELD_S = 0.05
 # A failed compaction is tried again after 30 s, then twice as long each time, up to an hour.
 COMPACT_BACKOFF_MIN_S, COMPACT_BACKOFF_MAX_S = 30.0, 3600.0
 # A write the log refused for a passing reason (not a full disk, nothing lasting): the Retry-After it is answered with.
@@ -107,6 +106,7 @@ class Runtime:
         self.watch = IndexWatch(settings.watch_interval_s, self.served_index, self.reload, self.served_again) \
             if settings.watch_index else None
         self.writes: Writes | None = None  # with SEARCH_WRITES, once the engine is loaded
+        self.write_share = WriteShare(settings.write_share, lambda: self.batcher.busy)
         self.compacting: Future | None = None  # the last compaction started, on the loader thread
         self.compact_backoff_s, self.compact_not_before = COMPACT_BACKOFF_MIN_S / 2, 0.0  # after failed ones
         self.write_failure: str | None = None  # why the last write was not logged, until one is (in /ready)
@@ -271,16 +271,14 @@ class Runtime:
 
     async def upsert(self, passages: Sequence[Passage], tokens: Sequence[Tokens], scope: dict | None = None) -> int:
         """Encodes `passages` (`tokens`: theirs) on the model thread in slices of at most WRITE_SLICE_TOKENS tokens,
-        each its own turn, taken once the searches queued or running are done (or after WRITE_YIELD_S), then writes
-        them: logged, fsynced and searched when this returns their sequence number."""
+        each its own turn, paced while searches wait (SEARCH_WRITE_SHARE), then writes them: logged, fsynced and
+        searched when this returns their sequence number."""
         writes = self.ready_writes()
         encoder = writes.searcher.encoder
         parts = []
         for start, end in slices([len(t.ids) for t in tokens], WRITE_SLICE_TOKENS):
-            deadline = time.monotonic() + WRITE_YIELD_S
-            while self.batcher.busy and time.monotonic() < deadline:
-                await asyncio.sleep(0.002)
-            parts.append(await self._on_model_thread(encoder.encode_tokens, list(tokens[start:end])))
+            parts.append(await self.write_share.run(self._on_model_thread, encoder.encode_tokens,
+                                                    list(tokens[start:end])))
         write = functools.partial(writes.upsert, list(passages), np.concatenate(parts), scope)
         with self._logging_writes():
             seq = await asyncio.to_thread(write)
