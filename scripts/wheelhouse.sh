@@ -8,12 +8,14 @@ cd "$(dirname "$0")/.."
 kind=${1:-cpu}
 python=${PYTHON:-python3}
 case "$kind" in
-    cpu) extras="tracing" ;;
-    gpu) extras="gpu,tracing"; export PIP_FIND_LINKS="" ;;  # a local CPU wheel would win over PyPI's CUDA one
+    cpu) extras="tracing"; torch="torch==2.13.0" ;;
+    # ===: exactly 2.13.0, PyPI's CUDA build; == would also take a local 2.13.0+cpu wheel (find-links), and prefer it
+    gpu) extras="gpu,tracing"; torch="torch===2.13.0" ;;
     *) echo "error: cpu or gpu, not $kind" >&2; exit 2 ;;
 esac
 started=$(date +%s)
+rm -f docker/wheelhouse/*.whl  # one kind at a time: the other's torch would satisfy torch==2.13.0 as well
 # The build backend too: the image builds the project's own wheel with nothing but these.
-"$python" -m pip wheel --quiet --wheel-dir docker/wheelhouse "setuptools>=68" wheel torch==2.13.0 ".[$extras]"
+"$python" -m pip wheel --quiet --wheel-dir docker/wheelhouse "setuptools>=68" wheel "$torch" ".[$extras]"
 rm -rf docker/wheelhouse/dense_search-*.whl build  # the image builds the project from the sources it copies
 echo "wheelhouse: $(ls docker/wheelhouse/*.whl | wc -l) wheels, $(du -sm docker/wheelhouse | cut -f1) MB in docker/wheelhouse ($kind), $(( $(date +%s) - started )) s"

@@ -174,7 +174,10 @@ def test_images_run_as_a_user_with_model_and_index_volumes_and_check_ready():
             for source in copy.split()[:-1]:
                 assert (ROOT / source).exists() and source not in ignored, (kind, source)
         assert any("apt-get install" in run and "libjemalloc2" in run for run in instruction(path, "RUN")), kind
-    assert instruction(DOCKERFILES["cpu"], "FROM") == ["${BASE_IMAGE} AS build", "${BASE_IMAGE}"]
+    # The dependencies in a stage of their own, so that a change to the sources alone keeps their layers.
+    assert instruction(DOCKERFILES["cpu"], "FROM") == [
+        "${BASE_IMAGE} AS requirements", "${BASE_IMAGE} AS dependencies", "dependencies AS venv",
+        "${BASE_IMAGE} AS sources", "dependencies AS project", "${BASE_IMAGE}"]
     assert {"BASE_IMAGE=python:3.11-slim", "WHEELS=index", "TORCH_INDEX=https://download.pytorch.org/whl/cpu"} <= set(
         instruction(DOCKERFILES["cpu"], "ARG"))
     assert any(arg.startswith("CUDA_IMAGE=nvidia/cuda:") for arg in instruction(DOCKERFILES["gpu"], "ARG"))
