@@ -7,6 +7,7 @@ qrels number queries 1..225 in file order, so a query's id is its position in th
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Iterator
@@ -64,3 +65,28 @@ def convert_cranfield(folder: Path, out: Path) -> dict[str, int]:
             handle.write(f"{fields[0]} 0 {fields[1]} {CRANFIELD_GRADES[int(fields[2])]}\n")
             judgements += 1
     return {"documents": documents, "queries": queries, "judgements": judgements}
+
+
+def convert_cisi(folder: Path, out: Path) -> dict[str, int]:
+    """CISI (CISI.ALL, CISI.QRY, CISI.REL: library and information science abstracts, and questions about them)
+    to corpus.jsonl (BEIR's `{"_id", "title", "text"}`: titles kept apart, so they can be training pairs),
+    queries.tsv (the judged questions, by their `.I`, which CISI.REL uses) and qrels.txt (each pair listed
+    relevant, 1: CISI's judgements are binary); returns the counts."""
+    out.mkdir(parents=True, exist_ok=True)
+    documents = 0
+    with (out / "corpus.jsonl").open("w", encoding="utf-8") as corpus:
+        for doc_id, fields in read_smart(folder / "CISI.ALL"):
+            if fields.get("W") or fields.get("T"):
+                corpus.write(json.dumps({"_id": doc_id, "title": fields.get("T", ""), "text": fields.get("W", "")})
+                             + "\n")
+                documents += 1
+    pairs = [line.split()[:2] for line in (folder / "CISI.REL").read_text().splitlines() if line.strip()]
+    judged = {qid for qid, _ in pairs}
+    queries = 0
+    with (out / "queries.tsv").open("w", encoding="utf-8") as handle:
+        for qid, fields in read_smart(folder / "CISI.QRY"):
+            if qid in judged:
+                handle.write(f"{qid}\t{fields.get('W', '')}\n")
+                queries += 1
+    (out / "qrels.txt").write_text("".join(f"{qid} 0 {doc_id} 1\n" for qid, doc_id in pairs), encoding="utf-8")
+    return {"documents": documents, "queries": queries, "judgements": len(pairs)}

@@ -3,6 +3,7 @@ run/qrels/query files, the SMART reader, and dense retrieval quality on Cranfiel
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -10,7 +11,7 @@ import pytest
 
 from index_builder.build import BuildOptions, build_index
 from index_builder.cli import main as cli_main
-from index_builder.convert_cranfield import convert_cranfield, read_smart
+from index_builder.convert_cranfield import convert_cisi, convert_cranfield, read_smart
 from index_builder.eval_command import EvalOptions, evaluate_index
 from index_builder.evaluate import consistency_factor, format_table
 from retrieval.evaluation import metrics, run_queries
@@ -262,6 +263,18 @@ def test_cranfield_query_ids_are_positions_not_dot_i_numbers(tmp_path):
     queries = read_queries(tmp_path / "queries.tsv")
     assert list(queries)[:3] == ["1", "2", "3"]
     assert queries["3"].startswith("what problems of heat conduction in composite slabs")
+
+
+def test_cisi_keeps_titles_apart_and_only_its_judged_questions(tmp_path):
+    (tmp_path / "CISI.ALL").write_text(".I 1\n.T\nDewey Decimal\nClassification\n.A\nComaromi, J.P.\n.W\n   A history\n"
+                                       "of the DDC.\n.X\n1\t5\t1\n.I 2\n.T\nIndexing\n.W\nTerms and their use.\n")
+    (tmp_path / "CISI.QRY").write_text(".I 1\n.W\nWhat is the\nhistory of the DDC?\n.I 2\n.W\nNever judged.\n")
+    (tmp_path / "CISI.REL").write_text("     1      1\t0\t0.000000\n     1      2\t0\t0.000000\n")
+    assert convert_cisi(tmp_path, tmp_path / "out") == {"documents": 2, "queries": 1, "judgements": 2}
+    first = json.loads((tmp_path / "out" / "corpus.jsonl").read_text().splitlines()[0])
+    assert first == {"_id": "1", "title": "Dewey Decimal Classification", "text": "A history of the DDC."}
+    assert read_queries(tmp_path / "out" / "queries.tsv") == {"1": "What is the history of the DDC?"}
+    assert read_qrels(tmp_path / "out" / "qrels.txt") == {"1": {"1": 1, "2": 1}}
 
 
 @needs_cranfield

@@ -303,6 +303,52 @@ def test_generated_queries_each_judge_the_one_drawn_passage_they_were_sampled_fr
     assert (tmp_path / "c" / "qrels.txt").read_text() != (tmp_path / "a" / "qrels.txt").read_text()
 
 
+def test_cropped_spans_become_queries_whose_one_relevant_passage_is_the_text_they_were_cut_from(tmp_path):
+    words = [f"w{i}" for i in range(60)]
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps(record) + "\n" for record in [
+        {"_id": "long", "title": "A title never cropped", "text": " ".join(words)},
+        {"_id": "short", "title": "", "text": "seven words are too few to crop"},
+        {"_id": "mid", "title": "", "text": " ".join(words[:12])}]))
+    done = pseudo_queries(corpus, tmp_path / "a", "--crops", "3")
+    assert done.returncode == 0 and "wrote 6 cropped queries (1 passages left out)" in done.stdout, done.stderr
+    queries = [line.split("\t") for line in (tmp_path / "a" / "queries.tsv").read_text().splitlines()]
+    qrels = [line.split() for line in (tmp_path / "a" / "qrels.txt").read_text().splitlines()]
+    texts = dict(line.split("\t") for line in (tmp_path / "a" / "corpus.tsv").read_text().splitlines())
+    assert texts == {"long": " ".join(words), "mid": " ".join(words[:12])}  # titles left out, as for title queries
+    assert [qid for qid, _ in queries] == [f"crop:{pid}:{n}" for pid in ("long", "mid") for n in range(3)]
+    assert qrels == [[qid, "0", qid.split(":")[1], "1"] for qid, _ in queries]
+    for qid, span in queries:
+        text = texts[qid.split(":")[1]]
+        assert f" {span} " in f" {text} "  # a contiguous span of its passage's text
+        assert 4 <= len(span.split()) <= max(4, min(len(text.split()) // 2, 24))
+    assert len({span for _, span in queries}) > 3  # drawn, not the same span each time
+    assert pseudo_queries(corpus, tmp_path / "b", "--crops", "3").returncode == 0  # seeded
+    assert (tmp_path / "b" / "queries.tsv").read_text() == (tmp_path / "a" / "queries.tsv").read_text()
+    assert pseudo_queries(corpus, tmp_path / "c", "--crops", "3", "--seed", "14").returncode == 0
+    assert (tmp_path / "c" / "queries.tsv").read_text() != (tmp_path / "a" / "queries.tsv").read_text()
+
+
+def test_a_split_of_pairs_cut_from_passages_keeps_each_passage_on_one_side(tmp_path):
+    from training.split import write_split
+
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"_id": f"p{i}", "title": f"the title of passage number {i}",
+                                          "text": " ".join(f"w{i}x{j}" for j in range(40))}) + "\n"
+                              for i in range(30)))
+    pairs = tmp_path / "pairs"
+    done = pseudo_queries(corpus, pairs, "--crops", "4", "--with-titles")
+    assert done.returncode == 0 and "wrote 150 cropped and title queries" in done.stdout, done.stderr
+    write_split(pairs / "queries.tsv", pairs / "qrels.txt", tmp_path / "split", dev_share=0.2)
+    sides = {side: [line.split() for line in (tmp_path / "split" / f"qrels-{side}.txt").read_text().splitlines()]
+             for side in ("train", "dev")}
+    held_out = {pid for _, _, pid, _ in sides["dev"]}
+    assert held_out and not held_out & {pid for _, _, pid, _ in sides["train"]}
+    # Every pair of a held-out passage, title and crops alike, is held out with it.
+    assert {qid for qid, _, _, _ in sides["dev"]} == {f"{source}{pid}{crop}" for pid in held_out for source, crop in
+                                                     [("title:", "")] + [("crop:", f":{n}") for n in range(4)]}
+
+
 @pytest.mark.parametrize("generated, query", [
     ("IgG cells produce anti-IgA1 antibodies.Aroma compounds are", "IgG cells produce anti-IgA1 antibodies."),
     ("Tf4 binds   integrins.\nassistant\nThe", "Tf4 binds integrins."),
@@ -320,6 +366,7 @@ def test_a_generated_query_is_its_first_sentence(generated, query):
     (("--passages", "3"), "--generator and --passages go together"),
     (("--generator", "GEN", "--passages", "0"), "--passages must be between 1 and 2 (the corpus's passages), got 0"),
     (("--generator", "GEN", "--passages", "3"), "--passages must be between 1 and 2 (the corpus's passages), got 3"),
+    (("--with-titles",), "--with-titles adds titles to --crops; titles alone are the default source"),
 ])
 def test_generated_queries_refuse_bad_flags_with_exit_2(tmp_path, flags, reason):
     corpus = tmp_path / "corpus.jsonl"

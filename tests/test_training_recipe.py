@@ -14,7 +14,6 @@ import pytest
 
 from models.reranker import load_reranker
 from retrieval.evaluation import per_query
-from retrieval.feedback import Feedback
 from retrieval.index_format import read_manifest
 from retrieval.load_options import LoadOptions
 from retrieval.readers import read_qrels, read_queries, relevant
@@ -39,12 +38,17 @@ def recipe_args(folder: Path, *extra: str) -> list[str]:
             "--tune-adopt", "best", *extra]
 
 
-@pytest.fixture(scope="module")
-def recipe_out(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("own-collection")
+def own_collection(folder: Path) -> Path:
+    """The demo's first 300 passages and the 60 queries judged on them, in `folder`."""
     (folder / "corpus.tsv").write_text(head(DEMO / "corpus.tsv", SMALL_CORPUS_LINES))
     (folder / "queries.tsv").write_text(head(DEMO / "queries.tsv", QUERIES))
     (folder / "qrels.txt").write_text(head(DEMO / "qrels.txt", QUERIES))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def recipe_out(tmp_path_factory) -> Path:
+    folder = own_collection(tmp_path_factory.mktemp("own-collection"))
     done = subprocess.run([sys.executable, "-m", "training.recipe", *recipe_args(folder)], cwd=ROOT,
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -161,9 +165,7 @@ def test_the_first_stage_tuned_on_the_training_queries_is_served_as_the_recipe_s
         "SEARCH_DEFAULT_DENSE_WEIGHT", "SEARCH_DEFAULT_FEEDBACK_PASSAGES", "SEARCH_DEFAULT_FEEDBACK_WEIGHT"}
     assert tuned["settings"] == {"SEARCH_INDEX_DIR": str((recipe_out / "index").resolve()), "SEARCH_RERANKERS": "[]",
                                  **summary["tuned"]}
-    setting = Setting(float(summary["tuned"]["SEARCH_DEFAULT_DENSE_WEIGHT"]), None if not int(
-        summary["tuned"]["SEARCH_DEFAULT_FEEDBACK_PASSAGES"]) else Feedback(
-        int(summary["tuned"]["SEARCH_DEFAULT_FEEDBACK_PASSAGES"]), float(summary["tuned"]["SEARCH_DEFAULT_FEEDBACK_WEIGHT"])))
+    setting = Setting.from_env(summary["tuned"])
     assert setting != DEFAULT
     # The held-out figure is the tuned searcher's: scored again here from its own answers.
     queries = read_queries(recipe_out / "split" / "queries-dev.tsv")

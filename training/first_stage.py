@@ -38,6 +38,13 @@ class Setting(NamedTuple):
         return {"SEARCH_DEFAULT_DENSE_WEIGHT": f"{self.dense_weight:g}",
                 "SEARCH_DEFAULT_FEEDBACK_PASSAGES": str(passages), "SEARCH_DEFAULT_FEEDBACK_WEIGHT": f"{weight:g}"}
 
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> "Setting":
+        """The setting `env` (as Setting.env writes it) serves."""
+        passages = int(env["SEARCH_DEFAULT_FEEDBACK_PASSAGES"])
+        return cls(float(env["SEARCH_DEFAULT_DENSE_WEIGHT"]),
+                   Feedback(passages, float(env["SEARCH_DEFAULT_FEEDBACK_WEIGHT"])) if passages else None)
+
     def defaults(self) -> Defaults:
         """A Searcher's defaults that run it."""
         return Defaults(dense_weight=self.dense_weight, feedback=self.feedback)

@@ -3,6 +3,7 @@ the corpus, as InPars and Promptagator make them). Two sources:
 
     python -m training.pseudo_queries --corpus CORPUS.jsonl --out DIR [--min-words 4]
     python -m training.pseudo_queries --corpus CORPUS --out DIR --generator MODEL --passages N [--seed 13]
+    python -m training.pseudo_queries --corpus CORPUS --out DIR --crops K [--with-titles] [--seed 13]
 
 Titles (the first): each passage's title becomes a query whose one relevant passage is that passage's text
 without its title. Reads a corpus as the index builder does (JSONL or BEIR `{"_id", "title", "text"}`; a TSV
@@ -15,6 +16,12 @@ query the model finds likeliest step by step from p(query | passage) (greedy, as
 cut to its first sentence; a query of fewer than `--min-words` words is left out. Writes DIR/queries.tsv
 (`gen:ID<TAB>query`) and DIR/qrels.txt (`gen:ID 0 ID 1`): their passages are the corpus's own, whole, so train
 with `--corpus CORPUS`.
+
+Cropped (`--crops K`, Contriever's independent cropping, with no generator): K spans drawn from each passage's text
+(seeded), each 10% to 50% of its words (at least `--min-words`, at most MAX_CROP_WORDS), become queries whose one
+relevant passage is that text, whole (with `--with-titles`, its title too, as above); a passage of fewer than
+twice `--min-words` words is left out. Writes DIR/queries.tsv (`crop:ID:N<TAB>span`), DIR/qrels.txt
+(`crop:ID:N 0 ID 1`) and DIR/corpus.tsv (`ID<TAB>text`, the passages without titles, as for titles).
 """
 
 from __future__ import annotations
@@ -33,6 +40,15 @@ from retrieval.readers import InputFileError, iter_passages, read_passages
 
 PREFIX = "title:"
 GENERATED = "gen:"
+CROPPED = "crop:"
+# The longest cropped query: past the query token limit a span would be cut anyway (20 tokens in RepBERT).
+MAX_CROP_WORDS = 24
+
+
+def add_title_pair(queries: list[str], qrels: list[str], passage_id: str, title: str) -> None:
+    """The query line and qrels line of `title` against its passage's text."""
+    queries.append(f"{PREFIX}{passage_id}\t{title}\n")
+    qrels.append(f"{PREFIX}{passage_id} 0 {passage_id} 1\n")
 
 
 def write_pseudo_queries(corpus: Path, out: Path, min_words: int = 4) -> tuple[int, int]:
@@ -43,13 +59,46 @@ def write_pseudo_queries(corpus: Path, out: Path, min_words: int = 4) -> tuple[i
         if len(title.split()) < min_words or not text:
             skipped += 1
             continue
-        queries.append(f"{PREFIX}{passage.id}\t{title}\n")
-        qrels.append(f"{PREFIX}{passage.id} 0 {passage.id} 1\n")
+        add_title_pair(queries, qrels, passage.id, title)
         passages.append(f"{passage.id}\t{text}\n")
     if not queries:
         raise InputFileError(f"{corpus}: no passage has a title of {min_words} words or more and a text")
     write_files(out, {"queries.tsv": queries, "qrels.txt": qrels, "corpus.tsv": passages})
     return len(queries), skipped
+
+
+def write_cropped_queries(corpus: Path, out: Path, crops: int, *, min_words: int = 4, seed: int = 13,
+                          titles: bool = False) -> tuple[int, int]:
+    """Writes the three files of `crops` spans a passage (and, with `titles`, its title query where it has one
+    of `min_words` words or more); returns (queries written, passages left out)."""
+    rng = np.random.default_rng(seed)
+    queries, qrels, passages, skipped = [], [], [], 0
+    for passage in tqdm(iter_passages(corpus), desc="passages", unit=" passages"):
+        words = passage.body.split()
+        if len(words) < 2 * min_words:
+            skipped += 1
+            continue
+        for number in range(crops):
+            span = cropped(words, rng, min_words)
+            queries.append(f"{CROPPED}{passage.id}:{number}\t{span}\n")
+            qrels.append(f"{CROPPED}{passage.id}:{number} 0 {passage.id} 1\n")
+        title = " ".join(passage.title.split())
+        if titles and len(title.split()) >= min_words:
+            add_title_pair(queries, qrels, passage.id, title)
+        passages.append(f"{passage.id}\t{' '.join(words)}\n")
+    if not queries:
+        raise InputFileError(f"{corpus}: no passage has a text of {2 * min_words} words or more to crop")
+    write_files(out, {"queries.tsv": queries, "qrels.txt": qrels, "corpus.tsv": passages})
+    return len(queries), skipped
+
+
+def cropped(words: list[str], rng: np.random.Generator, min_words: int) -> str:
+    """A span of 10% to 50% of `words` (at least min_words, at most MAX_CROP_WORDS) at a random place."""
+    shortest = max(min_words, round(0.1 * len(words)))
+    longest = max(shortest, min(round(0.5 * len(words)), MAX_CROP_WORDS))
+    length = int(rng.integers(shortest, longest + 1))
+    start = int(rng.integers(0, len(words) - length + 1))
+    return " ".join(words[start:start + length])
 
 
 def write_files(out: Path, files: dict[str, list[str]]) -> None:
@@ -112,8 +161,12 @@ def build_parser() -> argparse.ArgumentParser:
     generated.add_argument("--generator", type=Path, help="a generative reranker's folder: queries sampled from it, "
                            "not titles")
     generated.add_argument("--passages", type=int, help="with --generator: how many passages get a query")
-    generated.add_argument("--seed", type=int, default=13, help="seed of the passages drawn (default 13)")
+    generated.add_argument("--seed", type=int, default=13, help="seed of the passages drawn, and of the spans "
+                           "cropped with --crops (default 13)")
     generated.add_argument("--device", default="auto", help="the generator's device: auto, cpu, cuda ... (default auto)")
+    parser.add_argument("--crops", type=int, help="spans cropped from each passage as its queries, in place of "
+                        "titles (Contriever's independent cropping)")
+    parser.add_argument("--with-titles", action="store_true", help="with --crops: each passage's title a query too")
     return parser
 
 
@@ -125,7 +178,17 @@ def main(argv: list[str] | None = None) -> int:
             raise InputFileError(f"--min-words must be at least 1, got {args.min_words}")
         if (args.generator is None) != (args.passages is None):
             raise InputFileError("--generator and --passages go together")
-        if args.generator is None:
+        if args.crops is not None and args.generator is not None:
+            raise InputFileError("--crops and --generator are two sources: one at a time")
+        if args.with_titles and args.crops is None:
+            raise InputFileError("--with-titles adds titles to --crops; titles alone are the default source")
+        if args.crops is not None:
+            if args.crops < 1:
+                raise InputFileError(f"--crops must be at least 1, got {args.crops}")
+            written, skipped = write_cropped_queries(args.corpus, args.out, args.crops, min_words=args.min_words,
+                                                     seed=args.seed, titles=args.with_titles)
+            what = f"{written} cropped{' and title' if args.with_titles else ''} queries ({skipped} passages left out)"
+        elif args.generator is None:
             written, skipped = write_pseudo_queries(args.corpus, args.out, args.min_words)
             what = f"{written} title queries ({skipped} passages left out)"
         else:

@@ -2,6 +2,8 @@
 
     python -m training.recipe --corpus C --queries Q --qrels R --out DIR [--index INDEX]
 
+(With no judgements, `--corpus C --out DIR` alone: training.unjudged adapts the bi-encoder from the corpus.)
+
 1. Splits the judged queries (training.split: grouped by relevant passage, so that no held-out query has a
    relevant passage a training query has) into a held-out part (`--dev-share`), which reports once, and a
    training part, split again the same way into the queries the reranker trains on and a validation part
@@ -52,7 +54,6 @@ import copy
 import hashlib
 import json
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -73,64 +74,29 @@ from retrieval.searcher import Hit, Searcher, encoder_for
 from training import first_stage as tuning
 from training import train_biencoder, train_cross_encoder
 from training.data import TrainingDataError
+from training.pipeline import (
+    BIENCODER,
+    BIENCODER_TRAINING,
+    DEFAULT,
+    FIRST_STAGES,
+    MEASURE,
+    K,
+    Pipeline,
+    TUNED,
+    RecipeError,
+    build_index,
+    check_settings,
+    env_file,
+    write_json,
+)
 from training.served import ranked_run, served_answers, write_answers
 from training.split import SPLITS, WITHHELD_FILE, read_withheld, write_split
 from training.trainer import checkpoints
+from training.unjudged import run_unjudged
 
-MEASURE = "nDCG@10"
-K = 10  # the list the measure reads
 ANSWER_K = 100  # the k each held-out query asks the service for: deeper than any rerank depth, as users ask
 PRIOR_WEIGHT = 0.5  # the first stage's weight in the residual training (scripts/scifact.sh's)
-SETTINGS_FILE = "recipe-settings.json"
 SUMMARY_FILE = "recipe.json"
-DEFAULT, TUNED, BIENCODER = "default", "tuned", "biencoder"
-# The first stages a pipeline starts from: the index's own default retrieval, the same with its dense weight and
-# feedback tuned on the training queries, and the default retrieval over an index of the corpus encoded by the
-# bi-encoder fine-tuned on the training queries (--biencoder-steps).
-FIRST_STAGES = {DEFAULT: "default retrieval", TUNED: "tuned default retrieval",
-                BIENCODER: "fine-tuned bi-encoder's retrieval"}
-
-
-class RecipeError(ValueError):
-    """Bad input or a step that failed: the CLI's exit 2."""
-
-
-@dataclass(frozen=True)
-class Pipeline:
-    """The default retrieval, then (with a checkpoint) its top `depth` reranked on `backend`, ordered by
-    z(reranker) + `weight` x z(first stage) (retrieval.rerank.rescored; 0: the reranker's score alone)."""
-
-    checkpoint: Path | None = None
-    backend: str = "torch"
-    depth: int = 0
-    weight: float = 0.0
-    first_stage: str = DEFAULT  # FIRST_STAGES: whose index's default retrieval it reranks
-    untrained: bool = False  # the checkpoint is --init-reranker's, not trained on this collection
-
-    @property
-    def name(self) -> str:
-        if self.checkpoint is None:
-            return FIRST_STAGES[self.first_stage]
-        on = "" if self.first_stage == DEFAULT else f"{FIRST_STAGES[self.first_stage]} + "
-        checkpoint = f"untrained {self.checkpoint}" if self.untrained else self.checkpoint.name
-        return f"{on}{checkpoint} {self.backend} depth {self.depth} weight {self.weight:g}"
-
-    def settings(self, indexes: Mapping[str, Path], tuned: Mapping[str, str] | None = None) -> dict[str, str]:
-        """The service's environment that serves this pipeline (requests ask `"rerank": true`); `indexes`: each
-        first stage's index; `tuned`: the settings of the tuned first stage (training.first_stage.Setting.env)."""
-        index = indexes[self.first_stage]
-        stage = dict(tuned or {}) if self.first_stage == TUNED else {}
-        if self.checkpoint is None:
-            return {"SEARCH_INDEX_DIR": str(index.resolve()), "SEARCH_RERANKERS": "[]", **stage}
-        return {"SEARCH_INDEX_DIR": str(index.resolve()), **stage,
-                "SEARCH_RERANKERS": json.dumps([str(self.checkpoint.resolve())]),
-                "SEARCH_RERANK_DEPTH": str(self.depth), "SEARCH_RERANK_RETRIEVAL_WEIGHT": f"{self.weight:g}",
-                "SEARCH_RERANK_BACKEND": self.backend}
-
-    def as_json(self) -> dict:
-        return {"checkpoint": str(self.checkpoint) if self.checkpoint else None, "backend": self.backend,
-                "depth": self.depth, "weight": self.weight, "first_stage": self.first_stage,
-                "untrained": self.untrained}
 
 
 @dataclass
@@ -218,24 +184,6 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def _check_settings(out: Path, settings: dict) -> None:
-    """A rerun in DIR must ask what DIR was made for: its model resumes on DIR's split."""
-    file = out / SETTINGS_FILE
-    if file.is_file():
-        saved = json.loads(file.read_text())
-        changed = sorted(key for key in settings.keys() | saved.keys() if settings.get(key) != saved.get(key))
-        if changed:
-            raise RecipeError(f"{out} was made with other {', '.join(changed)} ({file}): give another --out")
-    out.mkdir(parents=True, exist_ok=True)
-    file.write_text(json.dumps(settings, indent=1) + "\n")
-
-
-def _env_file(path: Path, pipeline: Pipeline, indexes: Mapping[str, Path], tuned: Mapping[str, str], about: str) -> None:
-    lines = [f"# {about}", f"# serve: set -a; . {path}; set +a; python -m service (requests ask \"rerank\": true)"]
-    lines += [f"{name}='{value}'" for name, value in pipeline.settings(indexes, tuned).items()]
-    path.write_text("\n".join(lines) + "\n")
-
-
 def run_recipe(args: argparse.Namespace) -> dict:
     """One run (`args.fold`: None, or fold k of `args.folds`, which a finished run there answers); its summary."""
     started = time.perf_counter()
@@ -262,7 +210,7 @@ def run_recipe(args: argparse.Namespace) -> dict:
 
     index = args.index or out / "index"
     if args.index is None:
-        _build_index(args.corpus, index, args.device)
+        build_index(args.corpus, index, args.device)
     searchers = {DEFAULT: Searcher(index, encoder_for(read_manifest(index), args.device),
                                    load=LoadOptions(device=args.device))}
     request = searchers[DEFAULT].request(max(max(depths), K))
@@ -325,11 +273,11 @@ def run_recipe(args: argparse.Namespace) -> dict:
         if row is None:
             print(f"{label}: no pipeline answered within {args.budget_ms:g} ms/query (p50) on this machine")
             continue
-        _env_file(out / file, row.pipeline, indexes, tuned, f"{label}: {row.pipeline.name}")
+        env_file(out / file, row.pipeline, indexes, tuned, f"{label}: {row.pipeline.name}")
         settings = " ".join(f"{name}='{value}'" if name == "SEARCH_RERANKERS" else f"{name}={value}"
                             for name, value in row.pipeline.settings(indexes, tuned).items())
         print(f"{label}: {settings}  ({row.ms:.1f} ms/query p50 on validation; {out / file})")
-    _write_json(out / SUMMARY_FILE, summary)
+    write_json(out / SUMMARY_FILE, summary)
     print(f"recipe: {len(saved)} checkpoints x {len(depths)} depths x {len(weights)} weights chosen on "
           f"{len(validation.queries)} validation queries, reported on {len(held_out.queries)} held-out queries in "
           f"{(time.perf_counter() - started) / 60:.1f} min")
@@ -343,7 +291,7 @@ def run_folds(args: argparse.Namespace) -> dict:
     _check_arguments(args, sorted(set(args.depths)), sorted(set(args.weights)))
     index = args.index or args.out / "index"
     if args.index is None:
-        _build_index(args.corpus, index, args.device)
+        build_index(args.corpus, index, args.device)
     summaries = []
     for fold in [args.only_fold] if args.only_fold is not None else range(1, args.folds + 1):
         print(f"fold {fold} of {args.folds}", file=sys.stderr)
@@ -366,7 +314,7 @@ def run_folds(args: argparse.Namespace) -> dict:
                "budget_ms": args.budget_ms, "fold_summaries": [str(args.out / f"fold-{k}" / SUMMARY_FILE)
                                                                for k in range(1, args.folds + 1)],
                "pooled": pooled}
-    _write_json(args.out / SUMMARY_FILE, summary)
+    write_json(args.out / SUMMARY_FILE, summary)
     print(f"recipe: {args.folds} folds, each of {queries} judged queries held out once, in "
           f"{(time.perf_counter() - started) / 60:.1f} min")
     return summary
@@ -417,13 +365,6 @@ def _pooled_table(pooled: Mapping[str, dict], queries: int, first_stage: str) ->
     return "\n".join(lines)
 
 
-def _write_json(path: Path, value: dict) -> None:
-    """`value` into `path` whole or not at all: a fold's summary tells a rerun the fold finished."""
-    part = path.with_name(path.name + ".part")
-    part.write_text(json.dumps(value, indent=1) + "\n")
-    part.replace(path)
-
-
 def _check_arguments(args: argparse.Namespace, depths: list[int], weights: list[float]) -> None:
     if not 1 <= args.folds <= 100:
         raise RecipeError(f"--folds must be from 1 to 100, got {args.folds}")
@@ -449,7 +390,7 @@ def _check_arguments(args: argparse.Namespace, depths: list[int], weights: list[
     for flag in ("corpus", "queries", "qrels"):
         if not getattr(args, flag).is_file():
             raise RecipeError(f"--{flag} {getattr(args, flag)}: no such file")
-    _check_settings(args.out, {
+    check_settings(args.out, {
         "corpus": str(args.corpus.resolve()), "queries_sha256": _sha256(args.queries),
         "qrels_sha256": _sha256(args.qrels), "index": str(args.index.resolve()) if args.index else None,
         "dev_share": _dev_share(args), "validation_share": args.validation_share, "seed": args.seed,
@@ -470,16 +411,6 @@ def _dev_share(args: argparse.Namespace) -> float:
     return 0.2 if args.dev_share is None else args.dev_share
 
 
-def _build_index(corpus: Path, index: Path, device: str, model: Path | None = None) -> None:
-    """An index of `corpus` with BM25 in `index`, encoded by `model` (None: the packaged MiniLM), kept where one
-    is there already."""
-    encoder = [] if model is None else ["--model", str(model)]
-    built = subprocess.run([sys.executable, "-m", "index_builder", "build", "--corpus", str(corpus),
-                            "--out", str(index), "--if-missing", "--device", device, *encoder]).returncode
-    if built:
-        raise RecipeError(f"building the index of {corpus} into {index} failed (exit {built})")
-
-
 def _biencoder(args: argparse.Namespace, fit: Part, inner: Path, searcher: Searcher, first_stage: str) -> Path:
     """The packaged MiniLM fine-tuned on `fit`'s queries (in-batch and one mined negative from the default
     retrieval's top 100, softmax: scripts/scifact.sh's `biencoder`), its training resumed where interrupted, and
@@ -490,15 +421,14 @@ def _biencoder(args: argparse.Namespace, fit: Part, inner: Path, searcher: Searc
     model = args.out / "biencoder"
     trained = train_biencoder.main([
         "--corpus", str(args.corpus), "--queries", str(inner / "queries-train.tsv"),
-        "--qrels", str(inner / "qrels-train.txt"), "--negatives-run", str(negatives), "--negatives-depth", "100",
-        "--negatives", "1", "--objective", "softmax", "--batch-size", "16", "--lr", "2e-5",
+        "--qrels", str(inner / "qrels-train.txt"), "--negatives-run", str(negatives), *BIENCODER_TRAINING,
         "--max-steps", str(args.biencoder_steps), "--save-every", str(min(50, args.biencoder_steps)),
         "--seed", str(args.seed), "--device", args.device, "--resume", *_withhold(args, inner),
         "--output", str(model)])
     if trained:
         raise RecipeError(f"training the bi-encoder into {model} failed (exit {trained})")
     index = args.out / "index-biencoder"
-    _build_index(args.corpus, index, args.device, checkpoints(model)[-1])
+    build_index(args.corpus, index, args.device, checkpoints(model)[-1])
     return index
 
 
@@ -628,8 +558,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m training.recipe", description=__doc__.split("\n\n")[0],
                                      epilog=__doc__.split("\n\n", 2)[2], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--corpus", type=Path, required=True, help="passages: TSV id<TAB>text or BEIR JSONL")
-    parser.add_argument("--queries", type=Path, required=True, help="TSV qid<TAB>text or BEIR JSONL")
-    parser.add_argument("--qrels", type=Path, required=True, help="TREC qrels or BEIR TSV")
+    parser.add_argument("--queries", type=Path,
+                        help="TSV qid<TAB>text or BEIR JSONL (with --unjudged: report only)")
+    parser.add_argument("--qrels", type=Path,
+                        help="TREC qrels or BEIR TSV (--queries and --qrels both left out: --unjudged)")
+    parser.add_argument("--unjudged", action="store_true", help="adapt the bi-encoder from the corpus alone "
+                        "(training.unjudged); --queries and --qrels, where given, only report")
+    parser.add_argument("--pairs", choices=("titles", "both", "crops"), default="titles",
+                        help="with --unjudged: the training pairs cut from the corpus (default titles, against their "
+                             "text; both: crops too; crops: spans of the text alone)")
     parser.add_argument("--out", type=Path, required=True, help="folder for the split, runs, model and results")
     parser.add_argument("--index", type=Path, help="an index of --corpus (default: build DIR/index with BM25)")
     parser.add_argument("--split", choices=SPLITS, default="grouped",
@@ -648,9 +585,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--biencoder-steps", type=int, default=200,
                         help="steps of 16 queries fine-tuning the bi-encoder into a second first stage (default "
                              "200; 0: none)")
-    parser.add_argument("--tune-first-stage", action=argparse.BooleanOptionalAction, default=True,
+    parser.add_argument("--tune-first-stage", action=argparse.BooleanOptionalAction,
                         help="also try the default retrieval with its dense weight and feedback tuned on the "
-                             "training queries (default on)")
+                             "training queries (default on; with --unjudged, tuned on held-out pairs: default off)")
     parser.add_argument("--tune-adopt", choices=("real", "best"), default="real",
                         help="real: the tuned setting only where its gain is real on the training queries "
                              "(default); best: the best setting there in any case")
@@ -674,7 +611,15 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.fold = None  # the fold a run is (run_folds sets it); --fold asks for one of them alone
     try:
-        (run_folds if args.folds > 1 else run_recipe)(args)
+        unjudged = args.unjudged or (args.queries is None and args.qrels is None)
+        if args.tune_first_stage is None:
+            args.tune_first_stage = not unjudged
+        if unjudged:
+            run_unjudged(args)
+        elif args.queries is None or args.qrels is None:
+            raise RecipeError("--queries and --qrels go together (both left out: the recipe runs --unjudged)")
+        else:
+            (run_folds if args.folds > 1 else run_recipe)(args)
     except (RecipeError, InputFileError, TrainingDataError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

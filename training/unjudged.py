@@ -1,0 +1,210 @@
+"""The recipe for a collection nobody has judged: the packaged MiniLM adapted to the corpus from its own text
+(`python -m training.recipe --corpus C --out DIR`, no --qrels, or `--unjudged`):
+
+1. Pairs from the corpus alone (training.pseudo_queries): each passage's title against its text (`--pairs
+   titles`, the default), with spans cropped from the text too (`both`: Contriever's independent cropping, 2 a
+   passage), or the spans alone (`crops`): DIR/pairs, whose corpus.tsv holds the passages without their titles.
+2. The pairs split by passage (training.split, grouped, HELD_OUT_SHARE held out, seeded): no passage of a
+   held-out pair is trained on (DIR/split).
+3. Hard negatives from the default retrieval of INDEX (or the packaged encoder's index of C, built into
+   DIR/index), and the bi-encoder fine-tuned on the training pairs as the judged recipe fine-tunes it
+   (`--biencoder-steps`, a checkpoint every 50): DIR/biencoder.
+4. The packaged model and each checkpoint searched for the held-out pairs, dense, among their passages and
+   others drawn up to CHOICE_PASSAGES (DIR/choice): the one with the best nDCG@10 is chosen, the packaged one
+   kept on a tie. No judgement is read to choose.
+5. The chosen model's index of C (DIR/index-biencoder, unless the packaged one is kept), and its hybrid's dense
+   weight and feedback, with `--tune-first-stage`, tuned on the held-out pairs (training.first_stage, up to
+   TUNING_PAIRS of them drawn; a setting adopted only where its gain over the defaults is real on them).
+6. DIR/serve.env serving it, and DIR/unjudged.json (every figure).
+
+With --queries and --qrels (judged queries a user has), the packaged index and the served one are measured on
+them (hybrid, the default retrieval, and dense), each difference with a paired bootstrap 95% interval: they
+report, and are never trained on or used to choose.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from retrieval.evaluation import as_run, paired_bootstrap, per_query, retrieve
+from retrieval.index_format import read_manifest
+from retrieval.load_options import LoadOptions
+from retrieval.readers import Qrels, read_qrels, read_queries, write_run
+from retrieval.searcher import Searcher, encoder_for
+from training import first_stage as tuning
+from training import pseudo_queries, train_biencoder
+from training.pipeline import (
+    BIENCODER,
+    BIENCODER_TRAINING,
+    DEFAULT,
+    MEASURE,
+    K,
+    Pipeline,
+    TUNED,
+    RecipeError,
+    build_index,
+    check_settings,
+    env_file,
+    write_json,
+)
+from training.split import write_split
+from training.trainer import STATE_FILE, checkpoints
+
+PAIRS = {"both": ["--crops", "2", "--with-titles"], "crops": ["--crops", "2"], "titles": []}
+HELD_OUT_SHARE = 0.2
+# The held-out pairs are searched among their own passages and others up to this many: the choice costs one
+# small index a checkpoint, not the corpus's.
+CHOICE_PASSAGES = 2000
+TUNING_PAIRS = 1000  # held-out pairs the first stage is tuned on, drawn (seeded) where there are more
+PACKAGED = "packaged"
+SUMMARY_FILE = "unjudged.json"
+MODES = {"hybrid (default)": {}, "dense": {"mode": "dense"}}
+
+
+def searcher(index: Path, device: str, setting: tuning.Setting = tuning.DEFAULT) -> Searcher:
+    """`index`'s Searcher, answering with `setting`'s dense weight and feedback."""
+    return Searcher(index, encoder_for(read_manifest(index), device), load=LoadOptions(device=device),
+                    defaults=setting.defaults())
+
+
+def tuned_setting(index: Path, held_out: Qrels, queries: dict[str, str], device: str,
+                  seed: int) -> tuple[tuning.Setting, str]:
+    """The first stage's setting tuned on (up to TUNING_PAIRS of) the held-out pairs over `index`, and why."""
+    served = searcher(index, device)
+    if served.bm25 is None:
+        return tuning.DEFAULT, "no BM25 in the index: the defaults kept"
+    drawn = sorted(queries)
+    if len(drawn) > TUNING_PAIRS:
+        drawn = sorted(random.Random(seed).sample(drawn, TUNING_PAIRS))
+    return tuning.adopted(tuning.values(served, held_out, {q: queries[q] for q in drawn}, tuning.grid()), drawn)
+
+
+def make_pairs(corpus: Path, out: Path, pairs: str, seed: int) -> None:
+    """DIR/pairs from the corpus (kept where a run made them already)."""
+    if (out / "qrels.txt").is_file():
+        return
+    if pseudo_queries.main(["--corpus", str(corpus), "--out", str(out), "--seed", str(seed), *PAIRS[pairs]]):
+        raise RecipeError(f"no {pairs} pairs could be made from {corpus} (the line above says why)"
+                          + ("; --pairs crops cuts them from the text alone" if pairs == "titles" else ""))
+
+
+def choice_corpus(passages: Path, held_out: Qrels, out: Path, seed: int) -> Path:
+    """The passages the held-out pairs are searched among: theirs, and others drawn (seeded) up to
+    CHOICE_PASSAGES; `passages`: the pairs' corpus.tsv."""
+    if not out.is_file():
+        lines = passages.read_text(encoding="utf-8").splitlines()
+        wanted = {docid for judgements in held_out.values() for docid in judgements}
+        theirs = [line for line in lines if line.split("\t", 1)[0] in wanted]
+        others = [line for line in lines if line.split("\t", 1)[0] not in wanted]
+        drawn = random.Random(seed).sample(others, max(0, min(len(others), CHOICE_PASSAGES - len(theirs))))
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text("".join(line + "\n" for line in theirs + drawn), encoding="utf-8")
+    return out
+
+
+def candidates(model: Path) -> dict[str, Path | None]:
+    """The packaged model (None) first, then each checkpoint of `model` by its step."""
+    return {PACKAGED: None, **{f"step-{json.loads((path / STATE_FILE).read_text())['step']}": path
+                               for path in checkpoints(model)}}
+
+
+def held_out_values(choice: Path, out: Path, model: Path, held_out: Qrels, queries: dict[str, str],
+                    device: str) -> dict[str, float]:
+    """Each candidate's mean dense nDCG@10 of the held-out pairs among the choice corpus (an index of it each)."""
+    values = {}
+    for label, path in candidates(model).items():
+        index = out / f"index-{label}"
+        build_index(choice, index, device, path, bm25=False)
+        found = as_run(retrieve(searcher(index, device), queries, K))
+        values[label] = statistics.fmean(per_query(held_out, found).values())
+    return values
+
+
+def run_unjudged(args: argparse.Namespace) -> dict:
+    started = time.perf_counter()
+    out = args.out
+    if (args.queries is None) != (args.qrels is None):
+        raise RecipeError("--queries and --qrels go together (with --unjudged, they report and never choose)")
+    if args.biencoder_steps < 1:
+        raise RecipeError(f"--biencoder-steps must be >= 1 with no judgements (it is what adapts), got "
+                          f"{args.biencoder_steps}")
+    for flag in ("corpus", "queries", "qrels"):
+        if getattr(args, flag) is not None and not getattr(args, flag).is_file():
+            raise RecipeError(f"--{flag} {getattr(args, flag)}: no such file")
+    check_settings(out, {"unjudged": True, "corpus": str(args.corpus.resolve()), "pairs": args.pairs,
+                          "index": str(args.index.resolve()) if args.index else None, "seed": args.seed,
+                          "biencoder_steps": args.biencoder_steps})
+    pairs, split = out / "pairs", out / "split"
+    make_pairs(args.corpus, pairs, args.pairs, args.seed)
+    if not (split / "qrels-dev.txt").is_file():
+        write_split(pairs / "queries.tsv", pairs / "qrels.txt", split, HELD_OUT_SHARE, args.seed)
+    training, held_out = read_queries(split / "queries-train.tsv"), read_queries(split / "queries-dev.tsv")
+    print(f"pairs: {len(training)} train, {len(held_out)} held out (split by passage)", file=sys.stderr)
+
+    index = args.index or out / "index"
+    if args.index is None:
+        build_index(args.corpus, index, args.device)
+    negatives = out / "runs" / "negatives.run"
+    if not negatives.is_file():
+        negatives.parent.mkdir(parents=True, exist_ok=True)
+        write_run(negatives, as_run(retrieve(searcher(index, args.device), training, 100)), tag=DEFAULT)
+    model = out / "biencoder"
+    if train_biencoder.main([
+            "--corpus", str(pairs / "corpus.tsv"), "--queries", str(split / "queries-train.tsv"),
+            "--qrels", str(split / "qrels-train.txt"), "--negatives-run", str(negatives), *BIENCODER_TRAINING,
+            "--max-steps", str(args.biencoder_steps), "--save-every", str(min(50, args.biencoder_steps)),
+            "--seed", str(args.seed), "--device", args.device, "--resume", "--output", str(model)]):
+        raise RecipeError(f"training the bi-encoder into {model} failed")
+
+    held_out_qrels = read_qrels(split / "qrels-dev.txt")
+    choice = choice_corpus(pairs / "corpus.tsv", held_out_qrels, out / "choice" / "corpus.tsv", args.seed)
+    values = held_out_values(choice, out / "choice", model, held_out_qrels, held_out, args.device)
+    chosen = max(values, key=lambda label: round(values[label], 10))  # a tie keeps the earlier: packaged first
+    print(f"chosen on {len(held_out)} held-out pairs (dense {MEASURE}): {chosen} ("
+          + ", ".join(f"{label} {value:.4f}" for label, value in values.items()) + ")", file=sys.stderr)
+    indexes, stage = {DEFAULT: index}, DEFAULT
+    if chosen != PACKAGED:
+        indexes[BIENCODER], stage = out / "index-biencoder", BIENCODER
+        build_index(args.corpus, indexes[BIENCODER], args.device, candidates(model)[chosen])
+    setting, why = tuning.DEFAULT, "not tuned (--tune-first-stage tunes it)"
+    if args.tune_first_stage:
+        setting, why = tuned_setting(indexes[stage], held_out_qrels, held_out, args.device, args.seed)
+        print(f"first stage tuned on the held-out pairs ({MEASURE}): {why}", file=sys.stderr)
+    served = indexes[stage]
+    if setting != tuning.DEFAULT:
+        indexes[TUNED], stage = served, TUNED
+    env_file(out / "serve.env", Pipeline(first_stage=stage), indexes, setting.env() if stage == TUNED else {},
+              f"serve: the {chosen} bi-encoder's index, {setting.name}, chosen on held-out pairs with no judgement "
+              "read")
+
+    report = {}
+    if args.qrels is not None:
+        judged, queries = read_qrels(args.qrels), read_queries(args.queries)
+        compared = {"packaged": searcher(index, args.device), "chosen": searcher(served, args.device, setting)}
+        for mode, options in MODES.items():
+            lists = {name: per_query(judged, as_run(retrieve(loaded, queries, K, **options)))
+                     for name, loaded in compared.items()}
+            difference = paired_bootstrap(lists["packaged"], lists["chosen"], seed=args.seed)
+            report[mode] = {"packaged": difference.base, "chosen": difference.other, "difference": difference.mean,
+                            "low": difference.low, "high": difference.high, "real": difference.real,
+                            "better": difference.better, "worse": difference.worse, "queries": len(lists["packaged"])}
+    summary = {"pairs": {"train": len(training), "held_out": len(held_out), "choice_passages":
+                         len(choice.read_text(encoding="utf-8").splitlines())},
+               "held_out_ndcg@10": values, "chosen": chosen, "index": str(served.resolve()),
+               "first_stage": {"setting": setting.name, "env": setting.env(), "why": why},
+               "serve": Pipeline(first_stage=stage).settings(indexes, setting.env()), "reported": report}
+    write_json(out / SUMMARY_FILE, summary)
+    for mode, row in report.items():
+        print(f"{mode} on {row['queries']} judged queries (report only): packaged {row['packaged']:.4f}, chosen "
+              f"{row['chosen']:.4f}, {row['difference']:+.4f} ({row['low']:+.4f} to {row['high']:+.4f})"
+              f"{' real' if row['real'] else ''}, better on {row['better']}, worse on {row['worse']}")
+    print(f"unjudged recipe: {len(training)} pairs from the corpus trained {args.biencoder_steps} steps, "
+          f"{len(values)} models compared on {len(held_out)} held-out pairs, {chosen} chosen ({setting.name}), "
+          f"served by {out / 'serve.env'} in {(time.perf_counter() - started) / 60:.1f} min")
+    return summary
