@@ -16,9 +16,10 @@ alternating, on a fresh writer for each of --write-shares (SEARCH_WRITE_SHARE), 
 a second. Library: a synthetic --size index (bench/scale.py's clustered vectors and short texts) with BM25 and the
 --structure kinds, built once into --work. Compaction: 1,000 passages upserted (encoded) and 1,000 deleted,
 compacted in this process (its peak RSS sampled) while a replica (`python -m service`, SEARCH_WATCH_INDEX, interval
-0.5 s) follows the folder: from the compaction's start to the replica's /ready naming the new generation. Against
-it, BM25 built again from the texts (measured) and each structure's build (its card's seconds, from the build of
-the index compacted), and a full rebuild of the changed collection: encoding every passage at the rate the upserts
+0.5 s) follows the folder: from the compaction's start to the replica's /ready naming the new generation; first
+sealed, as the service compacts them (below SEARCH_MERGE_SHARE), then merged into the rows. Against the merge,
+BM25 built again from the texts (measured) and each structure's build (its card's seconds, from the build of the
+index compacted), and a full rebuild of the changed collection: encoding every passage at the rate the upserts
 were encoded (computed, not run: at ~60 passages a second a real rebuild of 100k passages takes about half an
 hour on a 2-core CPU) plus those builds. First search (the same index): a search in each mode at rest, then after
 each of 30 one-passage upserts the first search in that mode (its query the written passage's first words, dense
@@ -55,8 +56,10 @@ from retrieval.index_format import read_manifest  # noqa: E402
 from retrieval.load_options import LoadOptions  # noqa: E402
 from retrieval.searcher import Searcher  # noqa: E402
 from retrieval.writes import Writes  # noqa: E402
+from service.settings import ServiceSettings  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
+MERGE_SHARE = ServiceSettings.model_fields["merge_share"].default  # the service's: below it, a compaction seals
 SEARCH_CLIENTS = 4
 
 
@@ -252,14 +255,13 @@ def compaction(args: argparse.Namespace, encoder: BiEncoder) -> None:
     replica_server = Server(index, "cpu", watch_index="true", watch_interval_s="0.5")
     replica_server.startup_s = 900  # a million passages load in minutes on this CPU
     with replica_server, httpx.Client(base_url=replica_server.base, timeout=120, trust_env=False) as replica:
-        before, rss = generation(replica), Rss()
-        started = time.perf_counter()
-        with rss:
-            report = compact(writes, progress=True)
-        while generation(replica) == before:
-            time.sleep(0.05)
-        lag = time.perf_counter() - started
+        # First as the service compacts them (sealed, below SEARCH_MERGE_SHARE), then merged into the rows.
+        sealing, seal_lag, seal_rss = followed(replica, lambda: compact(writes, merge_share=MERGE_SHARE))
+        report, lag, rss = followed(replica, lambda: compact(writes, progress=True))
     writes.close()
+    print(f"\nsealed at {args.size:,} passages (1,000 upserted, 1,000 deleted; SEARCH_MERGE_SHARE {MERGE_SHARE}): "
+          f"{sealing.seconds:.2f} s, peak RSS {seal_rss.peak_gib:.2f} GiB; a replica (SEARCH_WATCH_INDEX, interval "
+          f"0.5 s) served the new generation {seal_lag:.1f} s after the compaction started")
     cards = {c.kind: (c.recall_at_10, c.seconds) for c in read_manifest(index).candidates}
     fresh = {c.kind: c.seconds for c in read_manifest(out).candidates}  # this machine's build of the index compacted
     started = time.perf_counter()
@@ -267,7 +269,7 @@ def compaction(args: argparse.Namespace, encoder: BiEncoder) -> None:
                args.work / "bm25-again")
     bm25_again = time.perf_counter() - started
     rebuild = report.count / rate + bm25_again + sum(fresh.values())
-    print(f"\ncompaction at {args.size:,} passages with BM25 and {', '.join(args.structure) or 'no structure'} "
+    print(f"\nmerged at {args.size:,} passages with BM25 and {', '.join(args.structure) or 'no structure'} "
           f"(1,000 upserted, 1,000 deleted): {report.seconds:.1f} s, peak RSS {rss.peak_gib:.2f} GiB; a replica "
           f"(SEARCH_WATCH_INDEX, interval 0.5 s) served the new generation {lag:.1f} s after the compaction started; "
           + "; ".join(f"{kind} extended or rebuilt in {cards[kind][1]:.1f} s (recall@10 {cards[kind][0]}), its "
@@ -276,6 +278,18 @@ def compaction(args: argparse.Namespace, encoder: BiEncoder) -> None:
           f"{100 * report.seconds / (bm25_again + sum(fresh.values())):.1f}% of BM25 and the structures built; "
           f"a full rebuild {rebuild:,.0f} s (encoding at {rate:.0f} passages/s, computed, plus those builds): "
           f"{rebuild / report.seconds:.0f}x the compaction")
+
+
+def followed(replica: httpx.Client, compaction) -> tuple:
+    """`compaction()`'s report, the seconds from its start to `replica`'s /ready naming a new generation, and the
+    process's peak RSS while it ran."""
+    before, rss = generation(replica), Rss()
+    started = time.perf_counter()
+    with rss:
+        report = compaction()
+    while generation(replica) == before:
+        time.sleep(0.05)
+    return report, time.perf_counter() - started, rss
 
 
 class Rss:

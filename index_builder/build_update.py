@@ -57,6 +57,10 @@ def check_updatable(index_dir: Path, verify_checksums: bool = True) -> Manifest:
     if manifest.shard is not None:
         raise BuildError(f"{index_dir} is shard {manifest.shard} of a sharded build; an update takes one whole "
                          "index (rebuild the shards, or update the merged index)")
+    if manifest.sealed_writes:
+        raise BuildError(f"{index_dir} holds {manifest.sealed_writes} writes over HTTP sealed beside its rows, which "
+                         f"an update of the rows would lose: merge them first (python -m index_builder compact "
+                         f"--index {index_dir})")
     return manifest
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from index_builder.ann import AnnOptions, add_structures
 from index_builder.build import BuildError, BuildOptions, build_index
 from index_builder.build_update import build_update, check_updatable, index_encoder
+from index_builder.compact import compact_index
 from index_builder.convert_cranfield import convert_cranfield
 from index_builder.corpus_file import check_corpus_file
 from index_builder.eval_command import EvalOptions, evaluate_index
@@ -227,6 +228,12 @@ def build_parser() -> argparse.ArgumentParser:
     update.add_argument("--no-bm25", dest="bm25", action="store_false",
                         help="write the new generation without a BM25 index (default: one over all its passages)")
 
+    compacting = commands.add_parser("compact", help="merge the writes over HTTP an index holds beside its rows "
+                                     "(sealed, or in its log) into a new generation's rows, with no service running")
+    compacting.add_argument("--index", type=Path, required=True, help="index directory (replaced atomically)")
+    compacting.add_argument("--model", type=Path, help="the index's model folder, where it has moved (default: the "
+                            "manifest's)")
+
     cranfield = commands.add_parser("convert-cranfield", help="SMART-format Cranfield to corpus/queries/qrels files")
     cranfield.add_argument("--data", type=Path, required=True, help="folder with cran.all.1400, cran.qry, cranqrel")
     cranfield.add_argument("--out", type=Path, required=True, help="folder for the corpus, queries and qrels files")
@@ -335,6 +342,8 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "ann":
             for report in add_structures(args.index, _ann_options(args, args.kind)):
                 print(report.summary())
+        elif args.command == "compact":
+            print(compact_index(args.index, args.model))
         elif args.command == "eval":
             options = EvalOptions(**{option.name: getattr(args, option.name) for option in fields(EvalOptions)})
             print(evaluate_index(options))

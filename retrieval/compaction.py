@@ -2,16 +2,22 @@
 swapped in at its folder, after which the writer serves the new generation with only the later writes beside it
 and the log drops the folded ones. Read-only replicas watching the folder follow the new generation.
 
-The new generation holds the collection the writer searched: the old generation's live rows in their order,
-then the live written passages in write order (retrieval.segment), each with its vector as searched (nothing is
-encoded again); BM25 is written from the terms the generation and the segment hold (retrieval.bm25_changes: no
-passage tokenized again, each score as a build's), each candidate structure extended (its removed rows dropped, or
-in a graph (hnsw) kept as paths never proposed; the written ones added, trained as before) or, past REBUILD_SHARE of
-the rows changed (or a graph's own share of deleted nodes), built again with the old one's parameters, its recall
-card measured again either way; the manifest records the last write folded in (`write_sequence`). It is written
-in `.NAME.compacting` beside the folder while writes go on; a kill leaves the old generation and the log, which
-replays every write again. A compaction that fails (a full disk) leaves the served generation and the log as
-they were.
+A compaction seals or merges. While the segment (the writes sealed before and the new ones) holds less than
+`merge_share` of the generation's rows, it seals, as Lucene's refresh or a sealed segment of Qdrant and Milvus:
+the new generation links every file of the old one and adds the writes themselves, the old generation's sealed
+writes then the log's new ones, as `sealed-writes.log` (retrieval.index_format.SEALED_WRITES_FILE), which
+every load replays as the segment the writer searched (retrieval.searcher.Searcher.with_writes): its cost
+follows the writes, not the collection. Otherwise it merges: the new generation holds the collection the writer
+searched: the old generation's live rows in their order, then the live written passages in write order
+(retrieval.segment), each with its vector as searched (nothing is encoded again); BM25 is written from the terms
+the generation and the segment hold (retrieval.bm25_changes: no passage tokenized again, each score as a
+build's), each candidate structure extended (its removed rows dropped, or in a graph (hnsw) kept as paths never
+proposed; the written ones added, trained as before) or, past REBUILD_SHARE of the rows changed (or a graph's
+own share of deleted nodes), built again with the old one's parameters, its recall card measured again either
+way. Either way the manifest records the last write folded in (`write_sequence`), and every search answers as
+before it. It is written in `.NAME.compacting` beside the folder while writes go on; a kill leaves the old
+generation and the log, which replays every write again. A compaction that fails (a full disk) leaves the
+served generation and the log as they were.
 """
 
 from __future__ import annotations
@@ -31,9 +37,19 @@ from retrieval import bm25_changes, index_writer
 from retrieval.bm25_index import BM25_DIR
 from retrieval.candidates import structures
 from retrieval.fields import encode_fields
-from retrieval.index_format import INDEX_FILE, generation_id
+from retrieval.index_format import (
+    INDEX_FILE,
+    MANIFEST_FILE,
+    SEALED_WRITES_FILE,
+    SEALED_WRITES_FORMAT,
+    file_record,
+    generation_id,
+    sealed,
+    write_json_atomic,
+)
 from retrieval.pinned import replaced
 from retrieval.searcher import Searcher
+from retrieval.write_log import Record, write_records
 from retrieval.writes import Writes
 
 BLOCK = 65_536  # rows read and written at a time
@@ -59,15 +75,18 @@ class CompactionReport:
     count: int
     generation: str
     seconds: float
+    merged: bool  # the writes merged into the rows, or sealed beside them
 
     def summary(self) -> str:
-        return (f"compacted writes 1..{self.folded} into {self.index_dir} (generation {self.generation}): "
+        how = "merged" if self.merged else "sealed"
+        return (f"{how} writes 1..{self.folded} into {self.index_dir} (generation {self.generation}): "
                 f"{self.written} written passages in, {self.removed} old rows out, {self.count} passages, "
                 f"in {self.seconds:.1f} s")
 
 
-def compact(writes: Writes, progress: bool = False) -> CompactionReport | None:
-    """Folds the writes' current segment into a new generation and serves it (see the module); None where the
+def compact(writes: Writes, progress: bool = False, merge_share: float = 0.0) -> CompactionReport | None:
+    """Folds the writes' current segment into a new generation and serves it (see the module): sealed beside the
+    rows while it holds less than `merge_share` of them (0: merged always), merged otherwise; None where the
     segment changes nothing. Writes go on meanwhile; those after the segment stay in the new one's segment."""
     with _compacting:
         started = time.perf_counter()
@@ -81,8 +100,12 @@ def compact(writes: Writes, progress: bool = False) -> CompactionReport | None:
         if work.exists():  # left by a compaction that was killed: written again
             shutil.rmtree(work)
         work.mkdir()
+        merged = segment.size >= merge_share * searcher.manifest.count
         try:
-            count = _write(work, searcher, progress)
+            if merged:
+                count = _write(work, searcher, progress)
+            else:
+                count = _seal(work, searcher, writes.log.records)
         except BaseException:
             shutil.rmtree(work, ignore_errors=True)
             raise
@@ -90,7 +113,7 @@ def compact(writes: Writes, progress: bool = False) -> CompactionReport | None:
         fresh = Searcher(index_dir, searcher.encoder, searcher.load)
         writes.rebase(fresh)
         return CompactionReport(index_dir, segment.seq, segment.written, segment.hidden_count, count,
-                                generation_id(fresh.manifest), time.perf_counter() - started)
+                                generation_id(fresh.manifest), time.perf_counter() - started, merged)
 
 
 def _refuse_replaced(searcher: Searcher) -> None:
@@ -98,6 +121,25 @@ def _refuse_replaced(searcher: Searcher) -> None:
     if replaced(os.stat(searcher.dense.pinned.root), searcher.index_dir):
         raise FolderReplaced(f"{searcher.index_dir} is no longer the folder this writer loaded (removed or replaced "
                              "under it): nothing compacted; restart the writer")
+
+
+def _seal(work: Path, searcher: Searcher, logged: list[Record]) -> int:
+    """The new generation in `work`: the served one's files linked (retrieval.index_writer.link_generation), its
+    sealed writes followed by the `logged` records its segment added (those after its write_sequence, up to the
+    segment's), and the manifest listing them; its passage count."""
+    segment, manifest, pinned = searcher.segment, searcher.manifest, searcher.dense.pinned
+    added = [record for record in logged if manifest.write_sequence < record.seq <= segment.seq]
+    if [record.seq for record in added] != list(range(manifest.write_sequence + 1, segment.seq + 1)):
+        raise RuntimeError(f"the log holds writes {[record.seq for record in added]}, not every one after "
+                           f"{manifest.write_sequence} up to {segment.seq}: nothing sealed")
+    index_writer.link_generation(pinned.root, work)
+    earlier = pinned.path(SEALED_WRITES_FILE) if manifest.sealed_writes else None
+    write_records(work / SEALED_WRITES_FILE, added, after=earlier)
+    update = {"files": {**manifest.files, SEALED_WRITES_FILE: file_record(work / SEALED_WRITES_FILE)},
+              "sealed_writes": manifest.sealed_writes + len(added), "write_sequence": segment.seq,
+              "format_version": SEALED_WRITES_FORMAT, "built_at": index_writer.now()}
+    write_json_atomic(work / MANIFEST_FILE, sealed(manifest.model_copy(update=update)))
+    return segment.count
 
 
 def _write(work: Path, searcher: Searcher, progress: bool) -> int:

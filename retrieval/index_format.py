@@ -31,6 +31,9 @@ MANIFEST_FILE = "manifest.json"
 INDEX_FILE = "index.faiss"
 PASSAGES_FILE = "passages.sqlite"
 TEXT_HASHES_FILE = "text-sha256.npy"
+SEALED_WRITES_FILE = "sealed-writes.log"
+# A generation holding sealed writes is written in format 3, so that code which would not replay them refuses it.
+SEALED_WRITES_FORMAT = 3
 
 
 class IndexFormatError(Exception):
@@ -120,6 +123,10 @@ class Manifest(BaseModel):
     # The last write over HTTP this generation holds (retrieval.write_log: a compaction folded every write up to
     # it in); 0 for none. The writer replays the log's later writes over it.
     write_sequence: int = 0
+    # The writes over HTTP sealed beside the rows (retrieval.compaction: a compaction below SEARCH_MERGE_SHARE): the
+    # records of SEALED_WRITES_FILE, replayed over `count` rows as the writer's segment (retrieval.segment) when
+    # the generation loads; its rows hold the writes before them. 0: none.
+    sealed_writes: int = 0
     # sha256 of the manifest's own other fields (`manifest_digest`), so an edited manifest is refused; None in a
     # manifest not yet sealed.
     manifest_sha256: str | None = None
@@ -183,11 +190,11 @@ def read_manifest(directory: str | Path, *, verify_checksums: bool = False,
     except json.JSONDecodeError as error:
         raise IndexFormatError(f"{path}: not valid JSON ({error})") from error
     version = raw.get("format_version") if isinstance(raw, dict) else None
-    if version not in (format_upgrade.OLDEST, FORMAT_VERSION):
+    if version not in (format_upgrade.OLDEST, FORMAT_VERSION, SEALED_WRITES_FORMAT):
         raise IndexFormatError(f"{path}: format_version {version!r}, this code reads "
-                               f"{format_upgrade.OLDEST} to {FORMAT_VERSION}")
-    digest = raw.get("manifest_sha256")  # always there in format 2; in format 1, from some version on
-    if (digest is not None or version == FORMAT_VERSION) and digest != manifest_digest(raw):
+                               f"{format_upgrade.OLDEST} to {SEALED_WRITES_FORMAT}")
+    digest = raw.get("manifest_sha256")  # always there from format 2; in format 1, from some version on
+    if (digest is not None or version != format_upgrade.OLDEST) and digest != manifest_digest(raw):
         raise IndexFormatError(f"{path}: changed after it was written (its content does not match its manifest_sha256)")
     if version == format_upgrade.OLDEST:
         raw = format_upgrade.manifest(raw)
@@ -196,9 +203,14 @@ def read_manifest(directory: str | Path, *, verify_checksums: bool = False,
         manifest = Manifest.model_validate(raw)
     except ValidationError as error:
         raise IndexFormatError(f"{path}: {error}") from error
-    for name in (INDEX_FILE, PASSAGES_FILE) + ((TEXT_HASHES_FILE,) if version == FORMAT_VERSION else ()):
+    for name in (INDEX_FILE, PASSAGES_FILE) + ((TEXT_HASHES_FILE,) if version != format_upgrade.OLDEST else ()):
         if name not in manifest.files:
             raise IndexFormatError(f"{directory}: {name} missing from the manifest")
+    listed = SEALED_WRITES_FILE in manifest.files
+    if not (version == SEALED_WRITES_FORMAT) == (manifest.sealed_writes > 0) == listed:
+        raise IndexFormatError(f"{path}: format_version {version} with {manifest.sealed_writes} sealed writes "
+                               f"({SEALED_WRITES_FILE} {'' if listed else 'not '}listed): sealed writes come in "
+                               f"format {SEALED_WRITES_FORMAT} alone")
     kinds = [record.kind for record in manifest.candidates]
     for record in manifest.candidates:
         if record.file != candidates_file(record.kind) or record.file not in manifest.files:

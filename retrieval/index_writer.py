@@ -127,7 +127,7 @@ def write_manifest(work: Path, *, encoder: EncoderRecord, corpus: CorpusRecord, 
     manifest = Manifest(
         encoder=encoder,
         count=count,
-        built_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        built_at=now(),
         corpus=corpus,
         files={name: file_record(work / name) for name in files},
         bm25=bm25_record() if bm25 else None,
@@ -247,6 +247,11 @@ def check_replaceable(out: Path) -> None:
                             and not shard_folder(out, 0).is_dir()):
         raise ValueError(f"{out} is not an index (no {MANIFEST_FILE}) and --overwrite replaces only an index; "
                          "choose another --out")
+
+
+def now() -> str:
+    """A manifest's `built_at`: UTC, to the second."""
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
 def move_into_place(work: Path, out: Path, scratch: Sequence[str] = ()) -> None:

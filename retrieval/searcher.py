@@ -24,7 +24,9 @@ from retrieval.generation import load_generation
 from retrieval.index_format import Manifest
 from retrieval.load_options import LoadOptions
 from retrieval.request import FUSIONS, LEADS, MAX_K, MODES, Defaults, Fusion, Lead, Mode, Retrieval
-from retrieval.segment import Segment
+from retrieval.segment import Change, Passage, Segment
+from retrieval.segment_terms import ChangedTerms
+from retrieval.write_log import Record
 
 log = logging.getLogger("retrieval")
 # The fields an encoder must share with the index it searches; names and token limits may differ.
@@ -171,8 +173,13 @@ class Searcher:
         self.bm25 = loaded.bm25
         self.generation = loaded.generation_id
         self.field_types = dict(self.manifest.fields)
-        self.segment = Segment(self.manifest.count)  # what writes over HTTP changed since (none here)
+        # What writes over HTTP changed since the generation's rows: its sealed writes, replayed (none for most).
+        self.segment = Segment(self.manifest.count, self.manifest.write_sequence)
         self.scope_counts: dict = {}  # per scope, the generation's rows holding each field (retrieval.scopes)
+        if loaded.sealed:
+            replayed = self.writable().with_writes(loaded.sealed)
+            self.segment, self.field_types = replayed.segment, replayed.field_types
+        self.sealed_size = self.segment.size  # what of the segment the generation holds (Segment.size)
 
     def with_segment(self, segment: Segment) -> "Searcher":
         """This generation with `segment` (its writes since) searched beside it: another Searcher sharing
@@ -180,6 +187,24 @@ class Searcher:
         written = copy.copy(self)
         written.segment, written.field_types = segment, {**segment.types, **self.manifest.fields}
         return written
+
+    def writable(self) -> "Searcher":
+        """This searcher as writes start from it (retrieval.writes): its segment keeps the terms of what it
+        changes where the generation has BM25 (whose own terms are derived here, before any write waits on them)."""
+        if self.bm25 is None or self.segment.terms is not None:
+            return self
+        assert not self.segment.changes, "a segment's terms are kept from its first change"
+        self.base_terms()
+        terms = ChangedTerms(lambda rows: [text for _, text in self.passages.get(list(rows))])
+        return self.with_segment(Segment(self.manifest.count, self.segment.seq, terms=terms))
+
+    def with_writes(self, records: Sequence[Record]) -> "Searcher":
+        """This searcher with `records` (retrieval.write_log, in order) made by its segment, in one pass."""
+        named = [item["id"] for record in records for item in record.upsert]
+        named += [pid for record in records for pid in record.delete]
+        changes = [Change(record.seq, tuple(Passage(**item) for item in record.upsert), record.vectors, record.delete)
+                   for record in records]
+        return self.with_segment(self.segment.applied(changes, self.passages.rows_of(list(dict.fromkeys(named)))))
 
     @property
     def index(self):

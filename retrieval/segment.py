@@ -36,6 +36,16 @@ class Passage:
         return self.id, self.text
 
 
+@dataclass(frozen=True)
+class Change:
+    """One write as a segment takes it: `written` passages (ids distinct) with their `vectors`, or ids `deleted`."""
+
+    seq: int
+    written: tuple[Passage, ...] = ()
+    vectors: np.ndarray | None = field(default=None, compare=False)
+    deleted: tuple[str, ...] = ()
+
+
 @dataclass(frozen=True, eq=False)
 class Segment:
     base_count: int
@@ -79,41 +89,56 @@ class Segment:
                  base_rows: Mapping[str, int]) -> "Segment":
         """The segment with `passages` (encoded as `vectors`; their ids distinct) written: each replaces a passage
         of its id, written before or in the generation (`base_rows`: the generation's row of each id it holds)."""
-        live, hidden, by_id = self._drop([p.id for p in passages], base_rows)
-        start = len(self.passages)
-        if self.terms is not None:
-            self.terms.write(start, [passage.text for passage in passages])
-        by_id.update((passage.id, start + i) for i, passage in enumerate(passages))
-        live = np.concatenate([live, np.ones(len(passages), dtype=bool)])
-        stacked = vectors if self.vectors is None else np.concatenate([self.vectors, vectors])
-        types = dict(self.types)
-        for passage in passages:
-            for name, value in passage.fields.items():
-                types.setdefault(name, value_type(value))
-        return Segment(self.base_count, seq, self.passages + tuple(passages), np.ascontiguousarray(stacked, np.float32),
-                       live, hidden, by_id, types, self.terms)
+        return self.applied([Change(seq, tuple(passages), vectors)], base_rows)
 
     def deleted(self, ids: Sequence[str], seq: int, base_rows: Mapping[str, int]) -> "Segment":
         """The segment with `ids` deleted (those the collection does not hold are no change)."""
-        live, hidden, by_id = self._drop(ids, base_rows)
-        return Segment(self.base_count, seq, self.passages, self.vectors, live, hidden, by_id, self.types, self.terms)
+        return self.applied([Change(seq, deleted=tuple(ids))], base_rows)
 
-    def _drop(self, ids: Sequence[str], base_rows: Mapping[str, int]):
-        live, by_id = self.live.copy(), dict(self.by_id)
+    def applied(self, changes: Sequence["Change"], base_rows: Mapping[str, int]) -> "Segment":
+        """The segment with `changes` made in order, as `upserted` and `deleted` one after another make it, in one
+        pass (a log or a generation's sealed writes replayed: each change alone would copy what the segment holds);
+        `base_rows`: the generation's row of each id they name that it holds."""
+        live, by_id, types = self.live.tolist(), dict(self.by_id), dict(self.types)
         hidden = None if self.hidden is None else self.hidden.copy()
-        newly_hidden = []
-        for pid in ids:
+        passages, vectors, newly_hidden = list(self.passages), [], []
+
+        def drop(pid: str) -> None:
+            nonlocal hidden
             if pid in by_id:
                 live[by_id.pop(pid)] = False
-            if pid in base_rows:
+            row = base_rows.get(pid)
+            if row is not None:
                 if hidden is None:
                     hidden = np.zeros(self.base_count, dtype=bool)
-                if not hidden[base_rows[pid]]:
-                    hidden[base_rows[pid]] = True
-                    newly_hidden.append(base_rows[pid])
+                if not hidden[row]:
+                    hidden[row] = True
+                    newly_hidden.append(row)
+
+        for change in changes:
+            for pid in change.deleted:
+                drop(pid)
+            for passage in change.written:  # ids distinct within a change: dropping one never drops another's
+                drop(passage.id)
+            for passage in change.written:
+                by_id[passage.id] = len(passages)
+                passages.append(passage)
+                live.append(True)
+                for name, value in passage.fields.items():
+                    types.setdefault(name, value_type(value))
+            if change.written:
+                vectors.append(np.asarray(change.vectors, dtype=np.float32))
         if self.terms is not None:
             self.terms.hide(self.hidden_count, newly_hidden)
-        return live, hidden, by_id
+            self.terms.write(len(self.passages), [passage.text for passage in passages[len(self.passages):]])
+        if vectors:
+            stacked = np.concatenate(([] if self.vectors is None else [self.vectors]) + vectors)
+            vectors_held = np.ascontiguousarray(stacked, dtype=np.float32)
+        else:
+            vectors_held = self.vectors
+        seq = changes[-1].seq if changes else self.seq
+        return Segment(self.base_count, seq, tuple(passages), vectors_held, np.array(live, dtype=bool), hidden,
+                       by_id, types, self.terms)
 
     def is_hidden(self, row: int) -> bool:
         return self.hidden is not None and bool(self.hidden[row])

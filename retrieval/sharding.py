@@ -23,7 +23,7 @@ import numpy as np
 from retrieval.dense import check_candidates, pick_structure
 from retrieval.filters import Filter
 from retrieval.generation import load_generation
-from retrieval.index_format import MANIFEST_FILE, Manifest
+from retrieval.index_format import MANIFEST_FILE, IndexFormatError, Manifest
 from retrieval.load_options import LoadOptions
 
 
@@ -155,6 +155,9 @@ class ShardIndex:
     def __init__(self, index_dir: str | Path, load: LoadOptions = LoadOptions()) -> None:
         self.index_dir = Path(index_dir)
         loaded = load_generation(self.index_dir, load)
+        if loaded.sealed:  # a shard searches its rows alone; writes over HTTP are served by one whole index
+            raise IndexFormatError(f"{self.index_dir}: holds {len(loaded.sealed)} writes over HTTP sealed beside its "
+                                   "rows, which a shard does not serve: serve it whole (python -m service)")
         self.manifest, self.passages, self.dense = loaded.manifest, loaded.passages, loaded.dense
         self.index, self.structures = self.dense.index, self.dense.structures
 

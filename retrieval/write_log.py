@@ -18,11 +18,13 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import struct
 import threading
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 
@@ -199,6 +201,26 @@ def read(path: Path) -> tuple[list[Record], int]:
         records.append(Record.decode(payload, vectors))
         at = end
     return records, at
+
+
+def write_records(path: Path, records: Sequence[Record], after: Path | None = None) -> None:
+    """A file of `records` at `path` (a generation's sealed writes: retrieval.compaction), following the records
+    of the file `after` where one is given (an earlier generation's), written beside, fsynced and renamed, so that
+    a file at `path` is whole."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with open(tmp, "wb") as handle:
+            if after is not None:
+                with open(after, "rb") as earlier:
+                    shutil.copyfileobj(earlier, handle)
+            for record in records:
+                handle.write(record.encode())
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def _fsync_folder(folder: Path) -> None:

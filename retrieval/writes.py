@@ -28,8 +28,7 @@ from retrieval.fields import MAX_FIELDS, MAX_SCOPE_FIELDS, FieldColumns, value_t
 from retrieval.filters import Filter, conjunction, evaluate, parse_filter
 from retrieval.scopes import scope_fields
 from retrieval.searcher import Searcher
-from retrieval.segment import Passage, Segment
-from retrieval.segment_terms import ChangedTerms
+from retrieval.segment import Passage
 from retrieval.write_log import Record, WriteLog
 
 MAX_ID_CHARS = 512  # a passage id's length at most, in characters
@@ -53,11 +52,9 @@ class Writes:
         self.max_scope_fields = max_scope_fields  # the fields one scope's passages may hold (refuse_fields)
         self.log, self.publish, self._folder_lock = log, None, held  # published once replayed
         self._lock = threading.Lock()
-        self.searcher = searcher.with_segment(self._segment(searcher))
+        self.searcher = searcher.writable()
         self.segment_since: float | None = None  # when the segment's first write was applied (monotonic)
-        for record in log.records:
-            if record.seq > searcher.manifest.write_sequence:
-                self._apply(record)
+        self._replay([record for record in log.records if record.seq > searcher.manifest.write_sequence])
         self.publish = publish
         if publish is not None:
             publish(self.searcher)
@@ -165,27 +162,16 @@ class Writes:
     def rebase(self, searcher: Searcher) -> None:
         """Serves `searcher`, a new generation of the index holding the writes up to its manifest's write_sequence
         (retrieval.compaction), with the later ones replayed beside it; the log drops the ones it holds."""
-        segment = self._segment(searcher)
+        searcher = searcher.writable()
         with self._lock:
             folded = searcher.manifest.write_sequence
-            self.searcher = searcher.with_segment(segment)
+            self.searcher = searcher
             self.segment_since = None
             later = [record for record in self.log.records if record.seq > folded]
-            for record in later:
-                self._apply(record)
+            self._replay(later)
             if not later and self.publish is not None:
                 self.publish(self.searcher)
             self.log.drop_through(folded)
-
-    @staticmethod
-    def _segment(searcher: Searcher) -> Segment:
-        """The empty segment beside `searcher`'s generation, with the terms of what it will change where the
-        generation has BM25 (whose own terms are derived here, before any write waits on them)."""
-        terms = None
-        if searcher.bm25 is not None:
-            searcher.base_terms()
-            terms = ChangedTerms(lambda rows: [text for _, text in searcher.passages.get(list(rows))])
-        return Segment(searcher.manifest.count, searcher.manifest.write_sequence, terms=terms)
 
     def get(self, pid: str, scope: dict | None = None):
         """The passage `pid` with its fields (retrieval.searcher.HitWithFields), or None (also for one outside
@@ -256,20 +242,14 @@ class Writes:
         self.log.append(record)
         self._serve(searcher)
 
-    def _apply(self, record: Record) -> None:
-        self._serve(self._after(record))
+    def _replay(self, records: list[Record]) -> None:
+        """The log's `records` (written before, not yet in the generation) applied, in one pass."""
+        if records:
+            self._serve(self.searcher.with_writes(records))
 
     def _after(self, record: Record) -> Searcher:
         """The searcher with `record` applied."""
-        searcher = self.searcher
-        segment = searcher.segment
-        if record.upsert:
-            passages = [Passage(**item) for item in record.upsert]
-            base_rows = searcher.passages.rows_of([p.id for p in passages])
-            segment = segment.upserted(passages, record.vectors, record.seq, base_rows)
-        else:
-            segment = segment.deleted(record.delete, record.seq, searcher.passages.rows_of(list(record.delete)))
-        return searcher.with_segment(segment)
+        return self.searcher.with_writes([record])
 
     def _serve(self, searcher: Searcher) -> None:
         if self.segment_since is None:

@@ -146,6 +146,12 @@ class ServiceSettings(BaseSettings):
         "the index, swapped in for replicas to follow, and the log truncated) starts once this many passages were "
         "written or deleted since the last.",
     )
+    merge_share: float = Field(
+        0.05, ge=0, le=1, description="With writes, a compaction seals the writes beside the index's rows (a new "
+        "generation linking the old one's files and holding the writes themselves: its cost follows the writes) "
+        "until they hold this share of the rows, then merges them in (every row written again, the candidate "
+        "structures extended); 0: merge every time.",
+    )
     compact_age_s: float = Field(
         300.0, gt=0, description="With writes, a compaction starts once the oldest write not yet compacted is this "
         "many seconds old.",

@@ -122,7 +122,7 @@ def test_format_1_shards_merge_into_a_format_2_index_of_the_same_passages(tmp_pa
 
 
 @pytest.mark.parametrize("change,message", [
-    (lambda raw: {**raw, "format_version": 3}, "format_version 3, this code reads 1 to 2"),
+    (lambda raw: {**raw, "format_version": 4}, "format_version 4, this code reads 1 to 3"),
     (lambda raw: {key: value for key, value in raw.items() if key != "manifest_sha256"}, "changed after it was written"),
     (lambda raw: {**raw, "count": raw["count"] + 1}, "changed after it was written"),
 ])
@@ -130,6 +130,17 @@ def test_a_manifest_outside_the_format_is_refused_naming_why(tmp_path, small_ind
     index = Path(shutil.copytree(small_index, tmp_path / "index"))
     raw = json.loads((index / MANIFEST_FILE).read_text())
     (index / MANIFEST_FILE).write_text(json.dumps(change(raw)))
+    with pytest.raises(IndexFormatError, match=message):
+        read_manifest(index)
+
+
+@pytest.mark.parametrize("update,message", [
+    ({"format_version": 3}, "format_version 3 with 0 sealed writes"),
+    ({"sealed_writes": 2}, "format_version 2 with 2 sealed writes"),
+])
+def test_sealed_writes_come_in_format_3_alone(tmp_path, small_index, update, message):
+    index = Path(shutil.copytree(small_index, tmp_path / "index"))
+    write_json_atomic(index / MANIFEST_FILE, sealed(read_manifest(index).model_copy(update=update)))
     with pytest.raises(IndexFormatError, match=message):
         read_manifest(index)
 

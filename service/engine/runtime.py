@@ -335,7 +335,8 @@ class Runtime:
 
     def _compact_when_due(self) -> None:
         """Starts a compaction (retrieval.compaction, on the loader thread, niced) when the segment holds
-        SEARCH_COMPACT_PASSAGES or its oldest write is SEARCH_COMPACT_AGE_S old, and none runs."""
+        SEARCH_COMPACT_PASSAGES changes past those its generation seals, or its oldest write is
+        SEARCH_COMPACT_AGE_S old, and none runs."""
         writes, settings = self.writes, self.settings
         if writes is None or (self.compacting is not None and not self.compacting.done()):
             return
@@ -345,12 +346,13 @@ class Runtime:
             return
         since = writes.segment_since
         old = since is not None and time.monotonic() - since >= settings.compact_age_s
-        if writes.searcher.segment.size >= settings.compact_passages or old:
+        searcher = writes.searcher
+        if searcher.segment.size - searcher.sealed_size >= settings.compact_passages or old:
             self.compacting = self.loader.submit(self._compact)
 
     def _compact(self) -> None:
         try:
-            report = compact(self.writes)
+            report = compact(self.writes, merge_share=self.settings.merge_share)
         except FolderReplaced as error:  # lasting: tried again, it would fail the same way every time
             self.compact_failure, self.compact_not_before = str(error), float("inf")
             log.error("compaction failed; the writes stay logged and searched; not tried again: %s", error)
