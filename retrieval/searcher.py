@@ -191,9 +191,8 @@ class Searcher:
     def writable(self) -> "Searcher":
         """This searcher as writes start from it (retrieval.writes): its segment keeps the terms of what it
         changes where the generation has BM25 (whose own terms are derived here, before any write waits on them)."""
-        if self.bm25 is None or self.segment.terms is not None:
+        if self.bm25 is None or self.segment.terms is not None:  # sealed writes were replayed with their terms
             return self
-        assert not self.segment.changes, "a segment's terms are kept from its first change"
         self.base_terms()
         terms = ChangedTerms(lambda rows: [text for _, text in self.passages.get(list(rows))])
         return self.with_segment(Segment(self.manifest.count, self.segment.seq, terms=terms))
