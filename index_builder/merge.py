@@ -96,6 +96,11 @@ def _check_shards(directories: Sequence[Path]) -> list[tuple[Path, Manifest]]:
     if not directories:
         raise BuildError("no shard directories given")
     manifests = [read_manifest(directory, verify_checksums=True) for directory in directories]
+    for directory, manifest in zip(directories, manifests):
+        if manifest.sealed_writes:  # a merge reads the rows alone
+            raise BuildError(f"{directory} holds {manifest.sealed_writes} writes over HTTP sealed beside its rows, "
+                             f"which a merge of the rows would lose: python -m index_builder compact --index "
+                             f"{directory} first")
     try:
         shards = check_shard_set([(str(directory), manifest) for directory, manifest in zip(directories, manifests)])
         merged_types([(str(directory), manifest.fields) for directory, manifest in zip(directories, manifests)])

@@ -3,20 +3,20 @@ swapped in at its folder, after which the writer serves the new generation with 
 and the log drops the folded ones. Read-only replicas watching the folder follow the new generation.
 
 A compaction seals or merges. While the segment (the writes sealed before and the new ones) holds less than
-`merge_share` of the generation's rows, it seals, as Lucene's refresh or a sealed segment of Qdrant and Milvus:
-the new generation links every file of the old one and adds the writes themselves, the old generation's sealed
-writes then the log's new ones, as `sealed-writes.log` (retrieval.index_format.SEALED_WRITES_FILE), which
-every load replays as the segment the writer searched (retrieval.searcher.Searcher.with_writes): its cost
-follows the writes, not the collection. Otherwise it merges: the new generation holds the collection the writer
-searched: the old generation's live rows in their order, then the live written passages in write order
-(retrieval.segment), each with its vector as searched (nothing is encoded again); BM25 is written from the terms
-the generation and the segment hold (retrieval.bm25_changes: no passage tokenized again, each score as a
-build's), each candidate structure extended (its removed rows dropped, or in a graph (hnsw) kept as paths never
-proposed; the written ones added, trained as before) or, past REBUILD_SHARE of the rows changed (or a graph's
-own share of deleted nodes), built again with the old one's parameters, its recall card measured again either
-way. Either way the manifest records the last write folded in (`write_sequence`), and every search answers as
-before it. It is written in `.NAME.compacting` beside the folder while writes go on; a kill leaves the old
-generation and the log, which replays every write again. A compaction that fails (a full disk) leaves the
+`merge_share` of the generation's rows, in a whole index of format 2 or later, it seals, as Lucene's refresh or a
+sealed segment of Qdrant and Milvus: the new generation links every file of the old one and adds the writes
+themselves, the old generation's sealed writes then the log's new ones, as `sealed-writes.log`
+(retrieval.index_format.SEALED_WRITES_FILE), which every load replays as the segment the writer searched
+(retrieval.searcher.Searcher.with_writes): its cost follows the writes, not the collection. Otherwise it merges: the
+new generation holds the collection the writer searched: the old generation's live rows in their order, then the
+live written passages in write order (retrieval.segment), each with its vector as searched (nothing is encoded
+again); BM25 is written from the terms the generation and the segment hold (retrieval.bm25_changes: no passage
+tokenized again, each score as a build's), each candidate structure extended (its removed rows dropped, or in a
+graph (hnsw) kept as paths never proposed; the written ones added, trained as before) or, past REBUILD_SHARE of the
+rows changed (or a graph's own share of deleted nodes), built again with the old one's parameters, its recall card
+measured again either way. Either way the manifest records the last write folded in (`write_sequence`), and every
+search answers as before it. It is written in `.NAME.compacting` beside the folder while writes go on; a kill leaves
+the old generation and the log, which replays every write again. A compaction that fails (a full disk) leaves the
 served generation and the log as they were.
 """
 
@@ -33,7 +33,7 @@ from pathlib import Path
 import faiss
 import numpy as np
 
-from retrieval import bm25_changes, index_writer
+from retrieval import bm25_changes, format_upgrade, index_writer
 from retrieval.bm25_index import BM25_DIR
 from retrieval.candidates import structures
 from retrieval.fields import encode_fields
@@ -100,7 +100,11 @@ def compact(writes: Writes, progress: bool = False, merge_share: float = 0.0) ->
         if work.exists():  # left by a compaction that was killed: written again
             shutil.rmtree(work)
         work.mkdir()
-        merged = segment.size >= merge_share * searcher.manifest.count
+        manifest = searcher.manifest
+        # A format-1 folder or a shard is merged whatever its writes: sealing keeps the folder's format and its
+        # shard record, and neither a format-1 reader nor `merge` of shards would see the writes.
+        merged = (segment.size >= merge_share * manifest.count or manifest.format_version == format_upgrade.OLDEST
+                  or manifest.shard is not None)
         try:
             if merged:
                 count = _write(work, searcher, progress)

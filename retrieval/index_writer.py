@@ -261,6 +261,7 @@ def move_into_place(work: Path, out: Path, scratch: Sequence[str] = ()) -> None:
     where the system cannot swap, two renames leave a moment with nothing at `out`."""
     old = out.parent / f".{out.name}.old"
     check_replaceable(out)
+    _fsync(work)  # the names inside it (a manifest renamed into place last) before it is named `out`
     if old.exists():
         shutil.rmtree(old)
     if out.exists() and _exchange(work, out):

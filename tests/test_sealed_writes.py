@@ -29,7 +29,9 @@ from retrieval.write_log import log_path, read
 from retrieval.writes import Writes
 from service.engine.search_engine import SearchEngine
 from service.http.app import create_app
+from retrieval.index_format import MANIFEST_FILE, sealed, write_json_atomic
 from tests.conftest import CPU
+from tests.test_format_upgrade import as_format_1
 from tests.test_service import one, settings_for
 from tests.test_writes import BASE, MODES, QUERIES, demo_texts, record
 from tests.test_writes import base_corpus, base_index, writes  # noqa: F401 - the fixtures: a writer over a base index
@@ -155,6 +157,44 @@ def test_what_reads_the_rows_alone_refuses_sealed_writes_until_compact_merges_th
     assert read_manifest(index).sealed_writes == 0 and read_manifest(index).count == count
     assert index_builder(["update", "--index", str(index), "--delete", str(deletions)]) == 0
     assert read_manifest(index).count == count - 1
+
+
+def as_shard(index: Path) -> Path:
+    write_json_atomic(index / MANIFEST_FILE, sealed(read_manifest(index).model_copy(update={"shard": "0/2"})))
+    return index
+
+
+@pytest.mark.parametrize("made", [as_format_1, as_shard], ids=["format 1", "a shard"])
+def test_a_format_1_folder_or_a_shard_is_merged_whatever_its_writes(tmp_path, base_index, encoder, made):
+    index = made(Path(shutil.copytree(base_index, tmp_path / "index")))
+    writes = Writes.open(Searcher(index, encoder, CPU))
+    try:
+        write_some(writes, 0)
+        before = answers(writes.searcher)
+        assert compact(writes, merge_share=1.0).merged
+    finally:
+        writes.close()
+    manifest = read_manifest(index)
+    assert (manifest.format_version, manifest.sealed_writes, manifest.shard) == (FORMAT_VERSION, 0, None)
+    assert_same_answers(before, answers(Searcher(index, encoder, CPU)))
+
+
+def test_a_structure_added_to_a_sealed_generation_keeps_its_writes(writes, encoder):
+    index = writes.searcher.index_dir
+    write_some(writes, 0)
+    compact(writes, merge_share=1.0)
+    before = answers(writes.searcher)
+    writes.close()
+
+    assert index_builder(["ann", "--index", str(index), "--kind", "binary", "--sample", "10"]) == 0
+
+    manifest = read_manifest(index)
+    assert (manifest.format_version, manifest.sealed_writes) == (SEALED_WRITES_FORMAT, 4)
+    assert {record.kind for record in manifest.candidates} == {"int8", "binary"}
+    replica = Searcher(index, encoder, CPU)
+    assert_same_answers(before, answers(replica))
+    found = replica.search("written twice: reading a file line by line", 1, mode="dense", structure="binary")
+    assert found[0].id == "new-1"
 
 
 def test_the_service_seals_below_its_merge_share_and_a_replica_follows(tmp_path, base_index, encoder):
