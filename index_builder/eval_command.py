@@ -193,7 +193,8 @@ def _eval_filter(searcher: Searcher, given: str | None, say) -> dict:
     except json.JSONDecodeError as error:
         raise ValueError(f"--filter: not valid JSON ({error})") from None
     parsed = searcher.parse_filter(spec)
-    matching = searcher.restrictions.of(parsed).count
+    # The collection's passages: the generation's rows its writes leave (a sealed index's), then the written ones.
+    matching = searcher.generation_rows(parsed).count + int(searcher.segment.matching(parsed).sum())
     say(f"filter {parsed.spec}: {matching} of {searcher.count} passages match; every row searches among them")
     return {"filter": parsed}
 

@@ -33,7 +33,7 @@ from retrieval.index_format import MANIFEST_FILE, sealed, write_json_atomic
 from tests.conftest import CPU
 from tests.test_format_upgrade import as_format_1
 from tests.test_service import one, settings_for
-from tests.test_writes import BASE, MODES, QUERIES, demo_texts, record
+from tests.test_writes import BASE, MODES, QUERIES, collection, demo_texts, record
 from tests.test_writes import base_corpus, base_index, writes  # noqa: F401 - the fixtures: a writer over a base index
 
 FILTERS = [None, {"year": {"$gte": 2003}}, {"tags": "even"}]
@@ -157,6 +157,20 @@ def test_what_reads_the_rows_alone_refuses_sealed_writes_until_compact_merges_th
     assert read_manifest(index).sealed_writes == 0 and read_manifest(index).count == count
     assert index_builder(["update", "--index", str(index), "--delete", str(deletions)]) == 0
     assert read_manifest(index).count == count - 1
+
+
+def test_eval_counts_what_a_filter_keeps_of_the_collection_its_sealed_writes_included(writes, capsys):
+    index = writes.searcher.index_dir
+    write_some(writes, 0)
+    compact(writes, merge_share=1.0)
+    kept, count = sum(passage["year"] >= 2003 for passage in collection(writes)), writes.searcher.count
+    writes.close()
+    (index.parent / "queries.tsv").write_text(f"q1\t{QUERIES[0]}\n")
+    (index.parent / "qrels.txt").write_text("q1 0 new-1 1\n")
+
+    assert index_builder(["eval", "--index", str(index), "--queries", str(index.parent / "queries.tsv"), "--qrels",
+                          str(index.parent / "qrels.txt"), "--modes", "bm25", "--filter", '{"year": {"$gte": 2003}}']) == 0
+    assert f"{kept} of {count} passages match" in capsys.readouterr().out
 
 
 def as_shard(index: Path) -> Path:
