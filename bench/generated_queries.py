@@ -41,6 +41,13 @@ EXAMPLES = [
 PASSAGE_WORDS = 180  # of each passage, in the prompt
 
 
+def generator():
+    """The packaged SmolLM2's tokenizer (padding on the left, for generation) and model, on the CPU."""
+    tokenizer = AutoTokenizer.from_pretrained(SMOLLM2, gguf_file=GGUF)
+    tokenizer.padding_side = "left"
+    return tokenizer, AutoModelForCausalLM.from_pretrained(SMOLLM2, gguf_file=GGUF, dtype=torch.float32).eval()
+
+
 def prompt(tokenizer, text: str, few_shot: bool) -> str:
     messages = []
     for passage, query in EXAMPLES if few_shot else []:
@@ -82,9 +89,7 @@ def main() -> None:
     rows = sorted(rng.choice(len(ids), size=args.passages, replace=False).tolist())
     retriever = bm25s.BM25()
     retriever.index(bm25s.tokenize(texts, stopwords="en", show_progress=False), show_progress=False)
-    tokenizer = AutoTokenizer.from_pretrained(SMOLLM2, gguf_file=GGUF)
-    tokenizer.padding_side = "left"
-    model = AutoModelForCausalLM.from_pretrained(SMOLLM2, gguf_file=GGUF, dtype=torch.float32).eval()
+    tokenizer, model = generator()
     sources = {"crop (10-50% of the text)": [cropped(texts[row].split(), rng, 4) for row in rows]}
     seconds = {}
     for name, few_shot in (("SmolLM2, instruction", False), ("SmolLM2, two examples", True)):
