@@ -1,6 +1,6 @@
 """The passages written since a generation was built (writes over HTTP), searched exactly beside it.
 
-A `Segment` is immutable: each write makes the next one (`upserted`, `deleted`), and a search reads the one it
+A `Segment` is immutable: each write makes the next one (`applied`), and a search reads the one it
 started with. It holds the written passages (id, text, fields, vector) in write order, which of them are still
 live (an id written again or deleted is not), and which of the generation's rows it hides (deleted, or
 replaced by a written passage). Its rows follow the generation's: the generation's `base_count` rows, then
@@ -85,20 +85,10 @@ class Segment:
         """Passages in the collection it makes of its generation."""
         return self.base_count - self.hidden_count + self.written
 
-    def upserted(self, passages: Sequence[Passage], vectors: np.ndarray, seq: int,
-                 base_rows: Mapping[str, int]) -> "Segment":
-        """The segment with `passages` (encoded as `vectors`; their ids distinct) written: each replaces a passage
-        of its id, written before or in the generation (`base_rows`: the generation's row of each id it holds)."""
-        return self.applied([Change(seq, tuple(passages), vectors)], base_rows)
-
-    def deleted(self, ids: Sequence[str], seq: int, base_rows: Mapping[str, int]) -> "Segment":
-        """The segment with `ids` deleted (those the collection does not hold are no change)."""
-        return self.applied([Change(seq, deleted=tuple(ids))], base_rows)
-
     def applied(self, changes: Sequence["Change"], base_rows: Mapping[str, int]) -> "Segment":
-        """The segment with `changes` made in order, as `upserted` and `deleted` one after another make it, in one
-        pass (a log or a generation's sealed writes replayed: each change alone would copy what the segment holds);
-        `base_rows`: the generation's row of each id they name that it holds."""
+        """The segment with `changes` made in order, in one pass: each written passage replaces the passage of its
+        id, written before or in the generation, and each deleted id is no longer held (one the collection does not
+        hold is no change); `base_rows`: the generation's row of each id they name that it holds."""
         live, by_id, types = self.live.tolist(), dict(self.by_id), dict(self.types)
         hidden = None if self.hidden is None else self.hidden.copy()
         passages, vectors, newly_hidden = list(self.passages), [], []

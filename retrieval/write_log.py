@@ -154,21 +154,9 @@ class WriteLog:
         renamed over, so that a kill leaves the old log or the new one."""
         with self._lock:
             kept = [record for record in self.records if record.seq > seq]
-            tmp = self.path.with_name(self.path.name + ".tmp")
-            try:
-                with open(tmp, "wb") as handle:
-                    for record in kept:
-                        handle.write(record.encode())
-                    handle.flush()
-                    os.fsync(handle.fileno())
-            except BaseException:  # a full disk: the old log stands, and the space the copy took is freed
-                tmp.unlink(missing_ok=True)
-                raise
-            try:
-                os.replace(tmp, self.path)
-            finally:  # appends go to the file at the log's name from now on, whatever fails below
-                os.close(self._fd)
-                self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            write_records(self.path, kept)  # a full disk: the old log stands, the copy's space freed
+            os.close(self._fd)  # appends go to the new file at the log's name
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
             self.records = kept
             _fsync_folder(self.path.parent)
 
@@ -204,9 +192,9 @@ def read(path: Path) -> tuple[list[Record], int]:
 
 
 def write_records(path: Path, records: Sequence[Record], after: Path | None = None) -> None:
-    """A file of `records` at `path` (a generation's sealed writes: retrieval.compaction), following the records
-    of the file `after` where one is given (an earlier generation's), written beside, fsynced and renamed, so that
-    a file at `path` is whole."""
+    """A file of `records` at `path` (a log, or a generation's sealed writes: retrieval.compaction), following the
+    records of the file `after` where one is given (an earlier generation's), written beside, fsynced and renamed,
+    so that the file at `path` is the old one or the whole new one."""
     tmp = path.with_name(path.name + ".tmp")
     try:
         with open(tmp, "wb") as handle:

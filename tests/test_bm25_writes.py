@@ -22,7 +22,7 @@ from retrieval.index_format import PASSAGES_FILE
 from retrieval.passage_store import PassageStore
 from retrieval.request import MAX_K
 from retrieval.searcher import Searcher
-from retrieval.segment import Passage
+from retrieval.write_log import Record
 from tests.test_writes import BASE, QUERIES, collection, demo_texts, record
 from tests.test_writes import base_corpus, base_index, writes  # noqa: F401 - the fixtures: a writer over a base index
 
@@ -152,12 +152,14 @@ def test_a_compaction_changes_no_score(changed):
 def test_a_write_not_applied_leaves_no_term_behind(writes):
     """A write whose next segment was made but never served (its log append failed) is cut off by the next one."""
     searcher = writes.searcher
-    segment, vector = searcher.segment, searcher.encoder.encode_passages(["x"])
-    rows = searcher.passages.rows_of([])
-    taken = segment.upserted([Passage("a", "zeppelin airship")], vector, 1, rows)
-    taken.upserted([Passage("b", "quokka marsupial")], vector, 2, rows)  # made, never served
-    served = taken.upserted([Passage("c", "wombat burrow")], vector, 2, rows)
-    live = searcher.with_segment(served)
+    vector = searcher.encoder.encode_passages(["x"])
+
+    def upsert(seq: int, pid: str, text: str) -> Record:
+        return Record(seq, upsert=({"id": pid, "text": text, "fields": {}},), vectors=vector)
+
+    taken = searcher.with_writes([upsert(1, "a", "zeppelin airship")])
+    taken.with_writes([upsert(2, "b", "quokka marsupial")])  # made, never served
+    live = taken.with_writes([upsert(2, "c", "wombat burrow")])
     assert [hit.id for hit in live.search("quokka wombat zeppelin", 10, mode="bm25")] in (["a", "c"], ["c", "a"])
     assert live.search("quokka", 10, mode="bm25") == []
 
