@@ -1,8 +1,8 @@
 """The packaged MiniLM adapted to a collection from its own text, no judgement read (issue 78), against the
 packaged one on judged queries that no step reads:
 
-    python bench/unjudged.py --collection scifact|cranfield|cisi [--source titles|both|crops] [--steps 200]
-        [--tune-first-stage] [--work DIR] [--cisi DIR]
+    python bench/unjudged.py --collection scifact|cranfield|cisi [--source titles|both|crops|questions]
+        [--questions 1000] [--steps 200] [--tune-first-stage] [--work DIR] [--cisi DIR]
 
 Runs the unjudged recipe (training.unjudged: pairs cut from the corpus, split by passage, the bi-encoder trained
 `--steps` on one side, the checkpoint chosen, the packaged model among them, on the held-out side) into
@@ -30,7 +30,8 @@ from retrieval.evaluation import as_run, paired_bootstrap, per_query, retrieve  
 from retrieval.readers import read_qrels, read_queries  # noqa: E402
 from training.split import write_split  # noqa: E402
 from training import first_stage as tuning  # noqa: E402
-from training.unjudged import MODES, PACKAGED, PAIRS, candidates, run_unjudged, searcher  # noqa: E402
+from training.unjudged import (  # noqa: E402
+    MODES, PACKAGED, PAIRS, QUESTION_PASSAGES, QUESTIONS, candidates, run_unjudged, searcher)
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT.parent / "shared" / "data"
@@ -80,7 +81,9 @@ def collection(name: str, work: Path, cisi: Path) -> dict[str, Path] | None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--collection", choices=["scifact", "cranfield", "cisi"], required=True)
-    parser.add_argument("--source", choices=list(PAIRS), default="titles")
+    parser.add_argument("--source", choices=[*PAIRS, QUESTIONS], default="titles")
+    parser.add_argument("--questions", type=int, default=QUESTION_PASSAGES, help="with --source questions: passages "
+                        "drawn to get one")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--tune-first-stage", action="store_true", help="tune the first stage on held-out pairs")
     parser.add_argument("--work", type=Path, default=ROOT / "runs" / "unjudged")
@@ -96,8 +99,8 @@ def main() -> None:
     build(files["corpus"], default_index)
     summary = run_unjudged(argparse.Namespace(
         corpus=files["corpus"], out=out / "recipe", pairs=args.source, index=default_index, seed=13,
-        biencoder_steps=args.steps, device="cpu", queries=files["queries"], qrels=files["qrels"],
-        tune_first_stage=args.tune_first_stage))
+        biencoder_steps=args.steps, device="cpu", questions=args.questions, queries=files["queries"],
+        qrels=files["qrels"], tune_first_stage=args.tune_first_stage))
     recipe_minutes = (time.monotonic() - started) / 60
     judged, queries = read_qrels(files["qrels"]), read_queries(files["queries"])
     rows = {}

@@ -2,7 +2,7 @@
 (`python -m training.recipe --corpus C --out DIR`), its candidates (the packaged model and each checkpoint kept,
 each with DIR/choice's index) are ranked three ways by dense nDCG@10 over the choice corpus:
 - by the recipe's own held-out pairs (its unjudged.json),
-- by questions SmolLM2 writes for the same held-out passages (bench/generated_queries.py's two examples), kept
+- by questions SmolLM2 writes for the same held-out passages (training.questions, after its two examples), kept
   where BM25 over the corpus ranks their passage in its top 100 (the round-trip filter),
 - by the judged queries given, where the choice corpus is the whole corpus (else not: a judged query's passages
   may be missing from it).
@@ -24,9 +24,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.generated_queries import generated, generator, ranks  # noqa: E402
+from bench.generated_queries import ranks  # noqa: E402
 from retrieval.evaluation import as_run, per_query, retrieve  # noqa: E402
 from retrieval.readers import read_passages, read_qrels, read_queries  # noqa: E402
+from training.questions import Writer  # noqa: E402
 from training.unjudged import SUMMARY_FILE, searcher  # noqa: E402
 
 K = 10
@@ -54,8 +55,7 @@ def main() -> None:
     passages = read_passages(args.corpus)
     ids = sorted(passages)
     started = time.perf_counter()
-    tokenizer, model = generator()
-    questions = generated(tokenizer, model, [passages[pid] for pid in drawn], few_shot=True)
+    questions = Writer().questions([passages[pid] for pid in drawn])
     seconds = time.perf_counter() - started
     retriever = bm25s.BM25()
     retriever.index(bm25s.tokenize([passages[pid] for pid in ids], stopwords="en", show_progress=False),

@@ -12,14 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from retrieval.evaluation import as_run, per_query, retrieve
+from retrieval.evaluation import as_run, paired_bootstrap, per_query, retrieve
 from retrieval.index_format import read_manifest
 from retrieval.readers import read_qrels, read_queries
 from tests.conftest import DEMO, head
 from tests.test_training_recipe import QUERIES, own_collection
 from training import first_stage as tuning
 from training.recipe import main
-from training.unjudged import PACKAGED, candidates, searcher
+from training.unjudged import PACKAGED, ROUND_TRIP_K, candidates, make_questions, searcher
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -70,13 +70,18 @@ def test_the_model_with_the_best_held_out_pairs_is_chosen_and_served(unjudged, s
     summary = json.loads((unjudged / "unjudged.json").read_text())
     values = summary["held_out_ndcg@10"]
     assert list(values) == [PACKAGED, "step-2"]  # a checkpoint every 50 steps, and the last
-    assert summary["chosen"] == max(values, key=lambda label: round(values[label], 10))
     # Each value is what the candidate's index of the choice corpus answers for the held-out pairs.
     split = unjudged / "split"
     held_out, queries = read_qrels(split / "qrels-dev.txt"), read_queries(split / "queries-dev.tsv")
+    by_pair = {}
     for label, value in values.items():
         found = as_run(retrieve(searcher(unjudged / "choice" / f"index-{label}", "cpu"), queries, 10))
-        assert statistics.fmean(per_query(held_out, found).values()) == pytest.approx(value, abs=1e-9)
+        by_pair[label] = per_query(held_out, found)
+        assert statistics.fmean(by_pair[label].values()) == pytest.approx(value, abs=1e-9)
+    # The best checkpoint is chosen only where its gain over the packaged model is real on the held-out pairs.
+    best = max(values, key=lambda label: round(values[label], 10))
+    real = best != PACKAGED and paired_bootstrap(by_pair[PACKAGED], by_pair[best], seed=13).real
+    assert summary["chosen"] == (best if real else PACKAGED)
     index = Path(served(unjudged)["SEARCH_INDEX_DIR"])
     assert str(index) == summary["index"]
     if summary["chosen"] == PACKAGED:
@@ -114,6 +119,32 @@ def test_judged_queries_only_report_the_packaged_and_the_served_pipeline(unjudge
     assert f"on {QUERIES} judged queries (report only)" in stdout and "unjudged recipe: " in stdout
     # No judged query was trained on or chose: the pairs are the corpus's own.
     assert not set(queries) & set(read_queries(unjudged / "pairs" / "queries.tsv"))
+
+
+def test_questions_are_kept_only_where_the_default_retrieval_finds_their_passage(tmp_path, small_corpus,
+                                                                                   small_index):
+    """`--pairs questions`: SmolLM2's question for each of N passages drawn, then the round trip."""
+    make_questions(small_corpus, tmp_path, small_index, 6, 13, "cpu")
+    written, relevant = read_queries(tmp_path / "questions" / "queries.tsv"), read_qrels(tmp_path / "questions" /
+                                                                                           "qrels.txt")
+    passages = {line.split("\t", 1)[0] for line in small_corpus.read_text().splitlines()}
+    assert len(written) == 6 and all(len(question.split()) >= 4 for question in written.values())
+    assert all(relevant[qid] == {qid.removeprefix("q:"): 1} and qid.removeprefix("q:") in passages
+               for qid in written)
+    found = as_run(retrieve(searcher(small_index, "cpu"), written, ROUND_TRIP_K))
+    kept, kept_relevant = read_queries(tmp_path / "pairs" / "queries.tsv"), read_qrels(tmp_path / "pairs" / "qrels.txt")
+    assert kept == {qid: question for qid, question in written.items()
+                    if relevant[qid].keys() & {docid for docid, _ in found[qid]}}
+    assert kept_relevant == {qid: relevant[qid] for qid in kept}
+    # The pairs' passages are the whole corpus, as the index holds them: the choice draws others from it.
+    assert {line.split("\t", 1)[0] for line in (tmp_path / "pairs" / "corpus.tsv").read_text().splitlines()} == passages
+
+
+def test_questions_for_no_passage_exit_2(tmp_path, capsys, small_corpus):
+    from training.questions import main as questions
+
+    assert questions(["--corpus", str(small_corpus), "--out", str(tmp_path), "--passages", "0"]) == 2
+    assert capsys.readouterr().err.strip() == "error: --passages must be at least 1, got 0"
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -92,7 +92,7 @@ from training.pipeline import (
 from training.served import ranked_run, served_answers, write_answers
 from training.split import SPLITS, WITHHELD_FILE, read_withheld, write_split
 from training.trainer import checkpoints
-from training.unjudged import run_unjudged
+from training.unjudged import QUESTION_PASSAGES, run_unjudged
 
 ANSWER_K = 100  # the k each held-out query asks the service for: deeper than any rerank depth, as users ask
 PRIOR_WEIGHT = 0.5  # the first stage's weight in the residual training (scripts/scifact.sh's)
@@ -564,9 +564,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="TREC qrels or BEIR TSV (--queries and --qrels both left out: --unjudged)")
     parser.add_argument("--unjudged", action="store_true", help="adapt the bi-encoder from the corpus alone "
                         "(training.unjudged); --queries and --qrels, where given, only report")
-    parser.add_argument("--pairs", choices=("titles", "both", "crops"), default="titles",
-                        help="with --unjudged: the training pairs cut from the corpus (default titles, against their "
-                             "text; both: crops too; crops: spans of the text alone)")
+    parser.add_argument("--pairs", choices=("titles", "both", "crops", "questions"), default="titles",
+                        help="with --unjudged: the training pairs made from the corpus (default titles, against their "
+                             "text; both: crops too; crops: spans of the text alone; questions: written by the "
+                             "packaged SmolLM2, about 1 s each, kept where the default retrieval finds their passage)")
+    parser.add_argument("--questions", type=int, default=QUESTION_PASSAGES, metavar="N",
+                        help=f"with --pairs questions: passages drawn to get a question (default {QUESTION_PASSAGES})")
     parser.add_argument("--out", type=Path, required=True, help="folder for the split, runs, model and results")
     parser.add_argument("--index", type=Path, help="an index of --corpus (default: build DIR/index with BM25)")
     parser.add_argument("--split", choices=SPLITS, default="grouped",

@@ -4,14 +4,18 @@
 1. Pairs from the corpus alone (training.pseudo_queries): each passage's title against its text (`--pairs
    titles`, the default), with spans cropped from the text too (`both`: Contriever's independent cropping, 2 a
    passage), or the spans alone (`crops`): DIR/pairs, whose corpus.tsv holds the passages without their titles.
+   Or (`questions`) a question written for each of `--questions` passages drawn by the packaged SmolLM2
+   (training.questions, into DIR/questions), kept where the default retrieval of INDEX finds its passage in its
+   top ROUND_TRIP_K (the round trip): DIR/pairs, whose corpus.tsv holds the whole passages.
 2. The pairs split by passage (training.split, grouped, HELD_OUT_SHARE held out, seeded): no passage of a
    held-out pair is trained on (DIR/split).
 3. Hard negatives from the default retrieval of INDEX (or the packaged encoder's index of C, built into
    DIR/index), and the bi-encoder fine-tuned on the training pairs as the judged recipe fine-tunes it
    (`--biencoder-steps`, a checkpoint every 50): DIR/biencoder.
 4. The packaged model and each checkpoint searched for the held-out pairs, dense, among their passages and
-   others drawn up to CHOICE_PASSAGES (DIR/choice): the one with the best nDCG@10 is chosen, the packaged one
-   kept on a tie. No judgement is read to choose.
+   others drawn up to CHOICE_PASSAGES (DIR/choice): the one with the best nDCG@10 is chosen where its gain over
+   the packaged model is real on them (a paired bootstrap 95% interval above zero); otherwise the packaged one
+   is kept. No judgement is read to choose.
 5. The chosen model's index of C (DIR/index-biencoder, unless the packaged one is kept), and its hybrid's dense
    weight and feedback, with `--tune-first-stage`, tuned on the held-out pairs (training.first_stage, up to
    TUNING_PAIRS of them drawn; a setting adopted only where its gain over the defaults is real on them).
@@ -38,7 +42,7 @@ from retrieval.load_options import LoadOptions
 from retrieval.readers import Qrels, read_qrels, read_queries, write_run
 from retrieval.searcher import Searcher, encoder_for
 from training import first_stage as tuning
-from training import pseudo_queries, train_biencoder
+from training import pseudo_queries, questions, train_biencoder
 from training.pipeline import (
     BIENCODER,
     BIENCODER_TRAINING,
@@ -57,6 +61,9 @@ from training.split import write_split
 from training.trainer import STATE_FILE, checkpoints
 
 PAIRS = {"both": ["--crops", "2", "--with-titles"], "crops": ["--crops", "2"], "titles": []}
+QUESTIONS = "questions"  # SmolLM2's (training.questions), round-trip filtered
+ROUND_TRIP_K = 20
+QUESTION_PASSAGES = 1000  # passages drawn to get a question, by default: about 1 s each on a 2-core CPU
 HELD_OUT_SHARE = 0.2
 # The held-out pairs are searched among their own passages and others up to this many: the choice costs one
 # small index a checkpoint, not the corpus's.
@@ -86,12 +93,33 @@ def tuned_setting(index: Path, held_out: Qrels, queries: dict[str, str], device:
 
 
 def make_pairs(corpus: Path, out: Path, pairs: str, seed: int) -> None:
-    """DIR/pairs from the corpus (kept where a run made them already)."""
+    """DIR/pairs cut from the corpus (kept where a run made them already)."""
     if (out / "qrels.txt").is_file():
         return
     if pseudo_queries.main(["--corpus", str(corpus), "--out", str(out), "--seed", str(seed), *PAIRS[pairs]]):
         raise RecipeError(f"no {pairs} pairs could be made from {corpus} (the line above says why)"
                           + ("; --pairs crops cuts them from the text alone" if pairs == "titles" else ""))
+
+
+def make_questions(corpus: Path, out: Path, index: Path, passages: int, seed: int, device: str) -> None:
+    """DIR/pairs of SmolLM2's questions (training.questions, written into DIR/questions) kept where the default
+    retrieval of `index` finds their passage in its top ROUND_TRIP_K (the round trip); kept where made already."""
+    if (out / "pairs" / "qrels.txt").is_file():
+        return
+    written = out / "questions"
+    if not (written / "qrels.txt").is_file():
+        questions.write_questions(corpus, written, passages, seed=seed)
+    asked, relevant = read_queries(written / "queries.tsv"), read_qrels(written / "qrels.txt")
+    found = as_run(retrieve(searcher(index, device), asked, ROUND_TRIP_K))
+    kept = sorted(qid for qid in asked if relevant[qid].keys() & {docid for docid, _ in found.get(qid, [])})
+    if not kept:
+        raise RecipeError(f"no question written for {corpus} found its passage in the top {ROUND_TRIP_K}")
+    print(f"round trip: {len(kept)} of {len(asked)} questions found their passage in the top {ROUND_TRIP_K}",
+          file=sys.stderr)
+    pseudo_queries.write_files(out / "pairs", {
+        "queries.tsv": [f"{qid}\t{asked[qid]}\n" for qid in kept],
+        "qrels.txt": [f"{qid} 0 {pid} 1\n" for qid in kept for pid in relevant[qid]],
+        "corpus.tsv": (written / "corpus.tsv").read_text(encoding="utf-8").splitlines(keepends=True)})
 
 
 def choice_corpus(passages: Path, held_out: Qrels, out: Path, seed: int) -> Path:
@@ -115,15 +143,26 @@ def candidates(model: Path) -> dict[str, Path | None]:
 
 
 def held_out_values(choice: Path, out: Path, model: Path, held_out: Qrels, queries: dict[str, str],
-                    device: str) -> dict[str, float]:
-    """Each candidate's mean dense nDCG@10 of the held-out pairs among the choice corpus (an index of it each)."""
+                    device: str) -> dict[str, dict[str, float]]:
+    """Each candidate's dense nDCG@10 of each held-out pair among the choice corpus (an index of it each)."""
     values = {}
     for label, path in candidates(model).items():
         index = out / f"index-{label}"
         build_index(choice, index, device, path, bm25=False)
-        found = as_run(retrieve(searcher(index, device), queries, K))
-        values[label] = statistics.fmean(per_query(held_out, found).values())
+        values[label] = per_query(held_out, as_run(retrieve(searcher(index, device), queries, K)))
     return values
+
+
+def chosen_model(values: dict[str, dict[str, float]], seed: int) -> tuple[str, str]:
+    """The candidate with the best mean, where its gain over the packaged model is real on the held-out pairs
+    (paired bootstrap 95% interval above zero); otherwise the packaged one. And why."""
+    best = max(values, key=lambda label: round(statistics.fmean(values[label].values()), 10))  # a tie: packaged
+    if best == PACKAGED:
+        return PACKAGED, "no checkpoint beats the packaged model"
+    gain = paired_bootstrap(values[PACKAGED], values[best], seed=seed)
+    if not gain.real:
+        return PACKAGED, f"{best}'s gain, {gain.mean:+.4f} ({gain.low:+.4f} to {gain.high:+.4f}), is not real"
+    return best, f"{best}'s gain is real: {gain.mean:+.4f} ({gain.low:+.4f} to {gain.high:+.4f})"
 
 
 def run_unjudged(args: argparse.Namespace) -> dict:
@@ -139,17 +178,21 @@ def run_unjudged(args: argparse.Namespace) -> dict:
             raise RecipeError(f"--{flag} {getattr(args, flag)}: no such file")
     check_settings(out, {"unjudged": True, "corpus": str(args.corpus.resolve()), "pairs": args.pairs,
                           "index": str(args.index.resolve()) if args.index else None, "seed": args.seed,
-                          "biencoder_steps": args.biencoder_steps})
+                          "biencoder_steps": args.biencoder_steps,
+                          "questions": args.questions if args.pairs == QUESTIONS else None})
+    index = args.index or out / "index"
     pairs, split = out / "pairs", out / "split"
-    make_pairs(args.corpus, pairs, args.pairs, args.seed)
+    if args.pairs != QUESTIONS:
+        make_pairs(args.corpus, pairs, args.pairs, args.seed)
+    if args.index is None:
+        build_index(args.corpus, index, args.device)
+    if args.pairs == QUESTIONS:  # the round trip searches the index
+        make_questions(args.corpus, out, index, args.questions, args.seed, args.device)
     if not (split / "qrels-dev.txt").is_file():
         write_split(pairs / "queries.tsv", pairs / "qrels.txt", split, HELD_OUT_SHARE, args.seed)
     training, held_out = read_queries(split / "queries-train.tsv"), read_queries(split / "queries-dev.tsv")
     print(f"pairs: {len(training)} train, {len(held_out)} held out (split by passage)", file=sys.stderr)
 
-    index = args.index or out / "index"
-    if args.index is None:
-        build_index(args.corpus, index, args.device)
     negatives = out / "runs" / "negatives.run"
     if not negatives.is_file():
         negatives.parent.mkdir(parents=True, exist_ok=True)
@@ -164,9 +207,10 @@ def run_unjudged(args: argparse.Namespace) -> dict:
 
     held_out_qrels = read_qrels(split / "qrels-dev.txt")
     choice = choice_corpus(pairs / "corpus.tsv", held_out_qrels, out / "choice" / "corpus.tsv", args.seed)
-    values = held_out_values(choice, out / "choice", model, held_out_qrels, held_out, args.device)
-    chosen = max(values, key=lambda label: round(values[label], 10))  # a tie keeps the earlier: packaged first
-    print(f"chosen on {len(held_out)} held-out pairs (dense {MEASURE}): {chosen} ("
+    by_pair = held_out_values(choice, out / "choice", model, held_out_qrels, held_out, args.device)
+    values = {label: statistics.fmean(found.values()) for label, found in by_pair.items()}
+    chosen, reason = chosen_model(by_pair, args.seed)
+    print(f"chosen on {len(held_out)} held-out pairs (dense {MEASURE}): {chosen}, as {reason} ("
           + ", ".join(f"{label} {value:.4f}" for label, value in values.items()) + ")", file=sys.stderr)
     indexes, stage = {DEFAULT: index}, DEFAULT
     if chosen != PACKAGED:
@@ -196,7 +240,7 @@ def run_unjudged(args: argparse.Namespace) -> dict:
                             "better": difference.better, "worse": difference.worse, "queries": len(lists["packaged"])}
     summary = {"pairs": {"train": len(training), "held_out": len(held_out), "choice_passages":
                          len(choice.read_text(encoding="utf-8").splitlines())},
-               "held_out_ndcg@10": values, "chosen": chosen, "index": str(served.resolve()),
+               "held_out_ndcg@10": values, "chosen": chosen, "why": reason, "index": str(served.resolve()),
                "first_stage": {"setting": setting.name, "env": setting.env(), "why": why},
                "serve": Pipeline(first_stage=stage).settings(indexes, setting.env()), "reported": report}
     write_json(out / SUMMARY_FILE, summary)
