@@ -40,12 +40,13 @@ FILTERS = [None, {"year": {"$gte": 2003}}, {"tags": "even"}]
 
 
 def write_some(writes: Writes, start: int) -> None:
-    """Upserts new passages and one replacing a generation's passage, then deletes one of each kind."""
+    """Upserts new passages and one replacing a generation's passage, then deletes one of each kind. Each call's
+    texts are its own: two passages of one text tie, and a tie may come back in either order."""
     texts = demo_texts()
     writes.upsert([record(f"new-{start + i}", texts[BASE + start + i][1], start + i) for i in range(6)])
-    writes.upsert([record(texts[start][0], "a replaced passage about sorting a list in place", 3)])
+    writes.upsert([record(texts[start][0], f"a replaced passage about sorting list {start} in place", 3)])
     writes.delete(ids=[texts[start + 1][0], f"new-{start}"])
-    writes.upsert([record(f"new-{start + 1}", "written twice: reading a file line by line", 5)])
+    writes.upsert([record(f"new-{start + 1}", f"written twice: reading file {start} line by line", 5)])
 
 
 def answers(searcher: Searcher) -> dict:
@@ -85,7 +86,7 @@ def test_a_seal_links_the_rows_files_holds_the_writes_and_answers_as_the_writer_
     replica = Searcher(index, encoder, CPU)
     assert replica.count == count and replica.segment.seq == 4
     assert_same_answers(before, answers(replica))
-    assert replica.passage("new-1").text == "written twice: reading a file line by line"
+    assert replica.passage("new-1").text == "written twice: reading file 0 line by line"
     assert replica.passage("new-0") is None and replica.passage(demo_texts()[1][0]) is None
 
 
@@ -207,7 +208,7 @@ def test_a_structure_added_to_a_sealed_generation_keeps_its_writes(writes, encod
     assert {record.kind for record in manifest.candidates} == {"int8", "binary"}
     replica = Searcher(index, encoder, CPU)
     assert_same_answers(before, answers(replica))
-    found = replica.search("written twice: reading a file line by line", 1, mode="dense", structure="binary")
+    found = replica.search("written twice: reading file 0 line by line", 1, mode="dense", structure="binary")
     assert found[0].id == "new-1"
 
 
