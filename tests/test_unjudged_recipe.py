@@ -150,6 +150,8 @@ def test_questions_for_no_passage_exit_2(tmp_path, capsys, small_corpus):
 @pytest.mark.parametrize("flags, message", [
     (("--qrels", "QRELS"), "--queries and --qrels go together (with --unjudged, they report and never choose)"),
     (("--biencoder-steps", "0"), "--biencoder-steps must be >= 1 with no judgements (it is what adapts), got 0"),
+    (("--pairs", "questions", "--questions", "0"),
+     "--questions must be at least 1 (passages drawn to get a question), got 0"),
 ])
 def test_a_bad_unjudged_setting_exits_2_naming_it(tmp_path, capsys, flags, message):
     corpus = tmp_path / "corpus.tsv"

@@ -173,6 +173,8 @@ def run_unjudged(args: argparse.Namespace) -> dict:
     if args.biencoder_steps < 1:
         raise RecipeError(f"--biencoder-steps must be >= 1 with no judgements (it is what adapts), got "
                           f"{args.biencoder_steps}")
+    if args.pairs == QUESTIONS and args.questions < 1:
+        raise RecipeError(f"--questions must be at least 1 (passages drawn to get a question), got {args.questions}")
     for flag in ("corpus", "queries", "qrels"):
         if getattr(args, flag) is not None and not getattr(args, flag).is_file():
             raise RecipeError(f"--{flag} {getattr(args, flag)}: no such file")
