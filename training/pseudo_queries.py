@@ -131,7 +131,7 @@ def write_generated_queries(corpus: Path, out: Path, generator: Path, passages: 
 
     model = GenerativeReranker(generator, device=device)
     ids = sorted(texts)
-    chosen = [ids[i] for i in sorted(np.random.default_rng(seed).choice(len(ids), size=passages, replace=False))]
+    chosen = drawn(ids, passages, seed)
     queries, qrels, skipped = [], [], 0
     with tqdm(total=len(chosen), desc="generating", unit=" passages") as bar:
         for start in range(0, len(chosen), batch_size):
@@ -150,6 +150,11 @@ def write_generated_queries(corpus: Path, out: Path, generator: Path, passages: 
         raise InputFileError(f"{generator}: no generated query of {min_words} words or more")
     write_files(out, {"queries.tsv": queries, "qrels.txt": qrels})
     return len(queries), skipped
+
+
+def drawn(ids: list[str], passages: int, seed: int) -> list[str]:
+    """`passages` of `ids` (sorted) drawn at random, seeded, in their order."""
+    return [ids[i] for i in sorted(np.random.default_rng(seed).choice(len(ids), size=passages, replace=False))]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -17,11 +17,10 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 from tqdm import tqdm
 
 from retrieval.readers import InputFileError, read_passages
-from training.pseudo_queries import write_files
+from training.pseudo_queries import drawn, write_files
 
 PREFIX = "q:"
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -93,7 +92,7 @@ def write_questions(corpus: Path, out: Path, passages: int | None = None, *, min
     if passages is not None and passages < 1:
         raise InputFileError(f"--passages must be at least 1, got {passages}")
     if passages is not None and passages < len(ids):
-        ids = [ids[i] for i in sorted(np.random.default_rng(seed).choice(len(ids), size=passages, replace=False))]
+        ids = drawn(ids, passages, seed)
     written = Writer().questions([texts[pid] for pid in ids])
     kept = [(pid, question) for pid, question in zip(ids, written) if len(question.split()) >= min_words]
     if not kept:
