@@ -1,6 +1,6 @@
 """`python -m training.recipe --corpus C --out DIR` with no judgements (training.unjudged), on the demo's first 300
-passages: pairs cut from the corpus, split by passage, the bi-encoder trained on one side and chosen on the
-other, and served; judged queries, where a user has some, only report."""
+passages: pairs cut from the corpus, split by passage, the bi-encoder and the reranker trained on one side and
+chosen on the other, and served; judged queries, where a user has some, only report."""
 
 from __future__ import annotations
 
@@ -18,8 +18,16 @@ from retrieval.readers import read_qrels, read_queries
 from tests.conftest import DEMO, head
 from tests.test_training_recipe import QUERIES, own_collection
 from training import first_stage as tuning
+from models.reranker import load_reranker
+from service.engine.search_engine import SearchEngine
+from service.http.routes.search import answer
+from service.http.schemas import SearchRequest
+from training.pipeline import Pipeline
 from training.recipe import main
-from training.unjudged import PACKAGED, ROUND_TRIP_K, candidates, make_questions, searcher
+from training.reranking import Part, reranker_scores
+from training.served import ranked_run, served_settings
+from training.trainer import STATE_FILE, checkpoints
+from training.unjudged import PACKAGED, RERANKED, ROUND_TRIP_K, candidates, make_questions, searcher
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -33,7 +41,9 @@ def unjudged(tmp_path_factory, small_corpus, small_index) -> Path:
     done = subprocess.run([sys.executable, "-m", "training.recipe", "--unjudged", "--corpus", str(small_corpus),
                            "--index", str(small_index), "--queries", str(folder / "queries.tsv"),
                            "--qrels", str(folder / "qrels.txt"), "--out", str(folder / "out"),
-                           "--pairs", "crops", "--tune-first-stage", "--biencoder-steps", "2", "--device", "cpu"],
+                           "--pairs", "crops", "--tune-first-stage", "--biencoder-steps", "2", "--steps", "2",
+                           "--save-every", "1", "--depths", "2", "4", "--weights", "0", "1", "--max-tokens", "96",
+                           "--device", "cpu"],
                           cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     (folder / "out" / "stdout.txt").write_text(done.stdout)
@@ -106,6 +116,39 @@ def test_the_first_stage_is_tuned_on_the_held_out_pairs_and_served_so(unjudged):
         assert {name: settings[name] for name in setting.env()} == setting.env()
 
 
+def test_the_reranker_trained_on_the_pairs_is_served_where_its_gain_on_the_held_out_pairs_is_real(unjudged):
+    summary = json.loads((unjudged / "unjudged.json").read_text())
+    setting = tuning.Setting.from_env(summary["first_stage"]["env"])
+    stage = summary["reranker"]["first_stage"]
+    split = unjudged / "split"
+    held_out, queries = read_qrels(split / "qrels-dev.txt"), read_queries(split / "queries-dev.tsv")
+    part = Part(queries, held_out, {stage: retrieve(searcher(Path(summary["index"]), "cpu", setting), queries, 10)})
+    alone = part.scored(Pipeline(first_stage=stage), None)
+    saved = checkpoints(unjudged / "model")
+    assert [json.loads((path / STATE_FILE).read_text())["step"] for path in saved] == [1, 2]  # --save-every 1
+    # Every checkpoint at every depth and weight, in that order; the first best is the candidate.
+    rows = []
+    for checkpoint in saved:
+        scores = reranker_scores(load_reranker(checkpoint, device="cpu", backend="torch"), part, stage, 4, "test")
+        rows += [(Pipeline(checkpoint, "torch", depth, weight, stage), part.scored(
+            Pipeline(checkpoint, "torch", depth, weight, stage), scores)) for depth in (2, 4) for weight in (0, 1)]
+    assert summary["reranker"]["held_out_ndcg@10"] == pytest.approx(
+        {Pipeline(first_stage=stage).name: statistics.fmean(alone.values()),
+         **{pipeline.name: statistics.fmean(values.values()) for pipeline, values in rows}}, abs=1e-9)
+    pipeline, values = max(rows, key=lambda row: round(statistics.fmean(row[1].values()), 10))
+    better = round(statistics.fmean(values.values()), 10) > round(statistics.fmean(alone.values()), 10)
+    served_reranker = better and paired_bootstrap(alone, values, seed=13).real
+    settings = served(unjudged)
+    if served_reranker:
+        assert {name: summary["reranker"][name] for name in pipeline.as_json()} == pipeline.as_json()
+        assert json.loads(settings["SEARCH_RERANKERS"]) == [str(pipeline.checkpoint.resolve())]
+        assert settings["SEARCH_RERANK_DEPTH"] == str(pipeline.depth)
+    else:
+        assert summary["reranker"]["checkpoint"] is None and settings["SEARCH_RERANKERS"] == "[]"
+        assert summary["reranker"]["why"].startswith(
+            f"{pipeline.name}'s gain" if better else "no reranked pipeline beats")
+
+
 def test_judged_queries_only_report_the_packaged_and_the_served_pipeline(unjudged):
     summary = json.loads((unjudged / "unjudged.json").read_text())
     judged, queries = read_qrels(unjudged.parent / "qrels.txt"), read_queries(unjudged.parent / "queries.tsv")
@@ -114,7 +157,15 @@ def test_judged_queries_only_report_the_packaged_and_the_served_pipeline(unjudge
     row = summary["reported"]["hybrid (default)"]
     assert row["chosen"] == pytest.approx(statistics.fmean(chosen.values()), abs=1e-9)
     assert row["queries"] == QUERIES and row["low"] <= row["difference"] <= row["high"]
-    assert set(summary["reported"]) == {"hybrid (default)", "dense"}
+    served_reranker = summary["reranker"]["checkpoint"] is not None
+    assert set(summary["reported"]) == {"hybrid (default)", "dense", *([RERANKED] if served_reranker else [])}
+    if served_reranker:  # the service's own answers under serve.env, against the packaged default
+        engine_settings = served_settings(served(unjudged), "cpu")
+        engine = SearchEngine.served(engine_settings)
+        answers = {qid: answer(engine_settings, engine, SearchRequest.model_validate(
+            {"query": text, "k": 100, "rerank": True})).hits for qid, text in queries.items()}
+        reranked = per_query(judged, ranked_run(answers))
+        assert summary["reported"][RERANKED]["chosen"] == pytest.approx(statistics.fmean(reranked.values()), abs=1e-9)
     stdout = (unjudged / "stdout.txt").read_text()
     assert f"on {QUERIES} judged queries (report only)" in stdout and "unjudged recipe: " in stdout
     # No judged query was trained on or chose: the pairs are the corpus's own.
@@ -149,7 +200,11 @@ def test_questions_for_no_passage_exit_2(tmp_path, capsys, small_corpus):
 
 @pytest.mark.parametrize("flags, message", [
     (("--qrels", "QRELS"), "--queries and --qrels go together (with --unjudged, they report and never choose)"),
-    (("--biencoder-steps", "0"), "--biencoder-steps must be >= 1 with no judgements (it is what adapts), got 0"),
+    (("--biencoder-steps", "0", "--steps", "0"),
+     "--biencoder-steps 0 and --steps 0 leave nothing to adapt: give either steps"),
+    (("--steps", "-1"), "--biencoder-steps and --steps must be >= 0 and --save-every >= 1, got 200, -1 and 100"),
+    (("--depths", "0"), "--depths must be from 1 to 1000, got [0]"),
+    (("--weights", "-1"), "--weights must be from 0 to 100, got [-1.0]"),
     (("--pairs", "questions", "--questions", "0"),
      "--questions must be at least 1 (passages drawn to get a question), got 0"),
 ])

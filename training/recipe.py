@@ -60,19 +60,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, NamedTuple, Sequence
 
-from tqdm import tqdm
-
 from models.backends import BACKENDS
 from models.checkpoint import resolve_device
 from models.reranker import Reranker, load_reranker
 from retrieval.evaluation import Difference, as_run, mode_name, paired_bootstrap, per_query, retrieve
 from retrieval.index_format import read_manifest
 from retrieval.load_options import LoadOptions
-from retrieval.readers import InputFileError, Qrels, read_qrels, read_queries, write_run
-from retrieval.rerank import reranked_list
+from retrieval.readers import InputFileError, read_qrels, read_queries, write_run
 from retrieval.searcher import Hit, Searcher, encoder_for
 from training import first_stage as tuning
-from training import train_biencoder, train_cross_encoder
+from training import train_biencoder
 from training.data import TrainingDataError
 from training.pipeline import (
     BIENCODER,
@@ -89,33 +86,13 @@ from training.pipeline import (
     env_file,
     write_json,
 )
-from training.served import ranked_run, served_answers, write_answers
+from training.reranking import Part, reranker_scores, train_reranker
+from training.served import ANSWER_K, ranked_run, served_answers, write_answers
 from training.split import SPLITS, WITHHELD_FILE, read_withheld, write_split
 from training.trainer import checkpoints
 from training.unjudged import QUESTION_PASSAGES, run_unjudged
 
-ANSWER_K = 100  # the k each held-out query asks the service for: deeper than any rerank depth, as users ask
-PRIOR_WEIGHT = 0.5  # the first stage's weight in the residual training (scripts/scifact.sh's)
 SUMMARY_FILE = "recipe.json"
-
-
-@dataclass
-class Part:
-    """One part of the split: its queries, their judgements and each query's list by each first stage."""
-
-    queries: dict[str, str]
-    qrels: Qrels
-    lists: dict[str, dict[str, list[Hit]]]  # first stage -> query -> its list
-
-    def scored(self, pipeline: Pipeline, scores: Mapping[str, Sequence[float]] | None) -> dict[str, float]:
-        """Each query's nDCG@10 under `pipeline`; `scores`: its reranker's scores of each list's head."""
-        lists = self.lists[pipeline.first_stage]
-        if pipeline.checkpoint is None:
-            run = as_run({qid: hits[:K] for qid, hits in lists.items()})
-        else:
-            run = {qid: reranked_list(hits, scores[qid][:pipeline.depth], K, pipeline.weight)
-                   for qid, hits in lists.items()}
-        return per_query(self.qrels, run, MEASURE)
 
 
 @dataclass
@@ -135,12 +112,6 @@ class Reported(NamedTuple):
     row: Row
     difference: Difference  # from the default retrieval
     values: dict[str, float]  # per held-out query
-
-
-def reranker_scores(reranker: Reranker, part: Part, stage: str, depth: int, label: str) -> dict[str, list[float]]:
-    """`reranker`'s score of the top `depth` of each of `stage`'s lists (one pass serves every smaller depth)."""
-    return {qid: [float(s) for s in reranker.score(part.queries[qid], [hit.text for hit in hits[:depth]])]
-            for qid, hits in tqdm(part.lists[stage].items(), desc=label, unit=" queries")}
 
 
 def timed_ms(searchers: Mapping[str, Searcher], stage: str, rerankers: Mapping[str, Reranker], part: Part,
@@ -438,23 +409,12 @@ def _withhold(args: argparse.Namespace, inner: Path) -> list[str]:
 
 
 def _train(args: argparse.Namespace, fit: Part, inner: Path, first_stage: str, stage: str) -> list[Path]:
-    """The residual monoBERT trained (or its interrupted training resumed) on `fit`'s lists by `stage`, from
-    `--init-reranker` where given; its checkpoints."""
-    (args.out / "runs").mkdir(exist_ok=True)
-    prior = args.out / "runs" / "train.run"
-    write_run(prior, as_run(fit.lists[stage]), tag=first_stage)
-    model = args.out / "model"
-    trained = train_cross_encoder.main([
-        "--corpus", str(args.corpus), "--queries", str(inner / "queries-train.tsv"),
-        "--qrels", str(inner / "qrels-train.txt"), "--objective", "residual", "--prior-run", str(prior),
-        "--prior-weight", str(PRIOR_WEIGHT), "--negatives", "3", "--batch-size", "4", "--lr", "3e-5",
-        "--max-steps", str(args.steps), "--max-tokens", str(args.max_tokens), "--save-every", str(args.save_every),
-        "--keep-checkpoints", "0", "--seed", str(args.seed), "--device", args.device, "--resume",
-        *(["--init", str(args.init_reranker)] if args.init_reranker else []), *_withhold(args, inner),
-        "--output", str(model)])
-    if trained:
-        raise RecipeError(f"training the reranker into {model} failed (exit {trained})")
-    return checkpoints(model)
+    """The residual monoBERT trained on `fit`'s lists by `stage` (training.reranking), from `--init-reranker`
+    where given; its checkpoints."""
+    return train_reranker(args.corpus, inner / "queries-train.tsv", inner / "qrels-train.txt", fit.lists[stage],
+                          args.out, tag=first_stage, steps=args.steps, save_every=args.save_every,
+                          max_tokens=args.max_tokens, seed=args.seed, device=args.device, init=args.init_reranker,
+                          withhold=_withhold(args, inner))
 
 
 def _validation_rows(args: argparse.Namespace, searchers: Mapping[str, Searcher], stage: str, saved: Sequence[Path],
@@ -583,7 +543,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--validation-share", type=float, default=0.2,
                         help="share of the rest that chooses the pipeline (default 0.2)")
     parser.add_argument("--seed", type=int, default=13, help="seed of the splits, the training and the bootstrap")
-    parser.add_argument("--steps", type=int, default=300, help="training steps of 4 queries (default 300)")
+    parser.add_argument("--steps", type=int, default=300, help="the monoBERT's training steps of 4 queries (default 300; with "
+                        "--unjudged, 0: no reranker)")
     parser.add_argument("--save-every", type=int, default=100, help="steps between the checkpoints compared (100)")
     parser.add_argument("--biencoder-steps", type=int, default=200,
                         help="steps of 16 queries fine-tuning the bi-encoder into a second first stage (default "
@@ -603,7 +564,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--weights", type=float, nargs="+", default=[0, 0.5, 1, 2, 3, 5],
                         help="first-stage weights in the blend compared (0: the reranker alone)")
     parser.add_argument("--backends", nargs="+", choices=BACKENDS, default=["torch", "onnx-int8"],
-                        help="the reranker's backends compared (default torch onnx-int8)")
+                        help="the reranker's backends compared (default torch onnx-int8; with --unjudged, torch "
+                             "alone)")
     parser.add_argument("--budget-ms", type=float, default=150.0, help="ms/query of the fast pipeline (150)")
     parser.add_argument("--timing-queries", type=int, default=50, help="validation queries timed (default 50)")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1 ...")

@@ -20,6 +20,8 @@ from service.http.routes.search import answer
 from service.http.schemas import SearchRequest
 from service.settings import ServiceSettings
 
+ANSWER_K = 100  # the k each held-out query asks the service for: deeper than any rerank depth, as users ask
+
 
 @contextmanager
 def _environment(values: Mapping[str, str]) -> Iterator[None]:
