@@ -2,7 +2,8 @@
 packaged one on judged queries that no step reads:
 
     python bench/unjudged.py --collection scifact|cranfield|cisi [--source titles|both|crops|questions]
-        [--questions 1000] [--steps 200] [--reranker-steps 300] [--tune-first-stage] [--work DIR] [--cisi DIR]
+        [--questions 1000] [--steps 200] [--reranker-steps 300] [--save-every 100] [--tune-first-stage]
+        [--work DIR] [--cisi DIR]
 
 Runs the unjudged recipe (training.unjudged: pairs cut from the corpus, split by passage, the bi-encoder trained
 `--steps` on one side, the checkpoint chosen, the packaged model among them, on the held-out side; then the
@@ -143,6 +144,7 @@ def main() -> None:
                         "drawn to get one")
     parser.add_argument("--steps", type=int, default=200, help="the bi-encoder's training steps (0: none)")
     parser.add_argument("--reranker-steps", type=int, default=300, help="the monoBERT's training steps (0: none)")
+    parser.add_argument("--save-every", type=int, default=100, help="the monoBERT's steps between checkpoints")
     parser.add_argument("--tune-first-stage", action="store_true", help="tune the first stage on held-out pairs")
     parser.add_argument("--work", type=Path, default=ROOT / "runs" / "unjudged")
     parser.add_argument("--cisi", type=Path, default=DATA / "cisi", help="the folder of CISI.ALL, CISI.QRY, CISI.REL")
@@ -158,8 +160,8 @@ def main() -> None:
     summary = run_unjudged(argparse.Namespace(
         corpus=files["corpus"], out=out / "recipe", pairs=args.source, index=default_index, seed=13,
         biencoder_steps=args.steps, device="cpu", questions=args.questions, queries=files["queries"],
-        qrels=files["qrels"], tune_first_stage=args.tune_first_stage, steps=args.reranker_steps, save_every=100,
-        max_tokens=256, depths=DEPTHS, weights=WEIGHTS, init_reranker=None))
+        qrels=files["qrels"], tune_first_stage=args.tune_first_stage, steps=args.reranker_steps,
+        save_every=args.save_every, max_tokens=256, depths=DEPTHS, weights=WEIGHTS, init_reranker=None))
     recipe_minutes = (time.monotonic() - started) / 60
     judged, queries = read_qrels(files["qrels"]), read_queries(files["queries"])
     rows = {}
