@@ -41,11 +41,11 @@ import sys
 import time
 from pathlib import Path
 
+from models.reranker import load_reranker
 from retrieval.evaluation import Difference, as_run, paired_bootstrap, per_query, retrieve
 from retrieval.index_format import read_manifest
 from retrieval.load_options import LoadOptions
 from retrieval.readers import Qrels, read_qrels, read_queries, write_run
-from models.reranker import load_reranker
 from retrieval.searcher import Searcher, encoder_for
 from training import first_stage as tuning
 from training import pseudo_queries, questions, train_biencoder
