@@ -33,18 +33,18 @@ from retrieval.evaluation import as_run, paired_bootstrap, per_query, retrieve  
 from retrieval.readers import read_qrels, read_queries  # noqa: E402
 from training.split import write_split  # noqa: E402
 from training import first_stage as tuning  # noqa: E402
-from models.reranker import load_reranker  # noqa: E402
 from training.pipeline import Pipeline  # noqa: E402
-from training.reranking import Part, reranker_scores  # noqa: E402
+from training.reranking import Part, reranked_values  # noqa: E402
 from training.trainer import checkpoints  # noqa: E402
 from training.served import served_settings  # noqa: E402
 from service.engine.search_engine import SearchEngine  # noqa: E402
 from service.http.routes.search import answer  # noqa: E402
 from service.http.schemas import SearchRequest  # noqa: E402
+from training.recipe import build_parser  # noqa: E402
 from training.unjudged import (  # noqa: E402
     MODES, PACKAGED, PAIRS, QUESTION_PASSAGES, QUESTIONS, candidates, run_unjudged, searcher)
 
-DEPTHS, WEIGHTS = [4, 10, 20], [0, 0.5, 1, 2, 3, 5]  # the recipe's defaults
+DEPTHS, WEIGHTS = build_parser().get_default("depths"), build_parser().get_default("weights")  # the recipe's own
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT.parent / "shared" / "data"
@@ -100,11 +100,8 @@ def reranker_rows(summary: dict, recipe: Path, judged: dict, queries: dict[str, 
                                                   max(max(DEPTHS), 10))})
     on_pairs = summary["reranker"]["held_out_ndcg@10"]
     on_judged = {Pipeline(first_stage=stage).name: part.scored(Pipeline(first_stage=stage), None)}
-    for checkpoint in checkpoints(recipe / "model"):
-        scores = reranker_scores(load_reranker(checkpoint, device="cpu", backend="torch"), part, stage, max(DEPTHS),
-                                 f"judged queries, {checkpoint.name}")
-        for pipeline in (Pipeline(checkpoint, "torch", d, w, stage) for d in DEPTHS for w in WEIGHTS):
-            on_judged[pipeline.name] = part.scored(pipeline, scores)
+    on_judged |= {pipeline.name: values for pipeline, values in reranked_values(
+        part, stage, checkpoints(recipe / "model"), DEPTHS, WEIGHTS, "cpu", "judged queries")}
     means = {name: statistics.fmean(values.values()) for name, values in on_judged.items()}
     best_pairs = max(on_pairs, key=lambda name: round(on_pairs[name], 10))
     best_judged = max(means, key=lambda name: round(means[name], 10))

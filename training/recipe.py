@@ -543,8 +543,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--validation-share", type=float, default=0.2,
                         help="share of the rest that chooses the pipeline (default 0.2)")
     parser.add_argument("--seed", type=int, default=13, help="seed of the splits, the training and the bootstrap")
-    parser.add_argument("--steps", type=int, default=300, help="the monoBERT's training steps of 4 queries (default 300; with "
-                        "--unjudged, 0: no reranker)")
+    parser.add_argument("--steps", type=int, default=300,
+                        help="the monoBERT's training steps of 4 queries (default 300; with --unjudged, 0: no "
+                             "reranker)")
     parser.add_argument("--save-every", type=int, default=100, help="steps between the checkpoints compared (100)")
     parser.add_argument("--biencoder-steps", type=int, default=200,
                         help="steps of 16 queries fine-tuning the bi-encoder into a second first stage (default "

@@ -1,6 +1,6 @@
 """The residual monoBERT as both recipes train it and read it: a part of the queries with each first stage's
-lists (`Part`), the monoBERT trained on one first stage's lists of a part (`train_reranker`) and a reranker's
-scores of each list's head (`reranker_scores`)."""
+lists (`Part`), the monoBERT trained on one first stage's lists of a part (`train_reranker`), a reranker's
+scores of each list's head (`reranker_scores`) and each checkpoint's reranked lists read (`reranked_values`)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Mapping, Sequence
 
 from tqdm import tqdm
 
-from models.reranker import Reranker
+from models.reranker import Reranker, load_reranker
 from retrieval.evaluation import as_run, per_query
 from retrieval.readers import Qrels, write_run
 from retrieval.rerank import reranked_list
@@ -46,6 +46,19 @@ def reranker_scores(reranker: Reranker, part: Part, stage: str, depth: int, labe
     """`reranker`'s score of the top `depth` of each of `stage`'s lists (one pass serves every smaller depth)."""
     return {qid: [float(s) for s in reranker.score(part.queries[qid], [hit.text for hit in hits[:depth]])]
             for qid, hits in tqdm(part.lists[stage].items(), desc=label, unit=" queries")}
+
+
+def reranked_values(part: Part, stage: str, saved: Sequence[Path], depths: Sequence[int], weights: Sequence[float],
+                    device: str, label: str) -> list[tuple[Pipeline, dict[str, float]]]:
+    """Each checkpoint in `saved` at each depth and weight over `stage`'s lists of `part` (torch), in that order,
+    with each query's nDCG@10 under it."""
+    rows = []
+    for checkpoint in saved:
+        scores = reranker_scores(load_reranker(checkpoint, device=device, backend="torch"), part, stage, max(depths),
+                                 f"{label}, {checkpoint.name}")
+        rows += [(pipeline, part.scored(pipeline, scores)) for pipeline in
+                 (Pipeline(checkpoint, "torch", depth, weight, stage) for depth in depths for weight in weights)]
+    return rows
 
 
 def train_reranker(corpus: Path, queries: Path, qrels: Path, lists: Mapping[str, list[Hit]], out: Path, *, tag: str,

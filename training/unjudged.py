@@ -41,7 +41,6 @@ import sys
 import time
 from pathlib import Path
 
-from models.reranker import load_reranker
 from retrieval.evaluation import Difference, as_run, paired_bootstrap, per_query, retrieve
 from retrieval.index_format import read_manifest
 from retrieval.load_options import LoadOptions
@@ -63,7 +62,7 @@ from training.pipeline import (
     env_file,
     write_json,
 )
-from training.reranking import Part, reranker_scores, train_reranker
+from training.reranking import Part, reranked_values, train_reranker
 from training.served import ANSWER_K, ranked_run, served_answers
 from training.split import write_split
 from training.trainer import STATE_FILE, checkpoints
@@ -184,14 +183,10 @@ def chosen_reranker(held_out: Part, stage: str, saved: list[Path], depths: list[
     alone = held_out.scored(Pipeline(first_stage=stage), None)
     best, best_values = Pipeline(first_stage=stage), alone
     means = {best.name: statistics.fmean(alone.values())}
-    for checkpoint in saved:
-        reranker = load_reranker(checkpoint, device=device, backend="torch")
-        scores = reranker_scores(reranker, held_out, stage, max(depths), f"held-out pairs, {checkpoint.name}")
-        for pipeline in (Pipeline(checkpoint, "torch", depth, weight, stage) for depth in depths for weight in weights):
-            values = held_out.scored(pipeline, scores)
-            means[pipeline.name] = statistics.fmean(values.values())
-            if round(means[pipeline.name], 10) > round(statistics.fmean(best_values.values()), 10):
-                best, best_values = pipeline, values
+    for pipeline, values in reranked_values(held_out, stage, saved, depths, weights, device, "held-out pairs"):
+        means[pipeline.name] = statistics.fmean(values.values())
+        if round(means[pipeline.name], 10) > round(statistics.fmean(best_values.values()), 10):
+            best, best_values = pipeline, values
     if best.checkpoint is None:
         return best, "no reranked pipeline beats the first stage alone", means
     gain = paired_bootstrap(alone, best_values, seed=seed)
@@ -273,11 +268,11 @@ def run_unjudged(args: argparse.Namespace) -> dict:
     if setting != tuning.DEFAULT:
         indexes[TUNED], stage = served, TUNED
     tuned = setting.env() if stage == TUNED else {}
+    first = searcher(served, args.device, setting)
     pipeline, why_reranked, reranked_means = Pipeline(first_stage=stage), "no reranker trained (--steps 0)", {}
     if args.steps:
-        pipeline, why_reranked, reranked_means = reranked(
-            args, pairs, split, searcher(served, args.device, setting), stage, depths, weights, held_out,
-            held_out_qrels)
+        pipeline, why_reranked, reranked_means = reranked(args, pairs, split, first, stage, depths, weights, held_out,
+                                                          held_out_qrels)
     env_file(out / "serve.env", pipeline, indexes, tuned,
              f"serve: the {chosen} bi-encoder's index, {setting.name}, "
              f"{'reranked by ' + pipeline.name if pipeline.checkpoint else 'not reranked'}; chosen on held-out pairs "
@@ -286,7 +281,7 @@ def run_unjudged(args: argparse.Namespace) -> dict:
     report = {}
     if args.qrels is not None:
         judged, queries = read_qrels(args.qrels), read_queries(args.queries)
-        compared = {"packaged": searcher(index, args.device), "chosen": searcher(served, args.device, setting)}
+        compared = {"packaged": searcher(index, args.device), "chosen": first}
         lists = {mode: {name: per_query(judged, as_run(retrieve(loaded, queries, K, **options)))
                         for name, loaded in compared.items()} for mode, options in MODES.items()}
         if pipeline.checkpoint is not None:
